@@ -1,0 +1,236 @@
+"""Packed, sequence-parallel-aware, exactly resumable data loader.
+
+Documents (mixed from sources by weight) are tokenized and packed into *global* sequences of
+sp_size*seq_len + 1 tokens. Consecutive global sequences overlap by one token, so every token is a
+target exactly once. SP rank p returns the slice [p*seq_len, (p+1)*seq_len) of inputs (tokens[:-1])
+and of targets (tokens[1:]). The stream depends on (seed, dp_rank, dp_size) only, never on sp_size:
+SP ranks of one group compute the same global sequences independently.
+"""
+from __future__ import annotations
+
+import queue
+import random
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from lingua_zeco.data.sources import DocumentSource, resolve_sources
+from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
+
+STATE_VERSION = 1
+
+
+@dataclass
+class DataArgs:
+    root_dir: str | None = None  # folder with data files
+    # subfolder (or file) name -> sampling weight; empty + root_dir None => built-in corpus;
+    # empty + root_dir set => every data file under root_dir as one source
+    sources: dict[str, float] = field(default_factory=dict)
+    seq_len: int = 2048  # tokens per GPU (per SP rank)
+    batch_size: int = 1  # sequences per data-parallel rank
+    tokenizer: TokenizerArgs = field(default_factory=TokenizerArgs)
+    varlen: bool = False  # also yield cu_seqlens of the packed documents (needs batch_size == 1)
+    on_bad_line: str = "skip"  # "skip" (count them) | "error"
+    add_bos: bool = True
+    add_eos: bool = True
+    text_key: str = "text"  # jsonl field / parquet column holding the document text
+    shuffle_files: bool = True  # seeded per-epoch file order within each source
+    prefetch: int = 2  # batches prepared ahead on a background thread (0 = build batches inline)
+
+
+class _Packer:
+    """Single-threaded core: mix documents, tokenize, pack, slice. Owns all resumable state."""
+
+    def __init__(self, args: DataArgs, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int, seed: int):
+        self.args, self.seed = args, seed
+        self.dp_rank, self.dp_size, self.sp_rank, self.sp_size = dp_rank, dp_size, sp_rank, sp_size
+        self.tokenizer = build_tokenizer(args.tokenizer)
+        self.stats = {"bad_lines": 0, "documents": 0, "sequences": 0}
+        files = resolve_sources(args.root_dir, args.sources)
+        weights = args.sources or {name: 1.0 for name in files}
+        self.names = sorted(files)
+        total = float(sum(weights[n] for n in self.names))
+        self.cum_weights, acc = [], 0.0
+        for n in self.names:
+            acc += weights[n] / total
+            self.cum_weights.append(acc)
+        self.sources = {
+            n: DocumentSource(n, files[n], dp_rank=dp_rank, dp_size=dp_size, seed=seed,
+                              text_key=args.text_key, shuffle_files=args.shuffle_files,
+                              on_bad_line=args.on_bad_line, stats=self.stats)
+            for n in self.names
+        }
+        self.doc_count = 0  # documents drawn by this DP rank: indexes the stateless source choice
+        self.buffer: list[int] = []  # tokens not yet emitted (starts with the overlap token)
+        self.starts: list[int] = []  # buffer positions where a document begins
+
+    def _pick_source(self) -> str:
+        if len(self.names) == 1:
+            return self.names[0]
+        # A fresh RNG per draw keyed by (seed, rank, draw): the state is just the counter.
+        u = random.Random(f"{self.seed}:{self.dp_rank}:{self.doc_count}").random()
+        for name, c in zip(self.names, self.cum_weights):
+            if u < c:
+                return name
+        return self.names[-1]
+
+    def _next_global(self) -> tuple[list[int], list[int]]:
+        n = self.sp_size * self.args.seq_len + 1
+        while len(self.buffer) < n:
+            text = self.sources[self._pick_source()].next_doc()
+            self.doc_count += 1
+            self.stats["documents"] += 1
+            self.starts.append(len(self.buffer))
+            self.buffer.extend(self.tokenizer.encode(text, add_bos=self.args.add_bos, add_eos=self.args.add_eos))
+        tokens, starts = self.buffer[:n], [s for s in self.starts if s < n - 1]
+        self.buffer = self.buffer[n - 1:]
+        self.starts = [s - (n - 1) for s in self.starts if s >= n - 1]
+        self.stats["sequences"] += 1
+        return tokens, starts
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        L, p = self.args.seq_len, self.sp_rank
+        inputs, labels, cu = [], [], None
+        for _ in range(self.args.batch_size):
+            tokens, starts = self._next_global()
+            inputs.append(tokens[p * L:(p + 1) * L])
+            labels.append(tokens[p * L + 1:(p + 1) * L + 1])
+            if self.args.varlen:
+                cu = [0] + [s for s in starts if s > 0] + [self.sp_size * L]
+        batch = {"input_ids": torch.tensor(inputs, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}
+        if cu is not None:
+            batch["cu_seqlens"] = torch.tensor(cu, dtype=torch.long)
+        return batch
+
+    def layout(self) -> dict:
+        return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "sp_size": self.sp_size,
+                "seq_len": self.args.seq_len, "seed": self.seed, "n_words": self.tokenizer.n_words}
+
+    def state_dict(self) -> dict:
+        return {
+            "version": STATE_VERSION, **self.layout(),
+            "doc_count": self.doc_count,
+            "buffer": torch.tensor(self.buffer, dtype=torch.long),
+            "starts": torch.tensor(self.starts, dtype=torch.long),
+            "sources": {n: s.state_dict() for n, s in self.sources.items()},
+            "stats": dict(self.stats),
+        }
+
+    def load_state_dict(self, sd: dict):
+        mine = self.layout()
+        diff = {k: (sd.get(k), v) for k, v in mine.items() if sd.get(k) != v}
+        if diff:
+            detail = ", ".join(f"{k}: saved {a} vs now {b}" for k, (a, b) in diff.items())
+            raise ValueError(
+                f"cannot resume the data loader: {detail}. Resuming with another data-parallel / "
+                f"sequence-parallel layout (dp_size, sp_size, seq_len, rank), seed or tokenizer is not "
+                f"supported because each DP rank's position in the data is its own. Resume with the "
+                f"saved layout, or start the data afresh (skip loading the data state; documents may repeat).")
+        if sorted(sd["sources"]) != self.names:
+            raise ValueError(f"cannot resume the data loader: saved sources {sorted(sd['sources'])} "
+                             f"differ from configured {self.names}")
+        self.doc_count = int(sd["doc_count"])
+        self.buffer = sd["buffer"].tolist()
+        self.starts = sd["starts"].tolist()
+        for n, s in self.sources.items():
+            s.load_state_dict(sd["sources"][n])
+        self.stats.clear()
+        self.stats.update(sd["stats"])
+
+
+def _produce(packer: _Packer, q: queue.Queue, stop: threading.Event):
+    """Background producer: each item carries the state *after* its batch, so resume stays exact."""
+    try:
+        while not stop.is_set():
+            item = ("ok", packer.next_batch(), packer.state_dict())
+            while not stop.is_set():
+                try:
+                    q.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    pass
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised in next()
+        while not stop.is_set():
+            try:
+                q.put(("error", e, None), timeout=0.1)
+                break
+            except queue.Full:
+                pass
+
+
+class PackedDataLoader:
+    """Iterator of batches; `state_dict()` describes the position after the last batch returned."""
+
+    def __init__(self, args: DataArgs, *, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int, seed: int):
+        if args.varlen and args.batch_size != 1:
+            raise ValueError("data.varlen=true needs data.batch_size=1 (cu_seqlens describe one packed sequence)")
+        if args.on_bad_line not in ("skip", "error"):
+            raise ValueError(f"data.on_bad_line={args.on_bad_line!r}: expected 'skip' or 'error'")
+        if not (0 <= dp_rank < dp_size and 0 <= sp_rank < sp_size) or args.seq_len < 1 or args.batch_size < 1:
+            raise ValueError(f"bad layout: dp_rank={dp_rank}/{dp_size} sp_rank={sp_rank}/{sp_size} "
+                             f"seq_len={args.seq_len} batch_size={args.batch_size}")
+        if any(w <= 0 for w in args.sources.values()):
+            raise ValueError(f"data.sources weights must be positive: {args.sources}")
+        self.args = args
+        self._packer = _Packer(args, dp_rank, dp_size, sp_rank, sp_size, seed)
+        self._thread = None
+        self._consumed_state = None  # prefetch mode: state after the last batch handed out
+
+    @property
+    def stats(self) -> dict:
+        if self._thread is not None and self._consumed_state is not None:
+            return dict(self._consumed_state["stats"])
+        return self._packer.stats
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.args.prefetch <= 0:
+            return self._packer.next_batch()
+        if self._thread is None:
+            self._consumed_state = self._packer.state_dict()
+            self._queue = queue.Queue(maxsize=self.args.prefetch)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=_produce, args=(self._packer, self._queue, self._stop),
+                                            daemon=True, name="data-prefetch")
+            self._thread.start()
+        status, batch, state = self._queue.get()
+        if status == "error":
+            self._halt()
+            raise batch
+        self._consumed_state = state
+        return batch
+
+    def _halt(self):
+        """Stop the producer; the packer is then ours again, rewound to the consumed position."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        if self._consumed_state is not None:
+            self._packer.load_state_dict(self._consumed_state)
+
+    def state_dict(self) -> dict:
+        if self._thread is not None:
+            return self._consumed_state
+        return self._packer.state_dict()
+
+    def load_state_dict(self, sd: dict):
+        self._halt()
+        self._consumed_state = None
+        self._packer.load_state_dict(sd)
+
+    def close(self):
+        self._halt()
+
+    def __del__(self):
+        if getattr(self, "_thread", None) is not None:
+            self._stop.set()
+
+
+def build_data_loader(args: DataArgs, *, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int,
+                      seed: int) -> PackedDataLoader:
+    return PackedDataLoader(args, dp_rank=dp_rank, dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size, seed=seed)
