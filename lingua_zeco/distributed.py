@@ -1,0 +1,186 @@
+"""Process groups, the (dp_replicate, dp_shard, sp) device mesh and FSDP2.
+
+Every run, even a plain `python -m ...` single process, gets a process group and a mesh, so the
+trainer has one code path. FSDP2 shards parameters over dp_shard x sp flattened: SP ranks hold the
+same parameters but see different tokens, so each computes a *partial* gradient and the SP ranks
+must take part in the gradient reduction exactly like data-parallel ranks do.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+logger = logging.getLogger(__name__)
+
+SP_METHODS = ("zeco", "lasp1", "lasp2", "none")
+
+
+@dataclass
+class DistributedArgs:
+    sp_size: int | str = 1  # ranks per sequence-parallel group; "auto" = every rank left after dp
+    sp_method: str = "zeco"  # zeco | lasp1 | lasp2 | none (none only with sp_size 1)
+    dp_shard: int = -1  # FSDP shard degree; -1 = whatever is left of the world
+    dp_replicate: int = 1  # HSDP replicas (full copies of the sharded model)
+    fsdp: bool = True  # False: replicate parameters and all-reduce gradients (debugging)
+    param_dtype: str = "bf16"  # FSDP compute dtype on GPU; CPU always runs fp32
+    reduce_dtype: str = "fp32"  # gradient reduction dtype on GPU
+    timeout_s: int = 600  # collective timeout: a stuck rank becomes an error, not a hang
+
+
+@dataclass
+class ParallelDims:
+    world: int
+    dp_replicate: int
+    dp_shard: int
+    sp: int
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
+    """Turn the config (with its "auto" and -1) into sizes, refusing impossible layouts loudly."""
+    if args.sp_method not in SP_METHODS:
+        raise ValueError(f"distributed.sp_method={args.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
+    if args.dp_replicate < 1 or world % args.dp_replicate:
+        raise ValueError(f"distributed.dp_replicate={args.dp_replicate} does not divide the world size {world}")
+    if args.sp_size == "auto":
+        shard = args.dp_shard if args.dp_shard > 0 else 1
+        sp = world // (args.dp_replicate * shard)
+    elif isinstance(args.sp_size, int) and args.sp_size >= 1:
+        sp = args.sp_size
+    else:
+        raise ValueError(f"distributed.sp_size={args.sp_size!r}; use a positive int or 'auto'")
+    if world % sp:
+        raise ValueError(f"distributed.sp_size={sp} does not divide the world size {world}")
+    if sp > 1 and args.sp_method == "none":
+        raise ValueError(f"distributed.sp_method=none cannot split a sequence over sp_size={sp} ranks; "
+                         "pick zeco, lasp1 or lasp2, or set sp_size=1")
+    rest = world // sp
+    if rest % args.dp_replicate:
+        raise ValueError(f"dp_replicate={args.dp_replicate} x sp_size={sp} does not divide the world size {world}")
+    shard = rest // args.dp_replicate if args.dp_shard < 0 else args.dp_shard
+    if args.dp_replicate * shard * sp != world:
+        raise ValueError(f"dp_replicate={args.dp_replicate} x dp_shard={shard} x sp_size={sp} "
+                         f"= {args.dp_replicate * shard * sp} != world size {world}")
+    return ParallelDims(world=world, dp_replicate=args.dp_replicate, dp_shard=shard, sp=sp)
+
+
+def device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_process_group(args: DistributedArgs) -> bool:
+    """Join (or create) the default group. Returns True when this call created it.
+
+    torchrun sets RANK/WORLD_SIZE; a plain `python -m` run gets a single-rank group on an
+    in-memory store; a group made by someone else (tests) is used as it is.
+    """
+    if dist.is_initialized():
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    timeout = timedelta(seconds=args.timeout_s)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return True
+
+
+@dataclass
+class DistEnv:
+    dims: ParallelDims
+    mesh: DeviceMesh
+    fsdp_mesh: DeviceMesh  # (dp_replicate, dp_shard*sp) or (dp_shard*sp): where parameters live
+    dp_mesh: DeviceMesh  # ranks that see different data
+    sp_group: dist.ProcessGroup | None  # None when sp == 1
+    sp_method: str  # "none" when sp == 1 (nothing to exchange)
+    dp_rank: int
+    sp_rank: int
+    rank: int
+    device: torch.device
+    owns_group: bool
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+
+def setup(args: DistributedArgs) -> DistEnv:
+    owns = init_process_group(args)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dims = resolve_dims(args, world)
+    dev_type = device_type()
+    if dev_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    names = ("dp_replicate", "dp_shard", "sp")
+    mesh = init_device_mesh(dev_type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=names)
+    shard_sp = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
+    dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    fsdp_mesh = mesh["dp_replicate", "dp_shard_sp"] if dims.dp_replicate > 1 else shard_sp
+    sp_mesh = mesh["sp"]
+    return DistEnv(
+        dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh,
+        sp_group=sp_mesh.get_group() if dims.sp > 1 else None,
+        sp_method=args.sp_method if dims.sp > 1 else "none",
+        dp_rank=dp_mesh.get_local_rank(), sp_rank=sp_mesh.get_local_rank(), rank=rank,
+        device=device, owns_group=owns,
+    )
+
+
+def teardown(env: DistEnv) -> None:
+    if env.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, blocks) -> torch.nn.Module:
+    """FSDP2 each block, then the root (embeddings, final norm, head). `blocks`: the block modules."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if env.device.type == "cuda":
+        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[args.param_dtype], reduce_dtype=_DTYPES[args.reduce_dtype])
+    else:
+        mp = MixedPrecisionPolicy()  # CPU: fp32 end to end
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=env.fsdp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=env.fsdp_mesh, mp_policy=mp)
+    return model
+
+
+def broadcast_params(model: torch.nn.Module) -> None:
+    """Non-FSDP path: make every rank start from rank 0's weights (init is seeded, this is a guard)."""
+    for p in model.parameters():
+        dist.broadcast(p.data, src=0)
+
+
+def allreduce_grads(model: torch.nn.Module) -> None:
+    """Non-FSDP path: average gradients over all ranks (dp x sp), like FSDP's reduce-scatter does."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad.div_(world)
+
+
+def all_reduce_scalar(x: float | torch.Tensor, op=dist.ReduceOp.SUM, device=None) -> float:
+    t = torch.as_tensor(x, dtype=torch.float64, device=device).clone()
+    dist.all_reduce(t, op=op)
+    return t.item()

@@ -1,0 +1,115 @@
+"""Training metrics: a jsonl file (appended, never overwritten, so a resumed run continues it),
+optional wandb, and the throughput numbers the paper reports.
+
+tokens/s/GPU = tokens this GPU processed in the step / step time, where the step time is the
+slowest rank's (a step ends for everybody when the slowest rank finishes). MFU uses the honest GLA
+FLOP count from the model (no quadratic attention term).
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Dense bf16 peak per GPU (vendor datasheets, no sparsity), matched on the device name.
+PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
+
+
+@dataclass
+class LoggingArgs:
+    freq: int = 10  # log every `freq` steps (and the last step)
+    metrics_file: str = "metrics.jsonl"  # relative to dump_dir
+    wandb: str = "disabled"  # disabled | online | offline
+    wandb_project: str = "lingua-zeco"
+    wandb_run: str = ""  # empty: the run's name
+    peak_flops: float = 0.0  # per GPU; 0 = look the device up (MFU is left out when unknown)
+
+
+def peak_flops(device: torch.device, override: float = 0.0) -> float:
+    if override > 0:
+        return override
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), 0.0)
+
+
+def memory_stats(device: torch.device) -> dict:
+    if device.type != "cuda":
+        return {}
+    gib = 2**30
+    return dict(mem_alloc_gib=torch.cuda.memory_allocated(device) / gib,
+                mem_peak_gib=torch.cuda.max_memory_allocated(device) / gib,
+                mem_reserved_gib=torch.cuda.max_memory_reserved(device) / gib)
+
+
+def throughput(tokens_per_gpu: int, step_time_s: float, flops_per_token: float, peak: float) -> dict:
+    tps = tokens_per_gpu / step_time_s if step_time_s > 0 else 0.0
+    out = dict(tokens_per_s_per_gpu=tps, tflops_per_gpu=tps * flops_per_token / 1e12)
+    if peak > 0:
+        out["mfu"] = tps * flops_per_token / peak
+    return out
+
+
+class Timer:
+    """Wall time of a region; on CUDA synchronises first so the kernels are really done."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+class MetricLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no `if`."""
+
+    def __init__(self, dump_dir: str, args: LoggingArgs, *, active: bool, run_name: str = "", config: dict | None = None):
+        self.active, self.args = active, args
+        self.path = Path(dump_dir) / args.metrics_file
+        self._file = None
+        self._wandb = None
+        if not active:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", buffering=1)  # "a": a resumed run appends after the old lines
+        if args.wandb not in ("disabled", "online", "offline"):
+            raise ValueError(f"logging.wandb={args.wandb!r}; use disabled, online or offline")
+        if args.wandb != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(project=args.wandb_project, name=args.wandb_run or run_name or None,
+                                     mode=args.wandb, dir=str(self.path.parent), config=config, resume="allow")
+
+    def log(self, metrics: dict) -> None:
+        if not self.active:
+            return
+        record = {"time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(record, step=record.get("step"))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+
+def _plain(v):
+    if isinstance(v, torch.Tensor):
+        return v.item()
+    return v
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,65 @@
+"""AdamW with linear warmup then cosine / linear / constant decay, and gradient clipping."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclass
+class OptimArgs:
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup: int = 2000  # steps of linear warmup from 0
+    scheduler: str = "cosine"  # cosine | linear | constant (after warmup)
+    lr_min_ratio: float = 0.1  # decayed lr floor, as a fraction of lr
+    decay_steps: int = 0  # horizon of the decay; 0 = the run's `steps`
+    clip: float = 1.0  # max global grad norm; <= 0 disables clipping
+    fused: bool = True  # fused AdamW kernel on CUDA
+
+
+def lr_factor(step: int, args: OptimArgs, total: int) -> float:
+    """Multiplier of args.lr after `step` optimizer steps."""
+    if args.scheduler not in SCHEDULES:
+        raise ValueError(f"optim.scheduler={args.scheduler!r}; choose from {', '.join(SCHEDULES)}")
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    if args.scheduler == "constant":
+        return 1.0
+    span = max(1, total - args.warmup)
+    frac = min(1.0, (step - args.warmup) / span)
+    lo = args.lr_min_ratio
+    if args.scheduler == "linear":
+        return 1.0 - (1.0 - lo) * frac
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def build_optimizer(model: torch.nn.Module, args: OptimArgs, total_steps: int):
+    """AdamW (no decay on norms and biases) and its LambdaLR scheduler."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    on_cuda = any(p.is_cuda for p in decay)
+    opt = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
+                            fused=args.fused and on_cuda)
+    horizon = args.decay_steps if args.decay_steps > 0 else total_steps
+    sched = LambdaLR(opt, lambda step: lr_factor(step, args, horizon))
+    return opt, sched
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm before clipping (works on FSDP2 DTensor gradients too)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    if hasattr(norm, "full_tensor"):  # DTensor: the norm is a replicated DTensor
+        norm = norm.full_tensor()
+    return float(norm)
