@@ -1,0 +1,70 @@
+"""Model throughput, tokens/s/GPU (paper Tables 5-6).
+
+Every GPU holds T_local tokens per step. From the measured single-GPU step time T0 = T_local / tok_s:
+    DP      step = T0 + (1 - grad_overlap) * allreduce(grads, N)
+    SP (m)  step = T0 + n_layers * (op_m(P) - op_none) + (1 - grad_overlap) * allreduce(grads, N)
+Parameters are replicated over the SP ranks, so every method reduces gradients over all N GPUs.
+LASP-1's per-layer cost is its full serial operator time: FSDP's per-layer all-gathers re-align the
+ranks every layer, so no wavefront forms across layers.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .links import Topology
+from .op_model import OpArgs, op_times
+from .schedules import DeviceArgs, allreduce_big
+
+# DESIGN §7: fla GLAForCausalLM 1.244B, AdamW, bf16 autocast, one H200
+TOK_S_H200 = {16384: 51.7e3, 32768: 53.7e3}
+
+
+@dataclass
+class ThroughputArgs:
+    tok_s: dict[int, float] = field(default_factory=lambda: dict(TOK_S_H200))
+    n_layers: int = 20
+    n_params: float = 1.244e9
+    grad_bytes: int = 2  # gradients reduced in bf16 (FSDP2 MixedPrecisionPolicy reduce_dtype)
+    grad_overlap: float = 0.5  # share of the gradient reduction hidden under backward (guess; calibrate)
+
+
+def single_gpu_tok_s(T: int, tok_s: dict[int, float]) -> float:
+    """Linear in T between the measured lengths, flat outside them (throughput saturates)."""
+    pts = sorted((int(t), float(v)) for t, v in tok_s.items())
+    if T <= pts[0][0]:
+        return pts[0][1]
+    if T >= pts[-1][0]:
+        return pts[-1][1]
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t0 <= T <= t1:
+            return v0 + (v1 - v0) * (T - t0) / (t1 - t0)
+    raise AssertionError("unreachable")
+
+
+def tokens_per_gpu(N: int, T_local: int, args: ThroughputArgs, op: OpArgs, topo: Topology,
+                   dev: DeviceArgs, sp: int | None = None) -> dict:
+    """tokens/s/GPU per method with N GPUs, SP groups of `sp` (default: all N) ranks."""
+    P = sp or N
+    if N % P:
+        raise ValueError(f"sp={P} must divide N={N}")
+    T0 = T_local / single_gpu_tok_s(T_local, args.tok_s)
+    grad = (1 - args.grad_overlap) * allreduce_big(args.n_params * args.grad_bytes, N, topo)
+    ops = op_times(P, T_local, op, topo, dev)
+    out = dict(dp=T_local / (T0 + grad))
+    for m in ("zeco", "lasp1", "lasp2"):
+        extra = args.n_layers * (ops[m] - ops["none"])
+        out[m] = T_local / (T0 + extra + grad)
+    out["grad_sync_ms"] = grad * 1e3
+    out["scan"] = ops["scan_algo"]
+    return out
+
+
+def throughput_rows(N_list: list[int], T_list: list[int], args: ThroughputArgs, op: OpArgs,
+                    topo: Topology, dev: DeviceArgs) -> list[dict]:
+    rows = []
+    for T in T_list:
+        for N in N_list:
+            r = tokens_per_gpu(N, T, args, op, topo, dev)
+            rows.append(dict(T_local=T, N=N, scan=r["scan"], grad_ms=r["grad_sync_ms"],
+                             **{f"{m}_ktok_s": r[m] / 1e3 for m in ("dp", "zeco", "lasp1", "lasp2")}))
+    return rows
