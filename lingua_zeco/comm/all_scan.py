@@ -1,0 +1,196 @@
+"""All-Scan: the exclusive decay-scan of recurrent states over the ranks of a process group.
+
+Rank p contributes x_p [..., K, V] (its local final state, fp32) and a_p [..., K] (the product of
+its forget gates, in [0, 1]).  It receives
+
+    y_p = sum_{r < p} (prod_{r < j < p} a_j) ⊙ x_r          (zeros on the first rank)
+
+i.e. the true state entering its slice.  With reverse=True the roles of "before" and "after" swap
+(rank p receives the sum over r > p), which is what the backward pass needs.  The pair operator
+(a1, x1) ∘ (a2, x2) = (a1·a2, a2 ⊙ x1 + x2) is associative, so two algorithms are offered:
+
+* chain: p-1 → p → p+1, the paper's All-Scan.  The state is cut into blocks along K; a rank
+  forwards block j as soon as it has combined it, while block j+1 is still in flight, so the time
+  is ≈ τ(state) + (P-1)·τ(state / n_blocks) and every rank sends one state.
+* tree: a Hillis–Steele scan, ceil(log2 P) rounds of pairwise exchange at distance 1, 2, 4, ...
+  Each rank keeps the inclusive pair I of the ranks (p-d, p] and the exclusive pair E of
+  (p-d, p); a round composes the received I of rank p-d onto both.  More bytes, far fewer hops.
+
+No autograd here: lingua_zeco.sp wraps this in autograd functions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ALGORITHMS = ("chain", "tree", "auto")
+
+
+@dataclass
+class AllScanArgs:
+    algorithm: str = "chain"   # chain | tree | auto
+    n_blocks: int = 4          # chain pipelining: blocks along K (1 = no pipelining)
+    # auto: alpha–beta cost of one hop (seconds, bytes/second); measured by apps/gla/bench/bench_comm.py
+    alpha_s: float = 20e-6
+    beta_Bps: float = 100e9
+
+
+def _group_info(group):
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _global(group, group_rank: int) -> int:
+    return dist.get_global_rank(group, group_rank) if group is not dist.group.WORLD else group_rank
+
+
+def _k_blocks(K: int, n_blocks: int) -> list[tuple[int, int]]:
+    n = max(1, min(int(n_blocks), K))
+    edges = [round(i * K / n) for i in range(n + 1)]
+    return [(s, e) for s, e in zip(edges[:-1], edges[1:]) if e > s]
+
+
+def chain_time(P: int, nbytes: int, n_blocks: int, alpha_s: float, beta_Bps: float) -> float:
+    """Alpha–beta estimate of the pipelined chain: the first block crosses P-1 hops, the rest stream."""
+    if P <= 1:
+        return 0.0
+    blk = nbytes / n_blocks
+    return (P - 1) * (alpha_s + blk / beta_Bps) + (n_blocks - 1) * blk / beta_Bps
+
+
+def tree_time(P: int, nbytes: int, alpha_s: float, beta_Bps: float) -> float:
+    """Alpha–beta estimate of the Hillis–Steele scan: ceil(log2 P) exchanges of state + decay."""
+    if P <= 1:
+        return 0.0
+    return math.ceil(math.log2(P)) * (alpha_s + nbytes / beta_Bps)
+
+
+def choose_algorithm(P: int, nbytes: int, args: AllScanArgs) -> str:
+    """Pick chain or tree by the alpha–beta model (ties go to the chain: one state of volume)."""
+    if args.algorithm != "auto":
+        return args.algorithm
+    chain = chain_time(P, nbytes, args.n_blocks, args.alpha_s, args.beta_Bps)
+    tree = tree_time(P, nbytes, args.alpha_s, args.beta_Bps)
+    return "tree" if tree < chain else "chain"
+
+
+def _chain(x, a, group, pos, P, peer, n_blocks):
+    """Receive y block by block from the previous position, forward a ⊙ y + x to the next one."""
+    out = torch.zeros_like(x)
+    blocks = _k_blocks(x.shape[-2], n_blocks)
+    recvs = []
+    if pos > 0:
+        bufs = [x.new_empty((*x.shape[:-2], e - s, x.shape[-1])) for s, e in blocks]
+        recvs = [(buf, dist.irecv(buf, src=peer(pos - 1), group=group)) for buf in bufs]
+    sends = []
+    for j, (s, e) in enumerate(blocks):
+        if recvs:
+            buf, work = recvs[j]
+            work.wait()
+            out[..., s:e, :] = buf
+        if pos < P - 1:
+            blk = x[..., s:e, :] + a[..., s:e, None] * out[..., s:e, :] if recvs else x[..., s:e, :]
+            blk = blk.contiguous()
+            sends.append((blk, dist.isend(blk, dst=peer(pos + 1), group=group)))
+    for _, work in sends:
+        work.wait()
+    return out
+
+
+def _tree(x, a, group, pos, P, peer):
+    """Hillis–Steele exclusive scan; works for any P (missing partners are skipped)."""
+    inc_a, inc_x = a.clone(), x.clone()
+    exc_a, exc_x = torch.ones_like(a), torch.zeros_like(x)
+    n_x = x.numel()
+    d = 1
+    while d < P:
+        ops, recv = [], None
+        if pos + d < P:
+            msg = torch.cat([inc_x.reshape(-1), inc_a.reshape(-1)])
+            ops.append(dist.P2POp(dist.isend, msg, peer(pos + d), group))
+        if pos - d >= 0:
+            recv = x.new_empty(n_x + a.numel())
+            ops.append(dist.P2POp(dist.irecv, recv, peer(pos - d), group))
+        for work in dist.batch_isend_irecv(ops) if ops else []:
+            work.wait()
+        if recv is not None:
+            r_x, r_a = recv[:n_x].view_as(x), recv[n_x:].view_as(a)
+            # the received segment lies before ours: (r_a, r_x) ∘ (a, x) = (r_a·a, a ⊙ r_x + x)
+            exc_x = exc_x + exc_a[..., None] * r_x
+            exc_a = exc_a * r_a
+            inc_x = inc_x + inc_a[..., None] * r_x
+            inc_a = inc_a * r_a
+        d *= 2
+    return exc_x
+
+
+class ScanWork:
+    """Handle of an asynchronous All-Scan: `wait()` returns the result, ordered on the caller's stream."""
+
+    def __init__(self, out, event=None):
+        self._out, self._event = out, event
+
+    def wait(self) -> torch.Tensor:
+        if self._event is not None:
+            torch.cuda.current_stream(self._out.device).wait_event(self._event)
+            self._event = None
+        return self._out
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device):
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[device]
+
+
+def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False, *,
+             algorithm: str = "chain", n_blocks: int = 4, async_op: bool = False,
+             args: AllScanArgs | None = None):
+    """Exclusive decay-scan of x [..., K, V] with decays a [..., K] over the ranks of `group`.
+
+    Returns the tensor, or a ScanWork whose wait() returns it when async_op=True. On CUDA the
+    asynchronous form runs the receive-combine-send loop on a side stream, so that the caller's
+    stream keeps computing until it calls wait().
+    """
+    if x.dim() < 2 or a.shape != x.shape[:-1]:
+        raise ValueError(f"all_scan: x must be [..., K, V] and a [..., K]; got x {tuple(x.shape)}, a {tuple(a.shape)}")
+    if x.dtype != a.dtype or not x.is_floating_point():
+        raise ValueError(f"all_scan: x and a must share one floating dtype (fp32 advised); got {x.dtype}, {a.dtype}")
+    if args is None:
+        args = AllScanArgs(algorithm=algorithm, n_blocks=n_blocks)
+    if args.algorithm not in ALGORITHMS:
+        raise ValueError(f"all_scan: algorithm must be one of {ALGORITHMS}, got {args.algorithm!r}")
+    group, rank, P = _group_info(group)
+    x, a = x.contiguous(), a.contiguous()
+    pos = P - 1 - rank if reverse else rank
+
+    def peer(p):
+        return _global(group, P - 1 - p if reverse else p)
+
+    def run():
+        if P == 1:
+            return torch.zeros_like(x)
+        algo = choose_algorithm(P, x.numel() * x.element_size(), args)
+        if algo == "tree":
+            return _tree(x, a, group, pos, P, peer)
+        return _chain(x, a, group, pos, P, peer, args.n_blocks)
+
+    if not (async_op and x.is_cuda):
+        out = run()
+        return ScanWork(out) if async_op else out
+    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
+    side.wait_stream(main)  # x and a are produced on the caller's stream
+    with torch.cuda.stream(side):
+        out = run()
+    for t in (x, a, out):
+        t.record_stream(main)
+        t.record_stream(side)
+    event = torch.cuda.Event()
+    event.record(side)
+    return ScanWork(out, event)

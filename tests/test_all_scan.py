@@ -1,0 +1,84 @@
+"""All-Scan against a local float64 reference, for many group sizes, both directions, both algorithms."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from lingua_zeco.comm import AllScanArgs, all_scan, chain_time, choose_algorithm, tree_time
+from lingua_zeco.testing import run_on_ranks
+
+SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
+CASES = [("chain", 1), ("chain", 3), ("chain", 8), ("tree", 1)]
+
+
+def reference(xs, as_, p, reverse):
+    order = range(len(xs)) if not reverse else range(len(xs) - 1, -1, -1)
+    acc = torch.zeros_like(xs[0], dtype=torch.float64)
+    for r in order:
+        if r == p:
+            return acc
+        acc = as_[r].double()[..., None] * acc + xs[r].double()
+
+
+def contributions(world, shape=(2, 3, 5, 4), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(shape, generator=gen) for _ in range(world)]
+    as_ = [torch.rand(shape[:-1], generator=gen) for _ in range(world)]
+    return xs, as_
+
+
+def _scan_worker(rank, world, sizes, cases):
+    """Every subgroup [world - n, world) for each n; ranks outside a subgroup only join its creation."""
+    xs, as_ = contributions(world)
+    errors = {}
+    for n in sizes:
+        members = list(range(world - n, world))
+        group = dist.new_group(members)
+        if rank not in members:
+            continue
+        p = members.index(rank)
+        sub_x, sub_a = xs[world - n:], as_[world - n:]
+        for algo, nb in cases:
+            for reverse in (False, True):
+                y = all_scan(sub_x[p], sub_a[p], group=group, reverse=reverse, algorithm=algo, n_blocks=nb)
+                err = (y.double() - reference(sub_x, sub_a, p, reverse)).abs().max().item()
+                errors[(n, algo, nb, reverse)] = err
+        work = all_scan(sub_x[p], sub_a[p], group=group, async_op=True)
+        errors[(n, "async", 4, False)] = (work.wait().double() - reference(sub_x, sub_a, p, False)).abs().max().item()
+    return errors
+
+
+@pytest.mark.slow
+def test_all_scan_matches_reference_for_all_group_sizes():
+    results = run_on_ranks(_scan_worker, max(SIZES), SIZES, CASES, timeout_s=300)
+    checked = 0
+    for errs in results:
+        for key, err in errs.items():
+            assert err < 1e-5, f"all_scan wrong for (P, algorithm, n_blocks, reverse) = {key}: max error {err}"
+            checked += 1
+    assert checked == sum(n * (2 * len(CASES) + 1) for n in SIZES)
+
+
+def _broken_worker(rank, world):
+    xs, as_ = contributions(world)
+    y = all_scan(xs[rank], torch.ones_like(as_[rank]), algorithm="chain")  # wrong decays on purpose
+    return (y.double() - reference(xs, as_, rank, False)).abs().max().item()
+
+
+def test_reference_catches_a_wrong_decay():
+    errs = run_on_ranks(_broken_worker, 3)
+    assert errs[0] == errs[1] == 0.0 and errs[2] > 1e-2  # rank 1 sees x_0 only: no decay involved
+
+
+def test_bad_shapes_are_refused_before_any_communication():
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., K, V\]"):
+        all_scan(torch.zeros(2, 3, 4), torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="algorithm"):
+        all_scan(torch.zeros(2, 3, 4), torch.zeros(2, 3), algorithm="ring")
+
+
+def test_auto_prefers_tree_when_latency_dominates_and_chain_for_few_ranks():
+    mib = 1 << 20
+    args = AllScanArgs(algorithm="auto", n_blocks=4, alpha_s=30e-6, beta_Bps=150e9)
+    assert choose_algorithm(256, mib, args) == "tree"
+    assert choose_algorithm(2, mib, args) == "chain"
+    assert chain_time(256, mib, 4, 30e-6, 150e9) > 10 * tree_time(256, mib, 30e-6, 150e9)
