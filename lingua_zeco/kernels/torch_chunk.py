@@ -1,0 +1,59 @@
+"""Pure PyTorch chunked GLA (any device, computed in fp32, differentiable by autograd).
+
+Within a chunk of C tokens with inclusive gate sums G_i (cumsum of g inside the chunk):
+  intra:  o_i += Σ_{j≤i} scale · (q_i ⊙ exp(G_i − G_j))·k_j  v_j
+  inter:  o_i += scale · (q_i ⊙ exp(G_i))ᵀ h            (h: state entering the chunk)
+  state:  h ← diag(exp(G_C)) h + Σ_j (k_j ⊙ exp(G_C − G_j)) v_jᵀ
+Every exponent is ≤ 0, so nothing overflows however strong the gates are; the price is a
+[C, C, K] decay tensor per chunk, which is why the chunk is small.
+"""
+from __future__ import annotations
+
+import torch
+
+CHUNK = 16
+
+
+def _gla_fixed(q, k, v, g, scale, h0, chunk):
+    """One batch of equal-length sequences. q, k, g [B, T, H, K], v [B, T, H, V], h0 [B, H, K, V] or None."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    pad = (-T) % chunk
+    if pad:  # zero keys/values and zero gates leave the state untouched
+        q, k, v, g = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
+    N = q.shape[1] // chunk
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (gradient checks)
+    q, k, v, g = (t.to(acc).reshape(B, N, chunk, H, -1).transpose(2, 3) for t in (q, k, v, g))  # [B, N, H, C, *]
+    G = g.cumsum(-2)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
+    A = torch.einsum("bnhik,bnhjk,bnhijk->bnhij", q, k, decay) * scale
+    o = A @ v
+    k_to_end = k * (G[..., -1:, :] - G).exp()
+    q_from_start = q * G.exp()
+    h = q.new_zeros(B, H, K, V) if h0 is None else h0.to(acc)
+    outs = []
+    for n in range(N):
+        outs.append(scale * q_from_start[:, n] @ h)
+        h = G[:, n, :, -1, :, None].exp() * h + k_to_end[:, n].transpose(-1, -2) @ v[:, n]
+    o = o + torch.stack(outs, dim=1)
+    o = o.transpose(2, 3).reshape(B, N * chunk, H, V)[:, :T]
+    return o, h
+
+
+def torch_chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, chunk: int = CHUNK):
+    """Same contract as fla.ops.gla.chunk_gla; returns (o in q's dtype, final state fp32 or None)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        o, ht = _gla_fixed(q, k, v, g, scale, initial_state, chunk)
+        return o.to(q.dtype), (ht if output_final_state else None)
+    bounds = [int(c) for c in cu_seqlens.tolist()]
+    outs, finals = [], []
+    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o, ht = _gla_fixed(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, h0, chunk)
+        outs.append(o)
+        finals.append(ht)
+    o = torch.cat(outs, dim=1).to(q.dtype)
+    return o, (torch.cat(finals) if output_final_state else None)
