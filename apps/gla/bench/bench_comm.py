@@ -1,0 +1,140 @@
+"""Table 2: communication time of one state exchange per method, and the P2P alpha/beta of the link.
+
+    torchrun --nproc_per_node=8 -m apps.gla.bench.bench_comm --out results/bench_comm
+    python -m apps.gla.bench.bench_comm --out /tmp/c --heads 2 --head-k 16 --head-v 16   # one CPU process
+
+Methods (same state bytes for all): All-Scan chain pipelined in n blocks (chain1 = unpipelined),
+All-Scan tree (Hillis-Steele), all-gather of every rank's (state, decay) as LASP-2 does, all-reduce of
+one state (reference). State per rank: [H, K, V] fp32 with decays [H, K] (H=32: paper's d=4096).
+P2P: ping-pong between rank 0 and `p2p_peer` over several sizes; one-way = round trip / 2; a line
+alpha + bytes / beta is fitted and written as {"calibration": {"links": {name: ...}}}, the form
+`python -m lingua_zeco.perf_model --calib FILE` reads.
+Writes <out>/comm_P<world>.json and .md (rank 0).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+from lingua_zeco.comm import all_scan
+from lingua_zeco.perf_model.links import fit_alpha_beta
+
+from .common import (env_info, finish, init_distributed, local_world_size, markdown_table, parse_dataclass,
+                     summarize, time_iters, write_outputs)
+
+
+@dataclass
+class BenchCommArgs:
+    out: str = "results/bench_comm"
+    heads: tuple = (32, 16)
+    head_k: int = 128
+    head_v: int = 128
+    blocks: tuple = (1, 2, 4, 8)  # chain pipelining depths
+    methods: tuple = ("chain", "tree", "allgather", "allreduce")
+    warmup: int = 10
+    iters: int = 100
+    p2p_sizes: tuple = (4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20)  # bytes
+    p2p_peer: int = 1  # ping-pong partner of rank 0 (e.g. 8 = first GPU of the next node: "ib")
+    link_name: str = ""  # name written into the calibration; "" = nvlink / ib / gloo by placement
+    seed: int = 0
+
+
+def _allgather(out: torch.Tensor, inp: torch.Tensor) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, inp)
+
+
+def collective_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
+    P = dist.get_world_size()
+    g = torch.Generator(device="cpu").manual_seed(args.seed + dist.get_rank())
+    rows = []
+    for H in args.heads:
+        x = torch.randn(H, args.head_k, args.head_v, generator=g).to(device)
+        a = torch.rand(H, args.head_k, generator=g).to(device)
+        flat = torch.cat([x.reshape(-1), a.reshape(-1)])
+        gathered = flat.new_empty(P * flat.numel())
+        reduced = x.clone()
+        cases = {}
+        if "chain" in args.methods:
+            for n in args.blocks:
+                cases[f"chain{n}"] = lambda n=n: all_scan(x, a, algorithm="chain", n_blocks=n)
+        if "tree" in args.methods:
+            cases["tree"] = lambda: all_scan(x, a, algorithm="tree")
+        if "allgather" in args.methods:
+            cases["allgather"] = lambda: _allgather(gathered, flat)
+        if "allreduce" in args.methods:
+            cases["allreduce"] = lambda: dist.all_reduce(reduced)
+        for name, fn in cases.items():
+            t = time_iters(fn, device, args.warmup, args.iters)
+            rows.append(dict(method=name, H=H, P=P, state_bytes=x.numel() * 4, **summarize(t, "us")))
+    return rows
+
+
+def _link_name(args: BenchCommArgs, device: torch.device) -> str:
+    if args.link_name:
+        return args.link_name
+    if device.type != "cuda":
+        return "gloo"
+    return "nvlink" if args.p2p_peer < local_world_size() else "ib"
+
+
+def p2p_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
+    """Ping-pong rank 0 <-> p2p_peer; every rank joins the barriers so the timing stays aligned."""
+    rank, peer = dist.get_rank(), args.p2p_peer
+    if dist.get_world_size() < 2 or not 0 < peer < dist.get_world_size():
+        return []
+    rows = []
+    for nbytes in args.p2p_sizes:
+        buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+
+        def pingpong():
+            if rank == 0:
+                dist.send(buf, peer)
+                dist.recv(buf, peer)
+            elif rank == peer:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+
+        t = time_iters(pingpong, device, args.warmup, args.iters)
+        s = summarize([x / 2 for x in t], "us")  # one way = half the round trip
+        rows.append(dict(method="p2p_one_way", bytes=buf.numel() * 4, peer=peer, **s))
+    return rows
+
+
+def calibration(args: BenchCommArgs, device: torch.device, p2p: list[dict], rows: list[dict]) -> dict:
+    if len(p2p) < 2:
+        return {}
+    alpha, beta = fit_alpha_beta([r["bytes"] for r in p2p], [r["median_us"] * 1e-6 for r in p2p])
+    link = dict(alpha_s=alpha, beta_Bps=beta)
+    # start cost of a collective: the all-reduce of the smallest state is nearly all latency
+    ar = [r for r in rows if r["method"] == "allreduce"]
+    if ar:
+        link["coll_alpha_s"] = min(r["median_us"] for r in ar) * 1e-6
+    return {"links": {_link_name(args, device): link}}
+
+
+def main(argv: list[str] | None = None) -> str | None:
+    args = parse_dataclass(BenchCommArgs, argv, __doc__)
+    device = init_distributed()
+    rows = collective_rows(args, device)
+    p2p = p2p_rows(args, device)
+    payload = dict(bench="comm", args=asdict(args), env=env_info(device), world_size=dist.get_world_size(),
+                   results=rows, p2p=p2p, calibration=calibration(args, device, p2p, rows))
+    md = f"# bench_comm, P={dist.get_world_size()} ({payload['env']['device']})\n\n"
+    md += markdown_table(rows, ["method", "H", "P", "state_bytes", "median_us", "p10_us", "p90_us", "n"])
+    if p2p:
+        md += "\n## P2P one way\n\n" + markdown_table(p2p, ["bytes", "peer", "median_us", "p10_us", "p90_us"])
+        link = next(iter(payload["calibration"]["links"].items()))
+        md += f"\nfit {link[0]}: alpha = {link[1]['alpha_s'] * 1e6:.2f} µs, beta = {link[1]['beta_Bps'] / 1e9:.2f} GB/s\n"
+    path = write_outputs(args.out, f"comm_P{dist.get_world_size()}", payload, md)
+    if path:
+        print(md)
+        print(f"wrote {path}")
+    finish()
+    return path
+
+
+if __name__ == "__main__":
+    main()
