@@ -1,0 +1,142 @@
+"""Tables 3-4: forward + backward time of one sequence-parallel GLA operator per method.
+
+    torchrun --nproc_per_node=8 -m apps.gla.bench.bench_op --out results/bench_op
+    python -m apps.gla.bench.bench_op --out /tmp/o --t-local 128 --heads 2 --head-k 16 --head-v 16
+
+Each rank holds T_local tokens of one sequence of P * T_local, B=1, H=16, K=V=128 (paper d=2048),
+bf16 on CUDA and fp32 on CPU; gates g = logsigmoid(randn). Methods: sp_gla zeco / lasp1 / lasp2 over
+all ranks, sp_gla none on a group of one rank (the single-device time at the local length), and on
+CUDA fla's chunk_gla called directly (the paper's baseline). Median / p10 / p90 ms (slowest rank),
+peak memory on CUDA. Writes <out>/op_P<world>.json and .md (rank 0); the JSON's
+{"calibration": {"kernel_ms": {T: ms}}} (the fla baseline, for B=1 H=16 K=V=128) feeds perf_model.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lingua_zeco.sp import sp_gla
+
+from .common import (env_info, finish, init_distributed, markdown_table, parse_dataclass, peak_memory_mib,
+                     reset_peak_memory, summarize, time_iters, write_outputs)
+
+
+@dataclass
+class BenchOpArgs:
+    out: str = "results/bench_op"
+    t_local: tuple = (16384, 32768)
+    batch: int = 1
+    heads: int = 16
+    head_k: int = 128
+    head_v: int = 128
+    methods: tuple = ("none", "zeco", "lasp1", "lasp2", "fla")  # fla: CUDA only, skipped elsewhere
+    dtype: str = ""  # "" = bf16 on CUDA, fp32 on CPU
+    warmup: int = 5
+    iters: int = 20
+    seed: int = 0
+
+
+MODEL_SHAPE = dict(batch=1, heads=16, head_k=128, head_v=128)  # the shape perf_model's kernel_ms means
+
+
+def make_inputs(args: BenchOpArgs, T: int, device, dtype, seed: int):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    B, H, K, V = args.batch, args.heads, args.head_k, args.head_v
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
+    v = rnd(B, T, H, V)
+    gate = F.logsigmoid(torch.randn(B, T, H, K, generator=g)).to(device=device, dtype=dtype)
+    do = rnd(B, T, H, V)
+    for t in (q, k, v, gate):
+        t.requires_grad_(True)
+    return q, k, v, gate, do
+
+
+def _fla_chunk_gla():
+    try:
+        from fla.ops.gla import chunk_gla
+    except Exception:  # fla missing or Triton refusing this platform
+        return None
+    return chunk_gla
+
+
+def step_fn(method: str, inputs, self_group):
+    q, k, v, g, do = inputs
+
+    def clear():
+        for t in (q, k, v, g):
+            t.grad = None
+
+    if method == "fla":
+        chunk_gla = _fla_chunk_gla()
+
+        def run():
+            clear()
+            o, _ = chunk_gla(q, k, v, g)
+            o.backward(do)
+    else:
+        group = self_group if method == "none" else None
+
+        def run():
+            clear()
+            o = sp_gla(q, k, v, g, group=group, method=method)
+            o.backward(do)
+    return run
+
+
+def burn_in_cross_checks(device, dtype) -> None:
+    """sp_gla all-gathers a shape check on its first calls (lingua_zeco.sp.validate); spend those on
+    tiny inputs so the timed calls carry no extra collective."""
+    from lingua_zeco.sp import validate
+
+    if dist.get_world_size() == 1:
+        return
+    x = torch.zeros(1, 64, 1, 16, device=device, dtype=dtype)
+    with torch.no_grad():
+        for _ in range(validate.CROSS_CHECK_CALLS + 1):
+            sp_gla(x, x, x, x, method="lasp2")
+
+
+def main(argv: list[str] | None = None) -> str | None:
+    args = parse_dataclass(BenchOpArgs, argv, __doc__)
+    device = init_distributed()
+    dtype = {"": torch.bfloat16 if device.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
+             "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    P, rank = dist.get_world_size(), dist.get_rank()
+    self_group, _ = dist.new_subgroups(group_size=1)  # "none": a group of just this rank
+    methods = [m for m in args.methods if m != "fla" or (device.type == "cuda" and _fla_chunk_gla())]
+    burn_in_cross_checks(device, dtype)
+    rows = []
+    for T in args.t_local:
+        inputs = make_inputs(args, T, device, dtype, args.seed + 1000 * rank)
+        for method in methods:
+            reset_peak_memory(device)
+            t = time_iters(step_fn(method, inputs, self_group), device, args.warmup, args.iters)
+            rows.append(dict(method=method, T_local=T, P=P, B=args.batch, H=args.heads, K=args.head_k,
+                             V=args.head_v, dtype=str(dtype).removeprefix("torch."), **summarize(t, "ms"),
+                             peak_mem_MiB=peak_memory_mib(device)))
+        del inputs
+    cal = {}
+    base = "fla" if "fla" in methods else "none"
+    if all(getattr(args, k) == v for k, v in MODEL_SHAPE.items()) and dtype == torch.bfloat16:
+        cal["kernel_ms"] = {str(r["T_local"]): r["median_ms"] for r in rows if r["method"] == base}
+    payload = dict(bench="op", args=asdict(args), env=env_info(device), world_size=P, baseline=base,
+                   results=rows, calibration=cal)
+    md = f"# bench_op, P={P} ({payload['env']['device']}, {rows[0]['dtype'] if rows else ''})\n\n"
+    md += markdown_table(rows, ["method", "T_local", "P", "H", "median_ms", "p10_ms", "p90_ms", "peak_mem_MiB"])
+    path = write_outputs(args.out, f"op_P{P}", payload, md)
+    if path:
+        print(md)
+        print(f"wrote {path}")
+    finish()
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""Figures like the paper's Fig. 3 (communication time vs P) and Fig. 4 (operator time vs P):
+measured points from bench_comm / bench_op JSON files, lines from lingua_zeco.perf_model calibrated
+with the same files (P2P alpha/beta, baseline kernel time).
+
+    python -m apps.gla.bench.plot --comm results/bench_comm --op results/bench_op --out docs/figures
+"""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from lingua_zeco.perf_model.links import (Topology, TopologyArgs, apply_link_calibration, default_links,  # noqa: E402
+                                          load_calibration)
+from lingua_zeco.perf_model.op_model import OpArgs, op_times  # noqa: E402
+from lingua_zeco.perf_model.schedules import (DeviceArgs, StateArgs, allgather_scan, allreduce_state,  # noqa: E402
+                                              chain_sim, tree_sim)
+
+from .common import parse_dataclass  # noqa: E402
+
+COLORS = dict(chain1="tab:gray", chain2="tab:olive", chain4="tab:green", chain8="tab:cyan", tree="tab:purple",
+              allgather="tab:red", allreduce="tab:brown", none="black", fla="tab:gray", zeco="tab:green",
+              lasp1="tab:orange", lasp2="tab:red")
+
+
+@dataclass
+class PlotArgs:
+    comm: str = "results/bench_comm"  # folder of comm_P*.json, or comma-separated files ("" = skip)
+    op: str = "results/bench_op"  # folder of op_P*.json, or comma-separated files ("" = skip)
+    out: str = "docs/figures"
+    model_max_p: int = 256  # draw the model out to this P
+    topology: str = ""  # "" = the measured link (one node) extended by perf_model's "hier" preset
+    gpus_per_node: int = 8
+    scan: str = "chain"  # All-Scan the zeco model line assumes: chain | tree | auto
+    n_blocks: int = 4
+
+
+def json_files(spec: str, prefix: str) -> list[str]:
+    if not spec:
+        return []
+    if os.path.isdir(spec):
+        return sorted(glob.glob(os.path.join(spec, f"{prefix}_P*.json")))
+    return [p for p in spec.split(",") if p]
+
+
+def model_topology(args: PlotArgs, files: list[str]) -> Topology:
+    cal = load_calibration(files)
+    links = apply_link_calibration(default_links(), cal)
+    if args.topology:
+        kind = args.topology
+    elif "gloo" in cal["links"]:
+        kind = "gloo"  # CPU smoke runs: every hop is loopback TCP
+    else:
+        kind = "hier"
+    return Topology(TopologyArgs(kind=kind, gpus_per_node=args.gpus_per_node), links)
+
+
+def p_range(measured: list[int], top: int) -> list[int]:
+    hi = max([top, *measured])
+    ps, p = [], 2
+    while p <= hi:
+        ps.append(p)
+        p *= 2
+    return sorted(set(ps) | {m for m in measured if m > 1})  # P=1 has nothing to exchange
+
+
+def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
+    data = [json.load(open(f)) for f in files]
+    rows = [r for d in data for r in d["results"]]
+    if not rows:
+        return []
+    topo, dev = model_topology(args, files), DeviceArgs()
+    bench_args = data[0]["args"]
+    written = []
+    for H in sorted({r["H"] for r in rows}, reverse=True):
+        st = StateArgs(H=H, K=bench_args["head_k"], V=bench_args["head_v"])
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        mine = [r for r in rows if r["H"] == H]
+        methods = sorted({r["method"] for r in mine}, key=list(COLORS).index)
+        ps = p_range(sorted({r["P"] for r in mine}), args.model_max_p)
+        for m in methods:
+            pts = sorted((r["P"], r["median_us"]) for r in mine if r["method"] == m and r["P"] > 1)
+            if pts:
+                ax.plot(*zip(*pts), "o", color=COLORS[m], label=f"{m} measured")
+            model = {"tree": lambda P: tree_sim(P, st, topo, dev), "allgather": lambda P: allgather_scan(P, st, topo, dev),
+                     "allreduce": lambda P: allreduce_state(P, st, topo)}.get(m)
+            if m.startswith("chain"):
+                model = lambda P, n=int(m[5:]): chain_sim(P, st, n, topo, dev)  # noqa: E731
+            ax.plot(ps, [model(P) * 1e6 for P in ps], "-", color=COLORS[m], alpha=0.7, label=f"{m} model")
+        ax.set(xscale="log", yscale="log", xlabel="GPUs P", ylabel="time (µs)",
+               title=f"Fig. 3: state exchange, H={H}, K×V={st.K}×{st.V} fp32 ({topo.args.kind})")
+        ax.set_xticks(ps, [str(p) for p in ps])
+        ax.legend(fontsize=6, ncol=2)
+        ax.grid(True, which="both", alpha=0.3)
+        written.append(_save(fig, args.out, f"fig3_comm_H{H}.png"))
+    return written
+
+
+def plot_op(args: PlotArgs, op_files: list[str], comm_files: list[str]) -> list[str]:
+    data = [json.load(open(f)) for f in op_files]
+    rows = [r for d in data for r in d["results"]]
+    if not rows:
+        return []
+    topo, dev = model_topology(args, comm_files), DeviceArgs()
+    base_by_T = defaultdict(list)
+    for d in data:
+        for r in d["results"]:
+            if r["method"] == d.get("baseline", "none"):
+                base_by_T[r["T_local"]].append(r["median_ms"])
+    kernel_ms = {T: statistics.median(v) for T, v in base_by_T.items()}
+    written = []
+    for T in sorted({r["T_local"] for r in rows}):
+        r0 = next(r for r in rows if r["T_local"] == T)
+        op = OpArgs(kernel_ms=kernel_ms, H=r0["H"], K=r0["K"], V=r0["V"], scan=args.scan, n_blocks=args.n_blocks)
+        mine = [r for r in rows if r["T_local"] == T]
+        ps = p_range(sorted({r["P"] for r in mine}), args.model_max_p)
+        model = [op_times(P, T, op, topo, dev) for P in ps]
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        for m in ("none", "fla", "zeco", "lasp1", "lasp2"):
+            pts = sorted((r["P"], r["median_ms"]) for r in mine if r["method"] == m)
+            if pts:
+                ax.plot(*zip(*pts), "o" if m != "fla" else "x", color=COLORS[m], label=f"{m} measured")
+            if m != "fla":
+                ax.plot(ps, [x[m] * 1e3 for x in model], "-", color=COLORS[m], alpha=0.7, label=f"{m} model")
+        ax.set(xscale="log", yscale="log", xlabel="GPUs P", ylabel="fwd+bwd (ms)",
+               title=f"Fig. 4: GLA operator, T_local={T}, H={op.H} ({topo.args.kind}, scan={args.scan})")
+        ax.set_xticks(ps, [str(p) for p in ps])
+        ax.legend(fontsize=6, ncol=2)
+        ax.grid(True, which="both", alpha=0.3)
+        written.append(_save(fig, args.out, f"fig4_op_T{T}.png"))
+    return written
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    args = parse_dataclass(PlotArgs, argv, __doc__)
+    comm_files, op_files = json_files(args.comm, "comm"), json_files(args.op, "op")
+    if not comm_files and not op_files:
+        raise SystemExit(f"no comm_P*.json under {args.comm!r} and no op_P*.json under {args.op!r}")
+    written = plot_comm(args, comm_files) + plot_op(args, op_files, comm_files)
+    for p in written:
+        print(f"wrote {p}")
+    return written
+
+
+if __name__ == "__main__":
+    main()
