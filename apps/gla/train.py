@@ -1,0 +1,196 @@
+"""One training loop for every sequence-parallel method (the method is a config value).
+
+    python -m apps.gla.train config=debug.yaml
+    torchrun --nproc_per_node=2 -m apps.gla.train config=debug.yaml distributed.sp_size=2
+
+Resumes by itself from the latest complete checkpoint in dump_dir. Loss = mean over every token
+of every global sequence of the step (all DP ranks, all SP ranks, all micro-batches).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import random
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
+from lingua_zeco import distributed as D
+from lingua_zeco.args import dump_config, parse_args, to_dict
+from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
+from lingua_zeco.data import DataArgs, build_data_loader
+from lingua_zeco.metrics import LoggingArgs, MetricLogger, Timer, memory_stats, peak_flops, throughput
+from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm
+from lingua_zeco.profiling import ProfilerArgs, maybe_profile
+from lingua_zeco.tokenizer import build_tokenizer
+
+logger = logging.getLogger("train")
+
+
+@dataclass
+class TrainArgs:
+    name: str = "gla"
+    dump_dir: str = ""  # empty: dumps/<name>
+    seed: int = 42
+    steps: int = 1000
+    grad_acc_steps: int = 1  # micro-batches per optimizer step
+    model: GLAArgs = field(default_factory=GLAArgs)
+    data: DataArgs = field(default_factory=DataArgs)
+    optim: OptimArgs = field(default_factory=OptimArgs)
+    distributed: D.DistributedArgs = field(default_factory=D.DistributedArgs)
+    checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
+    logging: LoggingArgs = field(default_factory=LoggingArgs)
+    profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def build_model(args: TrainArgs, env: D.DistEnv) -> GLAForCausalLM:
+    model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method)
+    model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
+    model.to(env.device)
+    if args.distributed.fsdp:
+        D.apply_fsdp(model, env, args.distributed, model.blocks)
+    else:
+        D.broadcast_params(model)
+    return model
+
+
+def train(args: TrainArgs) -> dict:
+    """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
+    env = D.setup(args.distributed)
+    try:
+        return _train(args, env)
+    finally:
+        D.teardown(env)
+
+
+def _train(args: TrainArgs, env: D.DistEnv) -> dict:
+    dump_dir = args.dump_dir or os.path.join("dumps", args.name)
+    if args.model.vocab_size <= 0:
+        args = dataclasses.replace(args, model=dataclasses.replace(
+            args.model, vocab_size=build_tokenizer(args.data.tokenizer).n_words))
+    if args.grad_acc_steps < 1:
+        raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
+    if env.is_master:
+        dump_config(args, dump_dir)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+
+    model = build_model(args, env)
+    optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
+    data = build_data_loader(args.data, dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
+                             sp_size=env.dims.sp, seed=args.seed)
+    ckpt = CheckpointManager(args.checkpoint, dump_dir)
+    step = 0
+    resumed = ckpt.maybe_resume(model, optimizer)
+    if resumed is not None:
+        step, extra, per_rank = resumed
+        scheduler.load_state_dict(extra["scheduler"])
+        data.load_state_dict(per_rank["data"])
+        _set_rng_state(per_rank["rng"])
+    metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name, config=to_dict(args))
+    if env.is_master:
+        n = count_params(args.model)
+        logger.info("world %d = dp_replicate %d x dp_shard %d x sp %d (%s); %.1fM params; start at step %d",
+                    env.dims.world, env.dims.dp_replicate, env.dims.dp_shard, env.dims.sp, env.sp_method,
+                    n["total"] / 1e6, step)
+
+    fpt = flops_per_token(args.model)
+    peak = peak_flops(env.device, args.logging.peak_flops)
+    timer = Timer(env.device)
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
+                else contextlib.nullcontext())
+    losses: dict[int, float] = {}
+    tokens_per_micro = args.data.batch_size * args.data.seq_len
+    with maybe_profile(args.profiling, dump_dir, env.rank) as prof:
+        while step < args.steps:
+            t0 = timer.now()
+            data_wait = 0.0
+            loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+            n_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+            for micro in range(args.grad_acc_steps):
+                td = timer.now()
+                batch = next(data)
+                data_wait += timer.now() - td
+                input_ids = batch["input_ids"].to(env.device, non_blocking=True)
+                labels = batch["labels"].to(env.device, non_blocking=True)
+                cu = batch.get("cu_seqlens")
+                cu = cu.to(env.device) if cu is not None else None
+                if args.distributed.fsdp:
+                    model.set_requires_gradient_sync(micro == args.grad_acc_steps - 1)  # reduce once per step
+                with autocast:
+                    tok_loss, n_tok = model(input_ids, labels=labels, cu_seqlens=cu)
+                # Global token count of this micro-batch (scalar all-reduce, no host sync): each rank
+                # scales its loss sum so that the world-average of gradients is the global mean.
+                n_global = n_tok.detach().to(torch.float64)
+                dist.all_reduce(n_global)
+                scale = env.dims.world / (n_global.clamp_min(1.0) * args.grad_acc_steps)
+                (tok_loss * scale.to(tok_loss.dtype)).backward()
+                loss_sum += tok_loss.detach().to(torch.float64)
+                n_sum += n_global
+            if not args.distributed.fsdp:
+                D.allreduce_grads(model)
+            grad_norm = clip_grad_norm(model, args.optim.clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            prof.step()
+            step_time = timer.now() - t0
+
+            if step % args.logging.freq == 0 or step == args.steps:
+                # Global mean loss; step time and data wait of the slowest rank.
+                dist.all_reduce(loss_sum)
+                n_sum = n_sum.item()
+                loss = loss_sum.item() / max(n_sum, 1.0)
+                slowest = D.all_reduce_scalar(step_time, op=dist.ReduceOp.MAX, device=env.device)
+                wait = D.all_reduce_scalar(data_wait, op=dist.ReduceOp.MAX, device=env.device)
+                losses[step] = loss
+                record = dict(step=step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                              step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9),
+                              tokens_global=int(n_sum),
+                              **throughput(tokens_per_micro * args.grad_acc_steps, slowest, fpt, peak),
+                              **memory_stats(env.device))
+                metrics.log(record)
+                if env.is_master:
+                    logger.info("step %d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu", step, loss,
+                                record["lr"], grad_norm, record["tokens_per_s_per_gpu"])
+
+            every = args.checkpoint.dump.every
+            if (every > 0 and step % every == 0) or step == args.steps:
+                ckpt.save(step, model, optimizer,
+                          extra={"step": step, "scheduler": scheduler.state_dict()},
+                          per_rank={"data": data.state_dict(), "rng": _rng_state()})
+    data.close()
+    metrics.close()
+    return {"losses": losses, "step": step}
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
+    args = parse_args(TrainArgs, argv)
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
