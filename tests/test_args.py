@@ -1,0 +1,97 @@
+"""Config system: precedence defaults < YAML < CLI, strict keys and types, config name resolution."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from omegaconf import OmegaConf
+
+from apps.gla.train import TrainArgs
+from lingua_zeco.args import CONFIG_DIR, ConfigError, build, dump_config, parse_args, resolve_config_path
+
+
+@dataclass
+class Inner:
+    size: int = 1
+    name: str = "a"
+
+
+@dataclass
+class Outer:
+    steps: int = 10
+    lr: float = 0.1
+    mode: int | str = 1
+    inner: Inner = field(default_factory=Inner)
+
+
+def test_precedence_defaults_yaml_cli(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("steps: 20\nlr: 0.5\ninner:\n  size: 3\n")
+    args = parse_args(Outer, [f"config={cfg}", "steps=30", "inner.name=b"])
+    assert args.steps == 30  # CLI beats YAML
+    assert args.lr == 0.5  # YAML beats default
+    assert args.inner.size == 3 and args.inner.name == "b"
+    assert isinstance(args.inner, Inner)
+    assert parse_args(Outer, []) == Outer()
+
+
+def test_union_int_or_auto():
+    assert parse_args(Outer, ["mode=auto"]).mode == "auto"
+    assert parse_args(Outer, ["mode=4"]).mode == 4
+
+
+def test_unknown_key_lists_valid_keys(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        parse_args(Outer, ["inner.sise=3"])
+    msg = str(e.value)
+    assert "inner.sise" in msg and "size" in msg and "name" in msg
+    with pytest.raises(ConfigError, match="valid keys at the top level: steps, lr, mode, inner"):
+        parse_args(Outer, ["stpes=3"])
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("inner:\n  colour: red\n")
+    with pytest.raises(ConfigError, match="inner.colour"):
+        parse_args(Outer, [f"config={cfg}"])
+
+
+def test_strict_types():
+    with pytest.raises(ConfigError):
+        parse_args(Outer, ["steps=many"])
+    with pytest.raises(ConfigError):
+        build(Outer, {"inner": {"size": "big"}})
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_args(Outer, ["steps"])
+
+
+def test_config_name_resolution(tmp_path, monkeypatch):
+    assert resolve_config_path("debug.yaml") == CONFIG_DIR / "debug.yaml"
+    assert resolve_config_path("debug") == CONFIG_DIR / "debug.yaml"
+    local = tmp_path / "debug.yaml"  # an existing path wins over configs/
+    local.write_text("steps: 7\n")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_config_path("debug.yaml") == local.relative_to(tmp_path)
+    with pytest.raises(ConfigError, match="known:.*debug.yaml"):
+        resolve_config_path("no_such_config.yaml")
+
+
+@pytest.mark.parametrize("name", ["debug.yaml", "gla_1b_zeco.yaml", "gla_1b_lasp1.yaml", "gla_1b_lasp2.yaml",
+                                  "gla_1b_dp.yaml"])
+def test_shipped_configs_parse(name):
+    args = parse_args(TrainArgs, [f"config={name}"])
+    assert args.steps > 0 and args.data.seq_len > 0
+    if name.startswith("gla_1b"):
+        assert (args.model.dim, args.model.n_layers, args.model.n_heads) == (2048, 20, 16)
+        assert args.data.seq_len == 16384
+    if name == "gla_1b_dp.yaml":
+        assert args.distributed.sp_size == 1 and args.distributed.sp_method == "none"
+
+
+def test_contract_keys_and_dump(tmp_path):
+    args = parse_args(TrainArgs, ["config=debug.yaml", f"dump_dir={tmp_path}", "steps=3", "seed=5",
+                                  "data.seq_len=64", "data.batch_size=2", "distributed.sp_size=auto",
+                                  "distributed.sp_method=lasp2", "checkpoint.dump.every=2", "logging.freq=1"])
+    assert (args.steps, args.seed, args.data.seq_len, args.data.batch_size) == (3, 5, 64, 2)
+    assert args.distributed.sp_size == "auto" and args.distributed.sp_method == "lasp2"
+    assert args.checkpoint.dump.every == 2 and args.logging.freq == 1
+    path = dump_config(args, tmp_path)
+    again = build(TrainArgs, OmegaConf.load(path))  # the dump alone reproduces the config
+    assert again == args
