@@ -7,6 +7,7 @@ TimeoutError instead of a hang.
 """
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -29,7 +30,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        buf = io.BytesIO()  # plain bytes: tensors sent as shared memory die with the sending process
+        torch.save(out, buf)
+        queue.put((rank, "ok", buf.getvalue()))
     except BaseException:  # noqa: BLE001 - forwarded to the parent with the rank named
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -50,7 +53,7 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0):
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

@@ -1,0 +1,55 @@
+"""Sequence-parallel GLA: sp_gla(q, k, v, g, group=..., method=...) on one slice of a long sequence.
+
+The result on rank p equals single-device GLA (fla's convention, o_t = scale · q_t · S_t) on the
+concatenation of the group's slices in rank order. Methods:
+  zeco   All-Scan of one state per rank (fused with fla's stages on CUDA, composed elsewhere)
+  lasp1  serial hand-over of the state from rank to rank
+  lasp2  all-gather of every rank's state, local scan
+  none   a group of one rank (plain GLA)
+  local  diagnostic only: each rank runs its slice alone, dropping the state from before it
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lingua_zeco import kernels
+from lingua_zeco.comm import AllScanArgs
+
+from .compose import lasp1, scan_then_correct
+from .state_passing import group_rank_size
+from .validate import METHODS, check_across_ranks, check_local
+from .varlen import local_segments
+
+
+@dataclass
+class SPArgs:
+    method: str = "zeco"                 # zeco | lasp1 | lasp2 | none
+    backend: str | None = None           # fla | torch | None (from the device)
+    fused: bool = True                   # ZeCO: use the overlapped fla-stage path when the backend is fla
+    scan: AllScanArgs = field(default_factory=AllScanArgs)
+
+
+def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
+           backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None):
+    """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V]."""
+    rank, P = group_rank_size(group)
+    check_local(q, k, v, g, method, cu_seqlens, P)
+    check_across_ranks(q, v, g, cu_seqlens, group, P)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    name = kernels.pick_backend(q.device, backend)
+    if P == 1:  # nothing to exchange: every method is plain GLA
+        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens, backend=name)[0]
+    seg = local_segments(cu_seqlens, rank, q.shape[1], q.device)
+    scan = scan or AllScanArgs()
+    if method == "lasp1":
+        return lasp1(q, k, v, g, scale=scale, group=group, seg=seg, backend=name)
+    if method == "local":  # diagnostic: no state passing at all (wrong on purpose; never a default)
+        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
+    if method == "zeco" and fused and name == "fla" and cu_seqlens is None:
+        from .fused_zeco import fused_zeco_gla
+        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan)
+    return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
+                             backend=name, scan_args=scan)
+
+
+__all__ = ["METHODS", "SPArgs", "sp_gla"]
