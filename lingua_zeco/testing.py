@@ -24,11 +24,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue):
+def _worker(rank, world_size, port, fn, args, queue, backend):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         out = fn(rank, world_size, *args)
         buf = io.BytesIO()  # plain bytes: tensors sent as shared memory die with the sending process
         torch.save(out, buf)
@@ -40,12 +42,12 @@ def _worker(rank, world_size, port, fn, args, queue):
             dist.destroy_process_group()
 
 
-def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0):
-    """Spawn `world_size` gloo ranks running `fn(rank, world_size, *args)`; return results by rank."""
+def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: str = "gloo"):
+    """Spawn `world_size` ranks (gloo, or nccl with one GPU each) running `fn(rank, world_size, *args)`."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
