@@ -13,7 +13,7 @@ from lingua_zeco.comm import ScanWork
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _inputs(T, H=4, K=64, V=64, dtype=torch.bfloat16, seed=0):
+def _inputs(T, H=16, K=128, V=128, dtype=torch.bfloat16, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k = (torch.randn(1, T, H, K, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
     v = torch.randn(1, T, H, V, generator=gen, device="cuda", dtype=dtype)
