@@ -19,6 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 logger = logging.getLogger(__name__)
 
 SP_METHODS = ("zeco", "lasp1", "lasp2", "none")
+# "local" drops the state from earlier ranks (wrong on purpose): tests use it to show they can fail.
+DIAGNOSTIC_METHODS = ("local",)
 
 
 @dataclass
@@ -47,7 +49,9 @@ class ParallelDims:
 
 def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
     """Turn the config (with its "auto" and -1) into sizes, refusing impossible layouts loudly."""
-    if args.sp_method not in SP_METHODS:
+    if args.sp_method in DIAGNOSTIC_METHODS:
+        logger.warning("distributed.sp_method=%s is a diagnostic that gives WRONG results", args.sp_method)
+    elif args.sp_method not in SP_METHODS:
         raise ValueError(f"distributed.sp_method={args.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
     if args.dp_replicate < 1 or world % args.dp_replicate:
         raise ValueError(f"distributed.dp_replicate={args.dp_replicate} does not divide the world size {world}")
@@ -129,7 +133,11 @@ def setup(args: DistributedArgs) -> DistEnv:
     mesh = init_device_mesh(dev_type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=names)
     shard_sp = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
-    fsdp_mesh = mesh["dp_replicate", "dp_shard_sp"] if dims.dp_replicate > 1 else shard_sp
+    if dims.dp_replicate > 1:  # HSDP: replicate over dim 0, shard over dp_shard x sp (same rank order)
+        fsdp_mesh = init_device_mesh(dev_type, (dims.dp_replicate, dims.dp_shard * dims.sp),
+                                     mesh_dim_names=("dp_replicate", "dp_shard_sp"))
+    else:
+        fsdp_mesh = shard_sp
     sp_mesh = mesh["sp"]
     return DistEnv(
         dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh,
