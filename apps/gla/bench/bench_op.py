@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.sp import sp_gla
 
 from .common import (env_info, finish, init_distributed, markdown_table, parse_dataclass, peak_memory_mib,
@@ -32,7 +33,9 @@ class BenchOpArgs:
     heads: int = 16
     head_k: int = 128
     head_v: int = 128
+    # also: zeco_tree (Hillis-Steele All-Scan), zeco_composed (no overlap: the reference build)
     methods: tuple = ("none", "zeco", "lasp1", "lasp2", "fla")  # fla: CUDA only, skipped elsewhere
+    n_blocks: int = 4  # chain All-Scan pipelining depth for zeco
     dtype: str = ""  # "" = bf16 on CUDA, fp32 on CPU
     warmup: int = 5
     iters: int = 20
@@ -66,7 +69,19 @@ def _fla_chunk_gla():
     return chunk_gla
 
 
-def step_fn(method: str, inputs, self_group):
+def sp_kwargs(method: str, n_blocks: int, self_group) -> dict:
+    """sp_gla keyword arguments for a benchmark method name."""
+    if method == "none":
+        return dict(method="none", group=self_group)
+    if method in ("zeco", "zeco_composed", "zeco_tree"):
+        algo = "tree" if method == "zeco_tree" else "chain"
+        return dict(method="zeco", fused=method != "zeco_composed", scan=AllScanArgs(algorithm=algo, n_blocks=n_blocks))
+    if method in ("lasp1", "lasp2"):
+        return dict(method=method)
+    raise ValueError(f"unknown benchmark method {method!r}")
+
+
+def step_fn(method: str, inputs, self_group, n_blocks: int = 4):
     q, k, v, g, do = inputs
 
     def clear():
@@ -81,11 +96,11 @@ def step_fn(method: str, inputs, self_group):
             o, _ = chunk_gla(q, k, v, g)
             o.backward(do)
     else:
-        group = self_group if method == "none" else None
+        kw = sp_kwargs(method, n_blocks, self_group)
 
         def run():
             clear()
-            o = sp_gla(q, k, v, g, group=group, method=method)
+            o = sp_gla(q, k, v, g, **kw)
             o.backward(do)
     return run
 
@@ -117,7 +132,7 @@ def main(argv: list[str] | None = None) -> str | None:
         inputs = make_inputs(args, T, device, dtype, args.seed + 1000 * rank)
         for method in methods:
             reset_peak_memory(device)
-            t = time_iters(step_fn(method, inputs, self_group), device, args.warmup, args.iters)
+            t = time_iters(step_fn(method, inputs, self_group, args.n_blocks), device, args.warmup, args.iters)
             rows.append(dict(method=method, T_local=T, P=P, B=args.batch, H=args.heads, K=args.head_k,
                              V=args.head_v, dtype=str(dtype).removeprefix("torch."), **summarize(t, "ms"),
                              peak_mem_MiB=peak_memory_mib(device)))
