@@ -51,7 +51,7 @@ def tokens_per_gpu(N: int, T_local: int, args: ThroughputArgs, op: OpArgs, topo:
     grad = (1 - args.grad_overlap) * allreduce_big(args.n_params * args.grad_bytes, N, topo)
     ops = op_times(P, T_local, op, topo, dev)
     out = dict(dp=T_local / (T0 + grad))
-    for m in ("zeco", "lasp1", "lasp2"):
+    for m in ("zeco", "zeco_chain", "lasp1", "lasp2"):
         extra = args.n_layers * (ops[m] - ops["none"])
         out[m] = T_local / (T0 + extra + grad)
     out["grad_sync_ms"] = grad * 1e3
@@ -66,5 +66,5 @@ def throughput_rows(N_list: list[int], T_list: list[int], args: ThroughputArgs, 
         for N in N_list:
             r = tokens_per_gpu(N, T, args, op, topo, dev)
             rows.append(dict(T_local=T, N=N, scan=r["scan"], grad_ms=r["grad_sync_ms"],
-                             **{f"{m}_ktok_s": r[m] / 1e3 for m in ("dp", "zeco", "lasp1", "lasp2")}))
+                             **{f"{m}_ktok_s": r[m] / 1e3 for m in ("dp", "zeco", "zeco_chain", "lasp1", "lasp2")}))
     return rows

@@ -63,13 +63,14 @@ def model_topology(args: PlotArgs, files: list[str]) -> Topology:
     return Topology(TopologyArgs(kind=kind, gpus_per_node=args.gpus_per_node), links)
 
 
-def p_range(measured: list[int], top: int) -> list[int]:
+def p_range(measured: list[int], top: int, lowest: int = 2) -> list[int]:
+    """Powers of two up to `top` plus every measured P >= lowest (P=1 exchanges nothing)."""
     hi = max([top, *measured])
-    ps, p = [], 2
+    ps, p = [], lowest
     while p <= hi:
         ps.append(p)
         p *= 2
-    return sorted(set(ps) | {m for m in measured if m > 1})  # P=1 has nothing to exchange
+    return sorted(set(ps) | {m for m in measured if m >= lowest})
 
 
 def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
@@ -121,7 +122,8 @@ def plot_op(args: PlotArgs, op_files: list[str], comm_files: list[str]) -> list[
         r0 = next(r for r in rows if r["T_local"] == T)
         op = OpArgs(kernel_ms=kernel_ms, H=r0["H"], K=r0["K"], V=r0["V"], scan=args.scan, n_blocks=args.n_blocks)
         mine = [r for r in rows if r["T_local"] == T]
-        ps = p_range(sorted({r["P"] for r in mine}), args.model_max_p)
+        measured_ps = sorted({r["P"] for r in mine})
+        ps = p_range(measured_ps, args.model_max_p, lowest=min(measured_ps[0], 2))  # P=1: the baseline
         model = [op_times(P, T, op, topo, dev) for P in ps]
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
         for m in ("none", "fla", "zeco", "lasp1", "lasp2"):
