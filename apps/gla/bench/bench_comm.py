@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> str | None:
     md += markdown_table(rows, ["method", "H", "P", "state_bytes", "median_us", "p10_us", "p90_us", "n"])
     if p2p:
         md += "\n## P2P one way\n\n" + markdown_table(p2p, ["bytes", "peer", "median_us", "p10_us", "p90_us"])
+    if payload["calibration"]:
         link = next(iter(payload["calibration"]["links"].items()))
         md += f"\nfit {link[0]}: alpha = {link[1]['alpha_s'] * 1e6:.2f} µs, beta = {link[1]['beta_Bps'] / 1e9:.2f} GB/s\n"
     path = write_outputs(args.out, f"comm_P{dist.get_world_size()}", payload, md)

@@ -88,8 +88,10 @@ def time_iters(fn: Callable[[], object], device: torch.device, warmup: int, iter
         torch.cuda.synchronize(device)
     times = []
     events = []
+    nccl = dist.get_backend(group) == "nccl"
+    barrier_kw = dict(device_ids=[device.index]) if nccl else {}  # NCCL: no guessing of the device
     for _ in range(iters):
-        dist.barrier(group=group)
+        dist.barrier(group=group, **barrier_kw)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # start from an idle stream so the start event is "now"
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -105,7 +107,7 @@ def time_iters(fn: Callable[[], object], device: torch.device, warmup: int, iter
         torch.cuda.synchronize(device)
         times = [s.elapsed_time(e) * 1e-3 for s, e in events]
     # NCCL reduces device tensors only; gloo takes CPU ones
-    buf = torch.tensor(times, dtype=torch.float64, device=device if dist.get_backend(group) == "nccl" else "cpu")
+    buf = torch.tensor(times, dtype=torch.float64, device=device if nccl else "cpu")
     dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
     return buf.tolist()
 
