@@ -1,6 +1,7 @@
 """End-to-end training: the CLI, SP=2 vs SP=1 loss curves, gradient accumulation, exact resume."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import torch
 
 from apps.gla.train import TrainArgs, train
 from lingua_zeco.args import parse_args
+from lingua_zeco.data import build_data_loader
 from lingua_zeco.metrics import read_metrics
 from lingua_zeco.testing import run_on_ranks
 
@@ -29,6 +31,18 @@ def _args(dump_dir, *extra) -> TrainArgs:
 def _train_on_rank(rank, world, argv):
     torch.set_num_threads(1)
     return train(parse_args(TrainArgs, argv))["losses"]
+
+
+def _short_docs(folder: Path) -> str:
+    """A jsonl of short documents, so packed sequences hold many boundaries (the built-in
+    documents are longer than a test sequence)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    words = "state scan rank chunk gate token decay sequence parallel linear attention".split()
+    with open(folder / "docs.jsonl", "w") as f:
+        for i in range(400):
+            text = " ".join(words[(i * 7 + j * 3) % len(words)] for j in range(2 + i % 9))
+            f.write(json.dumps({"text": text}) + "\n")
+    return str(folder)
 
 
 def _curve(losses: dict) -> list[float]:
@@ -51,12 +65,19 @@ def test_cli_debug_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["zeco", "lasp1", "lasp2"])
-def test_sp2_matches_sp1(tmp_path, method):
+@pytest.mark.parametrize("method, varlen", [("zeco", False), ("lasp1", False), ("lasp2", False), ("zeco", True)])
+def test_sp2_matches_sp1(tmp_path, method, varlen):
     """Same seed, same global sequences (2 x 64 tokens split over 2 ranks vs 128 on one): the loss
-    curves agree, which needs the SP exchange, FSDP's reduction over SP and the loss scaling right."""
+    curves agree, which needs the SP exchange, FSDP's reduction over SP and the loss scaling right.
+    varlen: packed documents (cu_seqlens of the global sequence), whose boundaries reset the state."""
     steps = ["steps=5", "checkpoint.dump.every=100"]
-    ref = _curve(train(_args(tmp_path / "sp1", *steps, "data.seq_len=128"))["losses"])
+    if varlen:
+        steps += ["data.varlen=true", "data.batch_size=1", f"data.root_dir={_short_docs(tmp_path / 'docs')}"]
+    ref_args = _args(tmp_path / "sp1", *steps, "data.seq_len=128")
+    if varlen:  # the packed sequences really hold document boundaries, on both sides of the rank split
+        cu = next(build_data_loader(ref_args.data, dp_rank=0, dp_size=1, sp_rank=0, sp_size=1, seed=0))["cu_seqlens"]
+        assert ((cu > 0) & (cu < 64)).any() and ((cu > 64) & (cu < 128)).any(), cu
+    ref = _curve(train(ref_args)["losses"])
     argv = [*TINY, f"dump_dir={tmp_path / 'sp2'}", *steps, "data.seq_len=64", "distributed.sp_size=2",
             f"distributed.sp_method={method}"]
     got = run_on_ranks(_train_on_rank, 2, argv)
