@@ -84,6 +84,10 @@ def test_sp2_matches_sp1(tmp_path, method, varlen):
     assert _curve(got[0]) == _curve(got[1])  # every rank reports the global loss
     assert ref[-1] < ref[0] - 0.2, ref  # it learns
     torch.testing.assert_close(torch.tensor(_curve(got[0])), torch.tensor(ref), rtol=SP_RTOL, atol=0)
+    # Adam hardly sees a constant gradient factor, so check the gradient itself: its global norm
+    # (a wrong loss scaling or a missing reduction over SP would move it by 2x).
+    gn = [[r["grad_norm"] for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in ("sp1", "sp2")]
+    torch.testing.assert_close(torch.tensor(gn[1]), torch.tensor(gn[0]), rtol=1e-4, atol=0)
 
 
 @pytest.mark.slow
