@@ -56,10 +56,10 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, total_steps: int):
     return opt, sched
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm before clipping (works on FSDP2 DTensor gradients too)."""
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient norm before clipping, as a tensor (no host sync; works on FSDP2 DTensors)."""
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     if hasattr(norm, "full_tensor"):  # DTensor: the norm is a replicated DTensor
         norm = norm.full_tensor()
-    return float(norm)
+    return norm

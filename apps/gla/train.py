@@ -14,6 +14,7 @@ import logging
 import os
 import random
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,34 @@ def build_model(args: TrainArgs, env: D.DistEnv) -> GLAForCausalLM:
     return model
 
 
+def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
+    """All micro-batches of one step. Returns (local loss sum, global token count, data wait s)."""
+    data_wait = 0.0
+    loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+    n_sum = torch.zeros((), device=env.device, dtype=torch.float64)
+    for micro in range(args.grad_acc_steps):
+        td = time.perf_counter()  # host-side wait only: no device sync inside the step
+        batch = next(data)
+        data_wait += time.perf_counter() - td
+        input_ids = batch["input_ids"].to(env.device, non_blocking=True)
+        labels = batch["labels"].to(env.device, non_blocking=True)
+        cu = batch.get("cu_seqlens")
+        cu = cu.to(env.device) if cu is not None else None
+        if args.distributed.fsdp:
+            model.set_requires_gradient_sync(micro == args.grad_acc_steps - 1)  # reduce once per step
+        with autocast:
+            tok_loss, n_tok = model(input_ids, labels=labels, cu_seqlens=cu)
+        # Global token count of this micro-batch (scalar all-reduce, no host sync): each rank
+        # scales its loss sum so that the world-average of gradients is the global mean.
+        n_global = n_tok.detach().to(torch.float64)
+        dist.all_reduce(n_global)
+        scale = env.dims.world / (n_global.clamp_min(1.0) * args.grad_acc_steps)
+        (tok_loss * scale.to(tok_loss.dtype)).backward()
+        loss_sum += tok_loss.detach().to(torch.float64)
+        n_sum += n_global
+    return loss_sum, n_sum, data_wait
+
+
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
     env = D.setup(args.distributed)
@@ -120,67 +149,47 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                 else contextlib.nullcontext())
     losses: dict[int, float] = {}
     tokens_per_micro = args.data.batch_size * args.data.seq_len
-    with maybe_profile(args.profiling, dump_dir, env.rank) as prof:
-        while step < args.steps:
-            t0 = timer.now()
-            data_wait = 0.0
-            loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
-            n_sum = torch.zeros((), device=env.device, dtype=torch.float64)
-            for micro in range(args.grad_acc_steps):
-                td = timer.now()
-                batch = next(data)
-                data_wait += timer.now() - td
-                input_ids = batch["input_ids"].to(env.device, non_blocking=True)
-                labels = batch["labels"].to(env.device, non_blocking=True)
-                cu = batch.get("cu_seqlens")
-                cu = cu.to(env.device) if cu is not None else None
-                if args.distributed.fsdp:
-                    model.set_requires_gradient_sync(micro == args.grad_acc_steps - 1)  # reduce once per step
-                with autocast:
-                    tok_loss, n_tok = model(input_ids, labels=labels, cu_seqlens=cu)
-                # Global token count of this micro-batch (scalar all-reduce, no host sync): each rank
-                # scales its loss sum so that the world-average of gradients is the global mean.
-                n_global = n_tok.detach().to(torch.float64)
-                dist.all_reduce(n_global)
-                scale = env.dims.world / (n_global.clamp_min(1.0) * args.grad_acc_steps)
-                (tok_loss * scale.to(tok_loss.dtype)).backward()
-                loss_sum += tok_loss.detach().to(torch.float64)
-                n_sum += n_global
-            if not args.distributed.fsdp:
-                D.allreduce_grads(model)
-            grad_norm = clip_grad_norm(model, args.optim.clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            prof.step()
-            step_time = timer.now() - t0
+    try:
+        with maybe_profile(args.profiling, dump_dir, env.rank) as prof:
+            while step < args.steps:
+                t0 = timer.now()
+                loss_sum, n_sum, data_wait = forward_backward(model, data, env, args, autocast)
+                if not args.distributed.fsdp:
+                    D.allreduce_grads(model)
+                grad_norm = clip_grad_norm(model, args.optim.clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                prof.step()
+                step_time = timer.now() - t0
 
-            if step % args.logging.freq == 0 or step == args.steps:
-                # Global mean loss; step time and data wait of the slowest rank.
-                dist.all_reduce(loss_sum)
-                n_sum = n_sum.item()
-                loss = loss_sum.item() / max(n_sum, 1.0)
-                slowest = D.all_reduce_scalar(step_time, op=dist.ReduceOp.MAX, device=env.device)
-                wait = D.all_reduce_scalar(data_wait, op=dist.ReduceOp.MAX, device=env.device)
-                losses[step] = loss
-                record = dict(step=step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                              step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9),
-                              tokens_global=int(n_sum),
-                              **throughput(tokens_per_micro * args.grad_acc_steps, slowest, fpt, peak),
-                              **memory_stats(env.device))
-                metrics.log(record)
-                if env.is_master:
-                    logger.info("step %d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu", step, loss,
-                                record["lr"], grad_norm, record["tokens_per_s_per_gpu"])
+                if step % args.logging.freq == 0 or step == args.steps:
+                    # Global mean loss; step time and data wait of the slowest rank.
+                    dist.all_reduce(loss_sum)
+                    n_sum = n_sum.item()
+                    loss = loss_sum.item() / max(n_sum, 1.0)
+                    slowest = D.all_reduce_scalar(step_time, op=dist.ReduceOp.MAX, device=env.device)
+                    wait = D.all_reduce_scalar(data_wait, op=dist.ReduceOp.MAX, device=env.device)
+                    losses[step] = loss
+                    record = dict(step=step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
+                                  step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9),
+                                  tokens_global=int(n_sum),
+                                  **throughput(tokens_per_micro * args.grad_acc_steps, slowest, fpt, peak),
+                                  **memory_stats(env.device))
+                    metrics.log(record)
+                    if env.is_master:
+                        logger.info("step %d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu", step, loss,
+                                    record["lr"], record["grad_norm"], record["tokens_per_s_per_gpu"])
 
-            every = args.checkpoint.dump.every
-            if (every > 0 and step % every == 0) or step == args.steps:
-                ckpt.save(step, model, optimizer,
-                          extra={"step": step, "scheduler": scheduler.state_dict()},
-                          per_rank={"data": data.state_dict(), "rng": _rng_state()})
-    data.close()
-    metrics.close()
+                every = args.checkpoint.dump.every
+                if (every > 0 and step % every == 0) or step == args.steps:
+                    ckpt.save(step, model, optimizer,
+                              extra={"step": step, "scheduler": scheduler.state_dict()},
+                              per_rank={"data": data.state_dict(), "rng": _rng_state()})
+    finally:  # stop the prefetch thread and flush the metrics file even when a step fails
+        data.close()
+        metrics.close()
     return {"losses": losses, "step": step}
 
 
