@@ -14,6 +14,7 @@ from apps.gla.train import TrainArgs, train
 from lingua_zeco.args import parse_args
 from lingua_zeco.data import build_data_loader
 from lingua_zeco.metrics import read_metrics
+from lingua_zeco.optim import OptimArgs, lr_factor
 from lingua_zeco.testing import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +52,8 @@ def _curve(losses: dict) -> list[float]:
 
 def test_cli_debug_run(tmp_path):
     """The README command, shortened to 3 steps: config dump, metrics file, final checkpoint."""
-    cmd = [sys.executable, "-m", "apps.gla.train", *TINY, f"dump_dir={tmp_path}", "steps=3", "data.seq_len=64"]
+    cmd = [sys.executable, "-m", "apps.gla.train", *TINY, f"dump_dir={tmp_path}", "steps=3", "data.seq_len=64",
+           "profiling.enabled=true", "profiling.start_step=1", "profiling.warmup=1", "profiling.active=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -62,6 +64,18 @@ def test_cli_debug_run(tmp_path):
         assert 0 < r["loss"] < 10 and r["tokens_per_s_per_gpu"] > 0 and 0 <= r["data_wait_share"] <= 1
         assert r["tokens_global"] == 2 * 64
     assert any(p.name.startswith("step_") for p in (tmp_path / "checkpoints").iterdir())
+    assert list((tmp_path / "profile").glob("rank0_step*.json"))  # the profiler window was recorded
+
+
+def test_lr_schedule():
+    args = OptimArgs(lr=1.0, warmup=4, scheduler="cosine", lr_min_ratio=0.1)
+    f = [lr_factor(s, args, total=14) for s in range(16)]
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0] and f[4] == 1.0
+    assert f[9] == pytest.approx(0.55) and f[14] == pytest.approx(0.1) and f[15] == pytest.approx(0.1)
+    lin = OptimArgs(lr=1.0, warmup=0, scheduler="linear", lr_min_ratio=0.0)
+    assert [lr_factor(s, lin, total=4) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    with pytest.raises(ValueError, match="cosine, linear, constant"):
+        lr_factor(0, OptimArgs(scheduler="step"), total=4)
 
 
 @pytest.mark.slow
