@@ -78,7 +78,7 @@ def test_bad_shapes_are_refused_before_any_communication():
 
 def test_auto_prefers_tree_when_latency_dominates_and_chain_for_few_ranks():
     mib = 1 << 20
-    args = AllScanArgs(algorithm="auto", n_blocks=4, alpha_s=30e-6, beta_Bps=150e9)
+    args = AllScanArgs(algorithm="auto", n_blocks=0, alpha_s=30e-6, beta_Bps=150e9)
     assert choose_algorithm(256, mib, args) == "tree"
     assert choose_algorithm(2, mib, args) == "chain"
     assert chain_time(256, mib, 4, 30e-6, 150e9) > 10 * tree_time(256, mib, 30e-6, 150e9)

@@ -9,8 +9,10 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
 
 T_LOCAL, H, K, V = 1024, 16, 128, 128  # the model's head shape: reuses the autotune cache
-VARIANTS = [("zeco", True, False), ("zeco", False, False), ("zeco", False, True), ("lasp1", False, False),
-            ("lasp1", False, True), ("lasp2", False, False), ("lasp2", False, True), ("local", False, False)]
+# (method, fused, varlen). Packed documents are covered on CPU (gloo) and by the fla-vs-torch varlen
+# kernel test; here they would cost minutes of fla's varlen autotuning.
+VARIANTS = [("zeco", True, False), ("zeco", False, False), ("lasp1", False, False), ("lasp2", False, False),
+            ("local", False, False)]
 
 
 def global_inputs(P, device):

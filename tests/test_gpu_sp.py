@@ -27,9 +27,10 @@ def test_fold_triton_matches_torch():
     h = torch.randn(2, 5, 3, 64, 96, device="cuda", dtype=torch.bfloat16)
     d = torch.rand(2, 5, 3, 64, device="cuda")
     S = torch.randn(2, 3, 64, 96, device="cuda")
-    a, b = fold_state_(h.clone(), d, S), fold_state_torch_(h.clone(), d, S)
-    assert (a.float() - b.float()).abs().max() < 1e-2
-    assert (a.float() - h.float()).abs().max() > 0.1
+    exact = h.float() + d[..., None] * S[:, None]
+    for out in (fold_state_(h.clone(), d, S), fold_state_torch_(h.clone(), d, S)):
+        assert ((out.float() - exact).abs() <= 2e-2 * exact.abs() + 1e-2).all()  # bf16 rounding only
+    assert (fold_state_(h.clone(), d, S).float() - h.float()).abs().max() > 0.1
 
 
 def two_virtual_ranks(q, k, v, g, T_local, break_fold=False):

@@ -32,10 +32,11 @@ ALGORITHMS = ("chain", "tree", "auto")
 @dataclass
 class AllScanArgs:
     algorithm: str = "chain"   # chain | tree | auto
-    n_blocks: int = 4          # chain pipelining: blocks along K (1 = no pipelining)
-    # auto: alpha–beta cost of one hop (seconds, bytes/second); measured by apps/gla/bench/bench_comm.py
-    alpha_s: float = 20e-6
-    beta_Bps: float = 100e9
+    n_blocks: int = 0          # chain pipelining: blocks along K (1 = none; 0 = by the alpha–beta model)
+    # alpha–beta cost of one message (seconds, bytes/second) for the automatic choices; defaults from
+    # NCCL P2P between two H200s (apps/gla/bench/bench_comm.py measures them)
+    alpha_s: float = 45e-6
+    beta_Bps: float = 300e9
 
 
 def _group_info(group):
@@ -54,11 +55,16 @@ def _k_blocks(K: int, n_blocks: int) -> list[tuple[int, int]]:
 
 
 def chain_time(P: int, nbytes: int, n_blocks: int, alpha_s: float, beta_Bps: float) -> float:
-    """Alpha–beta estimate of the pipelined chain: the first block crosses P-1 hops, the rest stream."""
+    """Alpha–beta estimate of the pipelined chain: the first block crosses P-1 hops, the other n-1
+    follow one hop behind each other; every block pays the per-message cost alpha (measured on
+    NCCL here: ~45 µs a message whatever its size up to 4 MiB, so few blocks win on few ranks)."""
     if P <= 1:
         return 0.0
-    blk = nbytes / n_blocks
-    return (P - 1) * (alpha_s + blk / beta_Bps) + (n_blocks - 1) * blk / beta_Bps
+    return (P - 2 + n_blocks) * (alpha_s + nbytes / n_blocks / beta_Bps)
+
+
+def best_n_blocks(P: int, nbytes: int, alpha_s: float, beta_Bps: float) -> int:
+    return min((1, 2, 4, 8, 16), key=lambda n: chain_time(P, nbytes, n, alpha_s, beta_Bps))
 
 
 def tree_time(P: int, nbytes: int, alpha_s: float, beta_Bps: float) -> float:
@@ -72,7 +78,8 @@ def choose_algorithm(P: int, nbytes: int, args: AllScanArgs) -> str:
     """Pick chain or tree by the alpha–beta model (ties go to the chain: one state of volume)."""
     if args.algorithm != "auto":
         return args.algorithm
-    chain = chain_time(P, nbytes, args.n_blocks, args.alpha_s, args.beta_Bps)
+    n = args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps)
+    chain = chain_time(P, nbytes, n, args.alpha_s, args.beta_Bps)
     tree = tree_time(P, nbytes, args.alpha_s, args.beta_Bps)
     return "tree" if tree < chain else "chain"
 
@@ -150,7 +157,7 @@ def _side_stream(device):
 
 
 def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False, *,
-             algorithm: str = "chain", n_blocks: int = 4, async_op: bool = False,
+             algorithm: str = "chain", n_blocks: int = 0, async_op: bool = False,
              args: AllScanArgs | None = None):
     """Exclusive decay-scan of x [..., K, V] with decays a [..., K] over the ranks of `group`.
 
@@ -176,10 +183,11 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
     def run():
         if P == 1:
             return torch.zeros_like(x)
-        algo = choose_algorithm(P, x.numel() * x.element_size(), args)
-        if algo == "tree":
+        nbytes = x.numel() * x.element_size()
+        if choose_algorithm(P, nbytes, args) == "tree":
             return _tree(x, a, group, pos, P, peer)
-        return _chain(x, a, group, pos, P, peer, args.n_blocks)
+        n_blocks = args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps)
+        return _chain(x, a, group, pos, P, peer, n_blocks)
 
     if not (async_op and x.is_cuda):
         out = run()

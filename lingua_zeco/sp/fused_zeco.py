@@ -29,7 +29,8 @@ def _chunk_gate_sums(g_cs_BTHK, BT):
     T = g_cs_BTHK.shape[1]
     ends = torch.arange(BT - 1, T + BT - 1, BT, device=g_cs_BTHK.device).clamp_(max=T - 1)
     tot_BNHK = g_cs_BTHK[:, ends].float()
-    incl_BNHK = tot_BNHK.cumsum(1)
+    # scan along the innermost dim: torch's outer-dim scan took ~47 µs here at NT = 256
+    incl_BNHK = tot_BNHK.movedim(1, -1).cumsum(-1).movedim(-1, 1)
     return incl_BNHK, incl_BNHK - tot_BNHK
 
 
