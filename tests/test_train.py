@@ -56,7 +56,7 @@ def test_cli_debug_run(tmp_path):
            "profiling.enabled=true", "profiling.start_step=1", "profiling.warmup=1", "profiling.active=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "2"}
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, f"exit {res.returncode}\nstderr:\n{res.stderr[-3000:]}\nstdout:\n{res.stdout[-1000:]}"
     assert (tmp_path / "config.yaml").is_file()
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
