@@ -106,7 +106,7 @@ class DistEnv:
     mesh: DeviceMesh
     fsdp_mesh: DeviceMesh  # (dp_replicate, dp_shard*sp) or (dp_shard*sp): where parameters live
     dp_mesh: DeviceMesh  # ranks that see different data
-    sp_group: dist.ProcessGroup | None  # None when sp == 1
+    sp_group: dist.ProcessGroup  # a group of one rank when sp == 1 (None would mean the world to sp_gla)
     sp_method: str  # "none" when sp == 1 (nothing to exchange)
     dp_rank: int
     sp_rank: int
@@ -141,7 +141,7 @@ def setup(args: DistributedArgs) -> DistEnv:
     sp_mesh = mesh["sp"]
     return DistEnv(
         dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh,
-        sp_group=sp_mesh.get_group() if dims.sp > 1 else None,
+        sp_group=sp_mesh.get_group(),
         sp_method=args.sp_method if dims.sp > 1 else "none",
         dp_rank=dp_mesh.get_local_rank(), sp_rank=sp_mesh.get_local_rank(), rank=rank,
         device=device, owns_group=owns,

@@ -38,7 +38,7 @@ def test_single_process_setup():
     env = setup(DistributedArgs(sp_size=1))
     try:
         assert env.owns_group and dist.get_world_size() == 1
-        assert env.sp_group is None and env.sp_method == "none"  # nothing to exchange with one rank
+        assert dist.get_world_size(env.sp_group) == 1 and env.sp_method == "none"  # nothing to exchange
         assert (env.dp_rank, env.sp_rank) == (0, 0)
     finally:
         teardown(env)
@@ -80,3 +80,10 @@ def test_mesh_layout_and_grad_reduction_4_ranks(dp_replicate):
         assert o["method"] == "zeco"
         assert o["fsdp_shape"] == ((2, 2) if dp_replicate == 2 else (4,))
         assert o["err"] < 1e-5, o
+
+
+def test_pure_data_parallel_gets_one_rank_sp_groups():
+    """sp_size=1 on 2 ranks: each rank's SP group holds only itself (a None group would mean the world)."""
+    out = run_on_ranks(_layout, 2, 1, 1)
+    for rank, o in enumerate(out):
+        assert o["sp_members"] == [rank] and o["method"] == "none" and o["err"] < 1e-6
