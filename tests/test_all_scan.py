@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.comm import AllScanArgs, all_scan, chain_time, choose_algorithm, tree_time
+from lingua_zeco.comm import AllScanArgs, all_scan, chain_time, choose_algorithm, gather_scan, tree_time
 from lingua_zeco.testing import run_on_ranks
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
@@ -42,6 +42,9 @@ def _scan_worker(rank, world, sizes, cases):
                 y = all_scan(sub_x[p], sub_a[p], group=group, reverse=reverse, algorithm=algo, n_blocks=nb)
                 err = (y.double() - reference(sub_x, sub_a, p, reverse)).abs().max().item()
                 errors[(n, algo, nb, reverse)] = err
+        for reverse in (False, True):
+            y = gather_scan(sub_x[p], sub_a[p], group=group, reverse=reverse)
+            errors[(n, "gather", 0, reverse)] = (y.double() - reference(sub_x, sub_a, p, reverse)).abs().max().item()
         work = all_scan(sub_x[p], sub_a[p], group=group, async_op=True)
         errors[(n, "async", 4, False)] = (work.wait().double() - reference(sub_x, sub_a, p, False)).abs().max().item()
     return errors
@@ -55,7 +58,7 @@ def test_all_scan_matches_reference_for_all_group_sizes():
         for key, err in errs.items():
             assert err < 1e-5, f"all_scan wrong for (P, algorithm, n_blocks, reverse) = {key}: max error {err}"
             checked += 1
-    assert checked == sum(n * (2 * len(CASES) + 1) for n in SIZES)
+    assert checked == sum(n * (2 * len(CASES) + 3) for n in SIZES)
 
 
 def _broken_worker(rank, world):

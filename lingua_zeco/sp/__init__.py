@@ -25,7 +25,7 @@ from .varlen import local_segments
 class SPArgs:
     method: str = "zeco"                 # zeco | lasp1 | lasp2 | none
     backend: str | None = None           # fla | torch | None (from the device)
-    fused: bool = True                   # ZeCO: use the overlapped fla-stage path when the backend is fla
+    fused: bool = True                   # zeco/lasp2: use fla's stages (overlapped scan) when the backend is fla
     scan: AllScanArgs = field(default_factory=AllScanArgs)
 
 
@@ -45,9 +45,9 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
         return lasp1(q, k, v, g, scale=scale, group=group, seg=seg, backend=name)
     if method == "local":  # diagnostic: no state passing at all (wrong on purpose; never a default)
         return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
-    if method == "zeco" and fused and name == "fla" and cu_seqlens is None:
-        from .fused_zeco import fused_zeco_gla
-        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan)
+    if method in ("zeco", "lasp2") and fused and name == "fla" and cu_seqlens is None:
+        from .fused_zeco import fused_zeco_gla  # lasp2: the same stages, the scan by all-gather
+        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan, gather=method == "lasp2")
     return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
                              backend=name, scan_args=scan)
 

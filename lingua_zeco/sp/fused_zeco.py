@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from lingua_zeco.comm import AllScanArgs, all_scan
+from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan, gather_scan
 from lingua_zeco.kernels.fold import fold_state_
 
 
@@ -88,10 +88,14 @@ class FusedZeCOGLA(torch.autograd.Function):
         return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None
 
 
-def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs):
+def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, gather: bool = False):
+    """gather=False: ZeCO's All-Scan (overlapped). gather=True: LASP-2's all-gather + local scan on
+    the same stages (blocking, as LASP-2 is; its cost is the P-state collective)."""
     assert seg.cu_seqlens is None, "the fused path takes equal-length sequences; packed ones go through compose"
 
     def scan_fn(x, a, reverse):  # returns a handle; the caller computes until it waits
+        if gather:
+            return ScanWork(gather_scan(x, a, group, reverse=reverse))
         return all_scan(x, a, group, reverse=reverse, args=scan, async_op=True)
 
     return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn)
