@@ -85,3 +85,50 @@ def test_auto_prefers_tree_when_latency_dominates_and_chain_for_few_ranks():
     assert choose_algorithm(256, mib, args) == "tree"
     assert choose_algorithm(2, mib, args) == "chain"
     assert chain_time(256, mib, 4, 30e-6, 150e9) > 10 * tree_time(256, mib, 30e-6, 150e9)
+
+
+def _hier_worker(rank, world, node_sizes):
+    xs, as_ = contributions(world, seed=3)
+    errors = {}
+    for G in node_sizes:
+        for reverse in (False, True):
+            args = AllScanArgs(algorithm="hier", node_size=G, n_blocks=2)
+            y = all_scan(xs[rank], as_[rank], reverse=reverse, args=args)
+            errors[(G, reverse)] = (y.double() - reference(xs, as_, rank, reverse)).abs().max().item()
+    return errors
+
+
+@pytest.mark.slow
+def test_hierarchical_scan_matches_reference():
+    node_sizes = [1, 2, 3, 4, 6, 12]
+    results = run_on_ranks(_hier_worker, 12, node_sizes, timeout_s=300)
+    for rank, errs in enumerate(results):
+        assert len(errs) == 2 * len(node_sizes)
+        for key, err in errs.items():
+            assert err < 1e-5, f"hierarchical all_scan wrong for (node_size, reverse) = {key} on rank {rank}: {err}"
+
+
+def test_hierarchical_refuses_a_node_size_that_does_not_divide():
+    results = run_on_ranks(_hier_bad_worker, 3)
+    assert all("node_size=2 must divide the group size 3" in r for r in results)
+
+
+def _hier_bad_worker(rank, world):
+    try:
+        all_scan(torch.zeros(2, 3), torch.zeros(2), args=AllScanArgs(algorithm="hier", node_size=2))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_auto_across_nodes_uses_inter_node_costs():
+    from lingua_zeco.comm.all_scan import estimate
+    args = AllScanArgs(algorithm="auto", node_size=8, alpha_s=45e-6, beta_Bps=300e9,
+                       alpha_inter_s=60e-6, beta_inter_Bps=50e9)
+    est = estimate(256, 1 << 20, args)
+    assert set(est) == {"chain", "tree", "hier"}
+    assert est["tree"] < est["hier"] < est["chain"]
+    assert choose_algorithm(256, 1 << 20, args) == "tree"
+    # the chain pays the inter-node hop once per node boundary: 31 of them at P = 256
+    flat = estimate(256, 1 << 20, AllScanArgs(node_size=256))
+    assert est["chain"] > flat["chain"]

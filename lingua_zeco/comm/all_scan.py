@@ -21,22 +21,30 @@ No autograd here: lingua_zeco.sp wraps this in autograd functions.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-ALGORITHMS = ("chain", "tree", "auto")
+from .hierarchical import hierarchical_scan, hierarchical_time
+
+ALGORITHMS = ("chain", "tree", "hier", "auto")
 
 
 @dataclass
 class AllScanArgs:
-    algorithm: str = "chain"   # chain | tree | auto
+    algorithm: str = "chain"   # chain | tree | hier (chain in a node, tree across) | auto
     n_blocks: int = 0          # chain pipelining: blocks along K (1 = none; 0 = by the alpha–beta model)
     # alpha–beta cost of one message (seconds, bytes/second) for the automatic choices; defaults from
     # NCCL P2P between two H200s (apps/gla/bench/bench_comm.py measures them)
     alpha_s: float = 45e-6
     beta_Bps: float = 300e9
+    # hier / auto across nodes: ranks per node (0 = LOCAL_WORLD_SIZE from torchrun; 0 there = one node)
+    # and the per-message cost across nodes (InfiniBand NDR 400 Gb/s per GPU; a lead, not measured)
+    node_size: int = 0
+    alpha_inter_s: float = 60e-6
+    beta_inter_Bps: float = 50e9
 
 
 def _group_info(group):
@@ -74,14 +82,34 @@ def tree_time(P: int, nbytes: int, alpha_s: float, beta_Bps: float) -> float:
     return math.ceil(math.log2(P)) * (alpha_s + nbytes / beta_Bps)
 
 
+def node_size_of(args: AllScanArgs, P: int) -> int:
+    G = args.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or P
+    return G if 0 < G <= P and P % G == 0 else P
+
+
+def estimate(P: int, nbytes: int, args: AllScanArgs) -> dict[str, float]:
+    """Modelled seconds of each algorithm; hops that cross a node boundary pay the inter-node cost."""
+    G = node_size_of(args, P)
+    N = P // G
+    b_in = args.alpha_s + nbytes / args.beta_Bps
+    b_out = args.alpha_inter_s + nbytes / args.beta_inter_Bps
+    n = args.n_blocks or best_n_blocks(G, nbytes, args.alpha_s, args.beta_Bps)
+    rounds = math.ceil(math.log2(P)) if P > 1 else 0
+    rounds_in = min(rounds, math.ceil(math.log2(G)) if G > 1 else 0)  # distances < G stay in a node
+    est = {"chain": chain_time(P, nbytes, n, args.alpha_s, args.beta_Bps) + (N - 1) * (b_out - b_in),
+           "tree": rounds_in * b_in + (rounds - rounds_in) * b_out}
+    if N > 1:
+        est["hier"] = hierarchical_time(P, G, nbytes, args.alpha_s, args.beta_Bps,
+                                        args.alpha_inter_s, args.beta_inter_Bps)
+    return est
+
+
 def choose_algorithm(P: int, nbytes: int, args: AllScanArgs) -> str:
-    """Pick chain or tree by the alpha–beta model (ties go to the chain: one state of volume)."""
+    """The fastest algorithm by the alpha–beta model (ties go to the chain: one state of volume)."""
     if args.algorithm != "auto":
         return args.algorithm
-    n = args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps)
-    chain = chain_time(P, nbytes, n, args.alpha_s, args.beta_Bps)
-    tree = tree_time(P, nbytes, args.alpha_s, args.beta_Bps)
-    return "tree" if tree < chain else "chain"
+    est = estimate(P, nbytes, args)
+    return min(est, key=lambda k: (est[k], k != "chain"))
 
 
 def _chain(x, a, group, pos, P, peer, n_blocks):
@@ -184,8 +212,12 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
         if P == 1:
             return torch.zeros_like(x)
         nbytes = x.numel() * x.element_size()
-        if choose_algorithm(P, nbytes, args) == "tree":
+        algo = choose_algorithm(P, nbytes, args)
+        if algo == "tree":
             return _tree(x, a, group, pos, P, peer)
+        if algo == "hier":
+            return hierarchical_scan(x, a, group, reverse, args.node_size or node_size_of(args, P),
+                                     args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps))
         n_blocks = args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps)
         return _chain(x, a, group, pos, P, peer, n_blocks)
 

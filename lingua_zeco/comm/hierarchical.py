@@ -1,0 +1,76 @@
+"""Hierarchical All-Scan: chain inside each node (fast links), log-depth tree across nodes.
+
+With N nodes of G ranks (in scan order), rank (n, l):
+  1. exclusive chain scan inside node n                      → y_loc, and on the node's last rank
+     its inclusive total  X_n = a ⊙ y_loc + x;  every rank gathers its node's decays (K floats)
+     to form A_excl (product of a over the node's ranks before it) and the node product A_n;
+  2. the last ranks of all nodes run an exclusive tree scan of (A_n, X_n) across nodes → Y_n;
+  3. Y_n is broadcast inside the node;  y = y_loc + A_excl ⊙ Y_n.
+One state crosses each inter-node link ceil(log2 N) times instead of the chain's N-1 sequential
+hops; inside a node the chain keeps the volume at one state per rank.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+_GROUPS: dict = {}
+
+
+def _node_groups(group, P: int, G: int):
+    """(intra-node groups by node, cross-node groups by local index), cached; built by all ranks."""
+    key = (id(group), P, G)
+    if key not in _GROUPS:
+        ranks = dist.get_process_group_ranks(group)
+        intra = [dist.new_group(ranks[n * G:(n + 1) * G]) for n in range(P // G)]
+        cross = [dist.new_group(ranks[l::G]) for l in range(G)]
+        _GROUPS[key] = (intra, cross)
+    return _GROUPS[key]
+
+
+def hierarchical_time(P: int, G: int, nbytes: int, alpha_s: float, beta_Bps: float,
+                      alpha_inter_s: float, beta_inter_Bps: float) -> float:
+    """Alpha–beta estimate: chain over G ranks, tree over N nodes, broadcast inside the node."""
+    N = max(1, P // G)
+    intra = alpha_s + nbytes / beta_Bps
+    inter = alpha_inter_s + nbytes / beta_inter_Bps
+    return (G - 1) * intra + math.ceil(math.log2(N)) * inter + math.ceil(math.log2(G)) * intra
+
+
+def hierarchical_scan(x, a, group, reverse: bool, node_size: int, n_blocks: int):
+    from .all_scan import _chain, _global, _tree  # the flat algorithms run on the sub-groups (import cycle)
+
+    group = group if group is not None else dist.group.WORLD
+    rank, P, G = dist.get_rank(group), dist.get_world_size(group), node_size
+    if G <= 0 or P % G:
+        raise ValueError(f"all_scan(algorithm='hier'): node_size={G} must divide the group size {P}")
+    intra, cross = _node_groups(group, P, G)
+    node, local = rank // G, rank % G
+    pos = G - 1 - local if reverse else local          # position inside the node, in scan order
+    last_local = 0 if reverse else G - 1               # the node's last rank in scan order
+
+    def peer_in(g, p):
+        return _global(g, G - 1 - p if reverse else p)
+
+    ig = intra[node]
+    y_loc = _chain(x, a, ig, pos, G, lambda p: peer_in(ig, p), n_blocks) if G > 1 else torch.zeros_like(x)
+    decays = [torch.empty_like(a) for _ in range(G)]
+    dist.all_gather(decays, a.contiguous(), group=ig)
+    order = [G - 1 - p if reverse else p for p in range(G)]        # local indices in scan order
+    a_excl = torch.ones_like(a)
+    for p in range(pos):
+        a_excl = a_excl * decays[order[p]]
+    Y = torch.zeros_like(x)
+    if local == last_local:
+        X_node = a[..., None] * y_loc + x
+        A_node = a_excl * a
+        cg, N = cross[last_local], P // G
+        npos = N - 1 - node if reverse else node
+
+        def peer_out(p):
+            return _global(cg, N - 1 - p if reverse else p)
+        Y = _tree(X_node.contiguous(), A_node.contiguous(), cg, npos, N, peer_out) if N > 1 else Y
+    dist.broadcast(Y, src=_global(ig, last_local), group=ig)
+    return y_loc + a_excl[..., None] * Y
