@@ -192,3 +192,18 @@ def test_cli_refuses_unknown_fields():
         cli_main(["op", "--set", "op.no_such_field=1"])
     with pytest.raises(KeyError):
         cli_main(["op", "--topology", "carrier_pigeon"])
+
+
+def test_calibration_from_raw_h200x2_within_15_percent():
+    import os
+    from lingua_zeco.perf_model.calibrate import calibrate, check_rows
+    from lingua_zeco.perf_model.schedules import hier_scan
+    raw = os.path.join(os.path.dirname(__file__), "..", "docs", "results", "raw", "2026-11-30-h200x2")
+    if not os.path.isdir(raw):
+        pytest.skip("no raw measurements")
+    topo, dev, op, tput, _ = calibrate(raw)
+    rows = check_rows(raw, topo, dev, op, tput)
+    assert len(rows) == 30
+    assert all(abs(r["err_pct"]) <= 15 for r in rows), [r for r in rows if abs(r["err_pct"]) > 15]
+    st = StateArgs(H=16)
+    assert hier_scan(256, st, topo, dev) <= tree_sim(256, st, topo, dev)

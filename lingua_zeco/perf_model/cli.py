@@ -29,7 +29,7 @@ def _ints(s: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m lingua_zeco.perf_model", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=["comm", "op", "throughput", "memory", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["comm", "op", "throughput", "memory", "all", "check"])
     ap.add_argument("--P", type=_ints, default=[8, 16, 32, 64, 128, 256, 512, 1024], help="SP sizes / GPU counts")
     ap.add_argument("--T", type=_ints, default=[16384, 32768], help="local sequence lengths")
     ap.add_argument("--H", type=_ints, default=[32, 16], help="heads per state (comm table)")
@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--topology", default="hier", help="hier | nvlink | ib | any calibrated link name")
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--calib", action="append", default=[], help="JSON from bench_comm / bench_op (repeatable)")
+    ap.add_argument("--raw", default=None, help="folder of raw bench outputs: calibrate everything from it "
+                    "(calibrate.py); 'check' compares every measured point with the model")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
     ap.add_argument("--json", default=None, help="also write every table here")
     return ap.parse_args(argv)
@@ -71,8 +73,13 @@ def apply_set(targets: dict[str, object], item: str) -> None:
 
 def build(ns: argparse.Namespace):
     cal = load_calibration(ns.calib)
-    links = apply_link_calibration(default_links(), cal)
     op, tput, mem, dev = OpArgs(), ThroughputArgs(), MemoryArgs(), DeviceArgs()
+    links = default_links()
+    if ns.raw:
+        from .calibrate import calibrate
+        topo_raw, dev, op, tput, _ = calibrate(ns.raw, ns.topology, ns.gpus_per_node)
+        links = dict(topo_raw.links)
+    links = apply_link_calibration(links, cal)
     op.kernel_ms.update(numeric_keys(cal["kernel_ms"]))
     tput.tok_s.update(numeric_keys(cal["tok_s"]))
     topo_args = TopologyArgs(kind=ns.topology, gpus_per_node=ns.gpus_per_node)
@@ -103,6 +110,11 @@ def format_table(rows: list[dict], title: str) -> str:
 def run(ns: argparse.Namespace) -> dict[str, list[dict]]:
     topo, dev, op, tput, mem = build(ns)
     tables: dict[str, list[dict]] = {}
+    if ns.what == "check":
+        if not ns.raw:
+            raise SystemExit("check needs --raw FOLDER")
+        from .calibrate import check_rows
+        tables["check"] = check_rows(ns.raw, topo, dev, op, tput)
     if ns.what in ("comm", "all"):
         tables["comm"] = comm_rows(ns.P, ns.H, topo, dev, tuple(ns.blocks))
     if ns.what in ("op", "all"):
@@ -135,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = parse_args(argv)
     tables = run(ns)
     titles = dict(comm="Table 2 model: one exclusive scan (µs)", op="Tables 3-4 model: operator fwd+bwd (ms)",
-                  throughput="Tables 5-6 model: tokens/s/GPU (K)", memory="Peak memory per GPU (GiB)")
+                  throughput="Tables 5-6 model: tokens/s/GPU (K)", memory="Peak memory per GPU (GiB)",
+                  check="Measured vs calibrated model (err = model / measured - 1)")
     for name, rows in tables.items():
         shown = comm_pivot(rows) if name == "comm" else rows
         sys.stdout.write(format_table(shown, titles[name]) + "\n")

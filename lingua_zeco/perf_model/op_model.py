@@ -34,6 +34,10 @@ class OpArgs:
     n_blocks: int = 4  # chain pipelining depth
     lasp1_serial_frac: float = 1.0  # share of a pass that waits for S_in (1.0: ours; LASP-1 paper < 1)
     lasp2_overlap: bool = False
+    # calibrated from measurements (calibrate.py); empty / 0 = the uncalibrated assumptions above
+    zeco_extra_by_T: dict[int, float] = field(default_factory=dict)  # measured fused extra compute (fraction)
+    scan_op_overhead_s: float = 0.0  # in-operator cost of each fused scan beyond the isolated scan
+    compose_extra_ms: dict[int, float] = field(default_factory=dict)  # unfused composition path (lasp2, zeco_composed)
 
 
 def kernel_seconds(T: int, kernel_ms: dict[int, float]) -> float:
@@ -48,6 +52,21 @@ def kernel_seconds(T: int, kernel_ms: dict[int, float]) -> float:
     (t0, m0), (t1, m1) = sorted(sorted(pts, key=lambda p: abs(p[0] - T))[:2])
     slope = (m1 - m0) / (t1 - t0)
     return max(m0 + slope * (T - t0), 0.0) * 1e-3
+
+
+def interp_clamped(T: int, table: dict[int, float], default: float) -> float:
+    """Linear in T between measured lengths, the nearest measurement outside them."""
+    pts = sorted((int(t), float(v)) for t, v in table.items())
+    if not pts:
+        return default
+    if T <= pts[0][0]:
+        return pts[0][1]
+    if T >= pts[-1][0]:
+        return pts[-1][1]
+    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
+        if t0 <= T <= t1:
+            return v0 + (v1 - v0) * (T - t0) / (t1 - t0)
+    raise AssertionError("unreachable")
 
 
 def lasp1_sim(P: int, c_fwd: float, c_bwd: float, serial_frac: float, st: StateArgs,
@@ -90,17 +109,24 @@ def op_times(P: int, T_local: int, args: OpArgs, topo: Topology, dev: DeviceArgs
     def exposed(t_comm: float, c_pass: float, overlap: bool) -> float:
         return max(0.0, t_comm - args.intra_frac * c_pass) if overlap else t_comm
 
+    extra = interp_clamped(T_local, args.zeco_extra_by_T, args.zeco_extra_frac)
+    compose = kernel_seconds(T_local, args.compose_extra_ms) if args.compose_extra_ms and P > 1 else 0.0
+
     def zeco_time(algorithm: str) -> tuple[float, float, str]:
         scan, algo = scan_time(P, st, topo, dev, algorithm, args.n_blocks)
-        t = c * (1 + args.zeco_extra_frac) if P > 1 else c
-        return t + exposed(scan, c_f, args.zeco_overlap) + exposed(scan, c_b, args.zeco_overlap), scan, algo
+        if P <= 1:
+            return c, 0.0, algo
+        s_op = scan + args.scan_op_overhead_s
+        return c * (1 + extra) + exposed(s_op, c_f, args.zeco_overlap) + exposed(s_op, c_b, args.zeco_overlap), scan, algo
 
     zeco, scan, algo = zeco_time(args.scan)
     zeco_chain = zeco_time("chain")[0]  # the paper's schedule, whatever args.scan picks
+    zeco_composed = c + compose + 2 * scan  # reference build: unfused correction, scans exposed
     ag = allgather_scan(P, st, topo, dev)
-    lasp2 = c + exposed(ag, c_f, args.lasp2_overlap) + exposed(ag, c_b, args.lasp2_overlap)
+    lasp2 = c + compose + exposed(ag, c_f, args.lasp2_overlap) + exposed(ag, c_b, args.lasp2_overlap)
     lasp1 = lasp1_sim(P, c_f, c_b, args.lasp1_serial_frac, st, topo)
-    return dict(none=c, zeco=zeco, zeco_chain=zeco_chain, lasp1=lasp1, lasp2=lasp2, scan_algo=algo, scan_s=scan, allgather_s=ag)
+    return dict(none=c, zeco=zeco, zeco_chain=zeco_chain, zeco_composed=zeco_composed, lasp1=lasp1, lasp2=lasp2,
+                scan_algo=algo, scan_s=scan, allgather_s=ag)
 
 
 def op_rows(P_list: list[int], T_list: list[int], args: OpArgs, topo: Topology, dev: DeviceArgs) -> list[dict]:
@@ -109,5 +135,5 @@ def op_rows(P_list: list[int], T_list: list[int], args: OpArgs, topo: Topology, 
         for P in P_list:
             r = op_times(P, T, args, topo, dev)
             rows.append(dict(T_local=T, P=P, scan=r["scan_algo"],
-                             **{f"{m}_ms": r[m] * 1e3 for m in ("none", "zeco", "zeco_chain", "lasp1", "lasp2")}))
+                             **{f"{m}_ms": r[m] * 1e3 for m in ("none", "zeco", "zeco_chain", "zeco_composed", "lasp1", "lasp2")}))
     return rows

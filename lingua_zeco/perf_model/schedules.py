@@ -8,7 +8,7 @@ are exact for one uniform link with free combines; the tests hold the simulation
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .links import LinkArgs, Topology
 
@@ -33,6 +33,11 @@ class StateArgs:
 class DeviceArgs:
     hbm_Bps: float = 4.2e12  # DESIGN §7: H200 copy bandwidth
     launch_s: float = 4e-6  # one small elementwise kernel
+    # software costs of our torch.distributed All-Scan, calibrated from bench_comm (calibrate.py);
+    # 0 = the pure alpha-beta schedule (the closed forms below)
+    scan_fixed_s: float = 0.0  # once per scan: allocations, first launches, the final wait
+    scan_s_per_byte: float = 0.0  # once per scan, per byte of state + decays (local copies)
+    tree_round_s: float = 0.0  # per Hillis-Steele round on top of the P2P: batch_isend_irecv + cat + folds
 
     def combine(self, nbytes: float) -> float:
         """diag(a) x_in + x_local on a received block: read two blocks, write one."""
@@ -59,7 +64,11 @@ def chain_sim(P: int, st: StateArgs, n_blocks: int, topo: Topology, dev: DeviceA
             arrive.append(free)
         # rank p+1 must combine a block before it can forward it (the last rank only receives)
         ready = [t + dev.combine(block) for t in arrive] if p + 1 < P - 1 else arrive
-    return max(ready)
+    return max(ready) + _scan_fixed(st, dev)
+
+
+def _scan_fixed(st: StateArgs, dev: DeviceArgs) -> float:
+    return dev.scan_fixed_s + dev.scan_s_per_byte * (st.state_bytes + st.decay_bytes)
 
 
 def chain_closed(P: int, st: StateArgs, n_blocks: int, link: LinkArgs) -> float:
@@ -83,13 +92,13 @@ def tree_sim(P: int, st: StateArgs, topo: Topology, dev: DeviceArgs) -> float:
         nxt = list(t)
         # a rank leaves the round once its send is done and what it received is folded in
         for q in range(P - d):
-            nxt[q] = t[q] + topo.link(q, q + d).p2p(msg)
+            nxt[q] = t[q] + dev.tree_round_s + topo.link(q, q + d).p2p(msg)
         for q in range(d, P):
-            arrive = t[q - d] + topo.link(q - d, q).p2p(msg)
+            arrive = t[q - d] + dev.tree_round_s + topo.link(q - d, q).p2p(msg)
             nxt[q] = max(nxt[q], arrive + dev.combine(msg))
         t = nxt
         d *= 2
-    return max(t)
+    return max(t) + _scan_fixed(st, dev)
 
 
 def tree_closed(P: int, st: StateArgs, link: LinkArgs) -> float:
@@ -152,7 +161,10 @@ def allreduce_big(nbytes: float, N: int, topo: Topology) -> float:
 # ------------------------------------------------------------------------------------ dispatch
 def scan_time(P: int, st: StateArgs, topo: Topology, dev: DeviceArgs, algorithm: str = "auto",
               n_blocks: int = 4) -> tuple[float, str]:
-    """One exclusive scan (one direction) with the named All-Scan; "auto" takes the faster."""
+    """One exclusive scan (one direction) with the named All-Scan; "auto" takes the faster.
+    n_blocks = 0: the chain takes its best depth among 1, 2, 4, 8."""
+    if n_blocks == 0 and algorithm in ("chain", "auto"):
+        n_blocks = min((1, 2, 4, 8), key=lambda n: chain_sim(P, st, n, topo, dev))
     if algorithm == "chain":
         return chain_sim(P, st, n_blocks, topo, dev), f"chain{n_blocks}"
     if algorithm == "tree":
@@ -195,3 +207,20 @@ def comm_rows(P_list: list[int], H_list: list[int], topo: Topology, dev: DeviceA
                 rows.append(dict(H=H, P=P, method=m, time_us=t * 1e6,
                                  recv_MiB=recv_bytes(m, P, st) / 2**20))
     return rows
+
+
+def hier_scan(P: int, st: StateArgs, topo: Topology, dev: DeviceArgs, n_blocks: int = 1) -> float:
+    """Modeled only (not implemented in lingua_zeco.comm): chain inside each node of g GPUs, a tree
+    over the nodes' totals across nodes (the inter-node link), then one intra-node hop that hands each
+    rank its node's prefix, and a combine. One fixed scan cost, not three."""
+    g = topo.args.gpus_per_node if topo.args.kind == "hier" else P
+    if P <= g:
+        return chain_sim(P, st, n_blocks, topo, dev)
+    fixed = _scan_fixed(st, dev)
+    intra = Topology(replace(topo.args, kind=topo.args.intra), topo.links)
+    inter = Topology(replace(topo.args, kind=topo.args.inter), topo.links)
+    msg = st.state_bytes + st.decay_bytes
+    t_chain = chain_sim(g, st, n_blocks, intra, dev) - fixed
+    t_tree = tree_sim(-(-P // g), st, inter, dev) - fixed
+    t_bcast = intra.link(0, 1).p2p(msg) + dev.combine(msg)
+    return t_chain + t_tree + t_bcast + fixed

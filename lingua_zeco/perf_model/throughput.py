@@ -9,7 +9,7 @@ ranks every layer, so no wavefront forms across layers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .links import Topology
 from .op_model import OpArgs, op_times
@@ -26,6 +26,8 @@ class ThroughputArgs:
     n_params: float = 1.244e9
     grad_bytes: int = 2  # gradients reduced in bf16 (FSDP2 MixedPrecisionPolicy reduce_dtype)
     grad_overlap: float = 0.5  # share of the gradient reduction hidden under backward (guess; calibrate)
+    tok_s_world: int = 1  # GPUs (data parallel) of the tok_s measurement: its gradient sync is taken out of T0
+    hide_op_overhead: bool = True  # in training the CPU runs ahead: op.scan_op_overhead_s (host gaps) hides
 
 
 def single_gpu_tok_s(T: int, tok_s: dict[int, float]) -> float:
@@ -47,8 +49,11 @@ def tokens_per_gpu(N: int, T_local: int, args: ThroughputArgs, op: OpArgs, topo:
     P = sp or N
     if N % P:
         raise ValueError(f"sp={P} must divide N={N}")
-    T0 = T_local / single_gpu_tok_s(T_local, args.tok_s)
-    grad = (1 - args.grad_overlap) * allreduce_big(args.n_params * args.grad_bytes, N, topo)
+    ar = lambda n: (1 - args.grad_overlap) * allreduce_big(args.n_params * args.grad_bytes, n, topo)  # noqa: E731
+    T0 = T_local / single_gpu_tok_s(T_local, args.tok_s) - ar(args.tok_s_world)
+    grad = ar(N)
+    if args.hide_op_overhead:
+        op = replace(op, scan_op_overhead_s=0.0)
     ops = op_times(P, T_local, op, topo, dev)
     out = dict(dp=T_local / (T0 + grad))
     for m in ("zeco", "zeco_chain", "lasp1", "lasp2"):

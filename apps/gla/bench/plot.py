@@ -22,13 +22,15 @@ from lingua_zeco.perf_model.links import (Topology, TopologyArgs, apply_link_cal
                                           load_calibration)
 from lingua_zeco.perf_model.op_model import OpArgs, op_times  # noqa: E402
 from lingua_zeco.perf_model.schedules import (DeviceArgs, StateArgs, allgather_scan, allreduce_state,  # noqa: E402
-                                              chain_sim, tree_sim)
+                                              chain_sim, hier_scan, tree_sim)
 
 from .common import parse_dataclass  # noqa: E402
 
 COLORS = dict(chain1="tab:gray", chain2="tab:olive", chain4="tab:green", chain8="tab:cyan", tree="tab:purple",
               allgather="tab:red", allreduce="tab:brown", none="black", fla="tab:gray", zeco="tab:green",
-              lasp1="tab:orange", lasp2="tab:red")
+              lasp1="tab:orange", lasp2="tab:red", zeco_composed="tab:blue", hier="tab:pink")
+# paper (H100), operator fwd+bwd at 16K per GPU, DESIGN §7: only the end points it quotes
+PAPER_OP_16K = dict(zeco={8: 7.3, 128: 9.9}, lasp2={8: 19.4, 128: 35.7}, lasp1={8: 22.6, 128: 113.7})
 
 
 @dataclass
@@ -41,6 +43,7 @@ class PlotArgs:
     gpus_per_node: int = 8
     scan: str = "chain"  # All-Scan the zeco model line assumes: chain | tree | auto
     n_blocks: int = 4
+    raw: str = ""  # folder of raw bench outputs: measured points from it, model calibrated by perf_model.calibrate
 
 
 def json_files(spec: str, prefix: str) -> list[str]:
@@ -49,6 +52,16 @@ def json_files(spec: str, prefix: str) -> list[str]:
     if os.path.isdir(spec):
         return sorted(glob.glob(os.path.join(spec, f"{prefix}_P*.json")))
     return [p for p in spec.split(",") if p]
+
+
+def calibrated(args: PlotArgs):
+    """(Topology, DeviceArgs, OpArgs) from perf_model.calibrate when args.raw is set, else None."""
+    if not args.raw:
+        return None
+    from lingua_zeco.perf_model.calibrate import calibrate
+    topo, dev, op, _, _ = calibrate(args.raw, args.topology or "hier", args.gpus_per_node)
+    op.scan, op.n_blocks = args.scan, args.n_blocks
+    return topo, dev, op
 
 
 def model_topology(args: PlotArgs, files: list[str]) -> Topology:
@@ -78,7 +91,8 @@ def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
     rows = [r for d in data for r in d["results"]]
     if not rows:
         return []
-    topo, dev = model_topology(args, files), DeviceArgs()
+    cal = calibrated(args)
+    topo, dev = cal[:2] if cal else (model_topology(args, files), DeviceArgs())
     bench_args = data[0]["args"]
     written = []
     for H in sorted({r["H"] for r in rows}, reverse=True):
@@ -96,6 +110,9 @@ def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
             if m.startswith("chain"):
                 model = lambda P, n=int(m[5:]): chain_sim(P, st, n, topo, dev)  # noqa: E731
             ax.plot(ps, [model(P) * 1e6 for P in ps], "-", color=COLORS[m], alpha=0.7, label=f"{m} model")
+        if cal and topo.args.kind == "hier":
+            ax.plot(ps, [hier_scan(P, st, topo, dev) * 1e6 for P in ps], "--", color=COLORS["hier"],
+                    label="hier chain+tree model (not implemented)")
         ax.set(xscale="log", yscale="log", xlabel="GPUs P", ylabel="time (µs)",
                title=f"Fig. 3: state exchange, H={H}, K×V={st.K}×{st.V} fp32 ({topo.args.kind})")
         ax.set_xticks(ps, [str(p) for p in ps])
@@ -110,7 +127,8 @@ def plot_op(args: PlotArgs, op_files: list[str], comm_files: list[str]) -> list[
     rows = [r for d in data for r in d["results"]]
     if not rows:
         return []
-    topo, dev = model_topology(args, comm_files), DeviceArgs()
+    cal = calibrated(args)
+    topo, dev = cal[:2] if cal else (model_topology(args, comm_files), DeviceArgs())
     base_by_T = defaultdict(list)
     for d in data:
         for r in d["results"]:
@@ -120,18 +138,22 @@ def plot_op(args: PlotArgs, op_files: list[str], comm_files: list[str]) -> list[
     written = []
     for T in sorted({r["T_local"] for r in rows}):
         r0 = next(r for r in rows if r["T_local"] == T)
-        op = OpArgs(kernel_ms=kernel_ms, H=r0["H"], K=r0["K"], V=r0["V"], scan=args.scan, n_blocks=args.n_blocks)
+        op = cal[2] if cal else OpArgs(kernel_ms=kernel_ms, H=r0["H"], K=r0["K"], V=r0["V"], scan=args.scan,
+                                       n_blocks=args.n_blocks)
         mine = [r for r in rows if r["T_local"] == T]
         measured_ps = sorted({r["P"] for r in mine})
         ps = p_range(measured_ps, args.model_max_p, lowest=min(measured_ps[0], 2))  # P=1: the baseline
         model = [op_times(P, T, op, topo, dev) for P in ps]
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
-        for m in ("none", "fla", "zeco", "lasp1", "lasp2"):
+        for m in ("none", "fla", "zeco", "zeco_composed", "lasp1", "lasp2"):
             pts = sorted((r["P"], r["median_ms"]) for r in mine if r["method"] == m)
             if pts:
                 ax.plot(*zip(*pts), "o" if m != "fla" else "x", color=COLORS[m], label=f"{m} measured")
-            if m != "fla":
+            if m != "fla" and m in model[0]:
                 ax.plot(ps, [x[m] * 1e3 for x in model], "-", color=COLORS[m], alpha=0.7, label=f"{m} model")
+            if cal and T == 16384 and m in PAPER_OP_16K:
+                ax.plot(*zip(*sorted(PAPER_OP_16K[m].items())), "s", mfc="none", color=COLORS[m],
+                        label=f"{m} paper (H100)")
         ax.set(xscale="log", yscale="log", xlabel="GPUs P", ylabel="fwd+bwd (ms)",
                title=f"Fig. 4: GLA operator, T_local={T}, H={op.H} ({topo.args.kind}, scan={args.scan})")
         ax.set_xticks(ps, [str(p) for p in ps])
@@ -152,6 +174,8 @@ def _save(fig, out_dir: str, name: str) -> str:
 
 def main(argv: list[str] | None = None) -> list[str]:
     args = parse_dataclass(PlotArgs, argv, __doc__)
+    if args.raw:
+        args.comm, args.op = args.raw, args.raw
     comm_files, op_files = json_files(args.comm, "comm"), json_files(args.op, "op")
     if not comm_files and not op_files:
         raise SystemExit(f"no comm_P*.json under {args.comm!r} and no op_P*.json under {args.op!r}")
