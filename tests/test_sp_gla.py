@@ -30,6 +30,7 @@ def docs_for(P):
 
 VARIANTS_ALL = [  # (method, scan algorithm, varlen)
     ("zeco", "chain", False), ("zeco", "tree", False), ("zeco", "chain", True), ("zeco", "tree", True),
+    ("zeco", "hier", False), ("zeco", "hier", True),
     ("lasp1", "chain", False), ("lasp1", "chain", True),
     ("lasp2", "chain", False), ("lasp2", "chain", True),
     ("local", "chain", False),
@@ -44,7 +45,8 @@ def _worker(rank, P):
         q, k, v, g, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=b))
         q, k, v, g = (t.clone().requires_grad_() for t in (q, k, v, g))
         cu = docs_for(P) if varlen else None
-        o = sp_gla(q, k, v, g, method=method, cu_seqlens=cu, scan=AllScanArgs(algorithm=algo, n_blocks=3))
+        scan = AllScanArgs(algorithm=algo, n_blocks=3, node_size=2 if P % 2 == 0 else 1)
+        o = sp_gla(q, k, v, g, method=method, cu_seqlens=cu, scan=scan)
         (o * do).sum().backward()
         out[(method, algo, varlen)] = [o.detach(), q.grad, k.grad, v.grad, g.grad]
     return out
