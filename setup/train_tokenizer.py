@@ -1,0 +1,72 @@
+"""Train a SentencePiece tokenizer on prepared jsonl (the output of setup/prepare_data.py).
+
+    python setup/train_tokenizer.py --data /data/prepared/train --vocab-size 32000 --out /data/tok
+
+Writes OUT/tokenizer.model (+ .vocab); use it with `data.tokenizer.name=sp
+data.tokenizer.path=OUT/tokenizer.model`. BPE with byte fallback (no unknown characters), ids
+unk=0, bos=1, eos=2 (the packer needs bos/eos), no pad. --max-docs caps the documents read.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def iter_texts(paths: list[str], text_key: str, max_docs: int):
+    files = []
+    for p in map(Path, paths):
+        files += sorted(p.rglob("*.jsonl")) if p.is_dir() else [p]
+    if not files:
+        raise FileNotFoundError(f"no .jsonl files in {paths}")
+    n = 0
+    for f in files:
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                text = json.loads(line).get(text_key)
+                if isinstance(text, str) and text:
+                    yield text
+                    n += 1
+                    if max_docs and n >= max_docs:
+                        return
+
+
+def train(paths: list[str], out: str, *, vocab_size: int, model_type: str = "bpe", text_key: str = "text",
+          max_docs: int = 0, threads: int = 4) -> Path:
+    import sentencepiece as spm
+
+    out_p = Path(out)
+    out_p.mkdir(parents=True, exist_ok=True)
+    # SentencePiece reads "sentences"; a document's lines are fed one by one.
+    lines = (line for doc in iter_texts(paths, text_key, max_docs) for line in doc.splitlines() if line.strip())
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=lines, model_prefix=str(out_p / "tokenizer"), vocab_size=vocab_size,
+        model_type=model_type, byte_fallback=True, character_coverage=0.9995, split_digits=True,
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, num_threads=threads, hard_vocab_limit=False,
+        max_sentence_length=1 << 16, minloglevel=2,
+    )
+    return out_p / "tokenizer.model"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", nargs="+", required=True, help="jsonl files or folders of them")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--vocab-size", type=int, default=32000)
+    ap.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
+    ap.add_argument("--text-key", default="text")
+    ap.add_argument("--max-docs", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=4)
+    a = ap.parse_args(argv)
+    path = train(a.data, a.out, vocab_size=a.vocab_size, model_type=a.model_type, text_key=a.text_key,
+                 max_docs=a.max_docs, threads=a.threads)
+    import sentencepiece as spm
+
+    print(f"wrote {path} ({spm.SentencePieceProcessor(model_file=str(path)).vocab_size()} pieces)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
