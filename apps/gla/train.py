@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from lingua_zeco import distributed as D
+from lingua_zeco import evaluation as E
 from lingua_zeco.args import dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.data import DataArgs, build_data_loader
@@ -47,6 +48,7 @@ class TrainArgs:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
+    eval: E.EvalArgs = field(default_factory=E.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
 
 
 def _rng_state() -> dict:
@@ -125,7 +127,10 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
 
     model = build_model(args, env)
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
-    data = build_data_loader(args.data, dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
+    if args.eval.every > 0:
+        E.validation_data_args(args.data, args.eval)  # missing / overlapping validation data fails now
+    data = build_data_loader(E.training_data_args(args.data, args.eval),
+                             dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
                              sp_size=env.dims.sp, seed=args.seed)
     ckpt = CheckpointManager(args.checkpoint, dump_dir)
     step = 0
@@ -181,6 +186,10 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     if env.is_master:
                         logger.info("step %d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu", step, loss,
                                     record["lr"], record["grad_norm"], record["tokens_per_s_per_gpu"])
+
+                if E.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
+                    metrics.log({"step": step, **E.evaluate(model, args.data, args.eval, device=env.device, autocast=autocast,
+                                dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
 
                 every = args.checkpoint.dump.every
                 if (every > 0 and step % every == 0) or step == args.steps:

@@ -30,11 +30,21 @@ def list_data_files(path: str) -> list[str]:
     return [str(q) for q in sorted(found, key=lambda q: q.relative_to(p).as_posix())]
 
 
-def builtin_documents() -> list[str]:
-    """Text that ships with Python itself: the pydoc help topics (needs no download, fixed per Python)."""
+BUILTIN_SPLITS = {"builtin": "all", "builtin:train": "train", "builtin:valid": "valid"}
+BUILTIN_VALID_EVERY = 20  # every 20th built-in document (sorted by topic) is held out for validation
+
+
+def builtin_documents(split: str = "all") -> list[str]:
+    """Text that ships with Python itself: the pydoc help topics (needs no download, fixed per Python).
+    split "train" / "valid" are disjoint (valid = every BUILTIN_VALID_EVERY-th topic); "all" is both."""
     from pydoc_data.topics import topics
 
-    return [f"{key}\n\n{text.strip()}" for key, text in sorted(topics.items())]
+    docs = [f"{key}\n\n{text.strip()}" for key, text in sorted(topics.items())]
+    if split == "all":
+        return docs
+    if split not in ("train", "valid"):
+        raise ValueError(f"built-in corpus split {split!r}: expected all, train or valid")
+    return [d for i, d in enumerate(docs) if (i % BUILTIN_VALID_EVERY == 0) == (split == "valid")]
 
 
 def _jsonl_records(path: str, offset: int, line_no: int):
@@ -72,7 +82,7 @@ class DocumentSource:
                  text_key: str = "text", shuffle_files: bool = True, on_bad_line: str = "skip",
                  stats: dict | None = None):
         self.name, self.files = name, files
-        self.builtin = builtin_documents() if files is None else None
+        self.builtin = builtin_documents(BUILTIN_SPLITS.get(name, "all")) if files is None else None
         self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
         self.text_key, self.shuffle_files, self.on_bad_line = text_key, shuffle_files, on_bad_line
         self.stats = stats if stats is not None else {"bad_lines": 0}
@@ -176,6 +186,8 @@ def resolve_sources(root_dir: str | None, sources: dict[str, float]) -> dict[str
     """Map source name -> sorted data files (None = built-in corpus); one error listing all that is missing."""
     if root_dir is None and not sources:
         return {"builtin": None}
+    if root_dir is None and sources and set(sources) <= set(BUILTIN_SPLITS):
+        return {name: None for name in sources}  # built-in corpus, or its train / valid split
     if root_dir is None:
         raise FileNotFoundError(f"data.sources={sorted(sources)} given but data.root_dir is not set")
     if not os.path.isdir(root_dir):
