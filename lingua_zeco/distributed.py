@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from lingua_zeco.comm import AllScanArgs
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class DistributedArgs:
     param_dtype: str = "bf16"  # FSDP compute dtype on GPU; CPU always runs fp32
     reduce_dtype: str = "fp32"  # gradient reduction dtype on GPU
     timeout_s: int = 600  # collective timeout: a stuck rank becomes an error, not a hang
+    all_scan: AllScanArgs = field(default_factory=AllScanArgs)  # zeco's scan: algorithm, blocks, alpha-beta
 
 
 @dataclass

@@ -97,14 +97,14 @@ class GatedRMSNorm(RMSNorm):
 
 
 class GatedLinearAttention(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none"):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
         super().__init__()
         d, kd, vd = args.dim, args.key_dim, args.value_dim
         if kd % args.n_heads or vd % args.n_heads:
             raise ValueError(f"key dim {kd} and value dim {vd} must be divisible by n_heads={args.n_heads}")
         self.n_heads, self.head_k, self.head_v = args.n_heads, kd // args.n_heads, vd // args.n_heads
         self.gate_logit_normalizer = args.gate_logit_normalizer
-        self.sp_group, self.sp_method = sp_group, sp_method
+        self.sp_group, self.sp_method, self.sp_scan = sp_group, sp_method, sp_scan  # sp_scan: AllScanArgs
         self.q_proj = nn.Linear(d, kd, bias=False)
         self.k_proj = nn.Linear(d, kd, bias=False)
         self.v_proj = nn.Linear(d, vd, bias=False)
@@ -122,7 +122,8 @@ class GatedLinearAttention(nn.Module):
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
         gk = F.logsigmoid(self.gk_proj(x).view(B, T, H, K)) / self.gate_logit_normalizer
-        o = sp_gla(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens)
+        o = sp_gla(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
+                   scan=self.sp_scan)
         o = self.g_norm_swish_gate(o.to(x.dtype), self.g_proj(x).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, H * V))
 
@@ -143,10 +144,10 @@ class SwiGLU(nn.Module):
 
 
 class GLABlock(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none"):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
-        self.attn = GatedLinearAttention(args, sp_group, sp_method)
+        self.attn = GatedLinearAttention(args, sp_group, sp_method, sp_scan)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.mlp = SwiGLU(args.dim, args.ffn_dim, args.fused_kernels)
         if args.activation_checkpointing not in AC_MODES:
@@ -174,10 +175,10 @@ class GLABlock(nn.Module):
 
 
 class GLAModel(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none"):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
         super().__init__()
         self.embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(GLABlock(args, sp_group, sp_method) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(GLABlock(args, sp_group, sp_method, sp_scan) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
 
     def forward(self, input_ids, cu_seqlens=None):
@@ -188,12 +189,12 @@ class GLAModel(nn.Module):
 
 
 class GLAForCausalLM(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none"):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer fills 0 from the tokenizer)")
         self.args = args
-        self.model = GLAModel(args, sp_group, sp_method)
+        self.model = GLAModel(args, sp_group, sp_method, sp_scan)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embeddings.weight

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
+from apps.gla.recall import RecallMeter
 from lingua_zeco import distributed as D
 from lingua_zeco import evaluation as E
+from lingua_zeco import reliability as R
 from lingua_zeco.args import dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.data import DataArgs, build_data_loader
@@ -49,6 +51,7 @@ class TrainArgs:
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
     eval: E.EvalArgs = field(default_factory=E.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
+    reliability: R.ReliabilityArgs = field(default_factory=R.ReliabilityArgs)
 
 
 def _rng_state() -> dict:
@@ -66,7 +69,8 @@ def _set_rng_state(state: dict) -> None:
 
 
 def build_model(args: TrainArgs, env: D.DistEnv) -> GLAForCausalLM:
-    model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method)
+    model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method,
+                           sp_scan=args.distributed.all_scan)
     model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
     model.to(env.device)
     if args.distributed.fsdp:
@@ -109,6 +113,10 @@ def train(args: TrainArgs) -> dict:
     env = D.setup(args.distributed)
     try:
         return _train(args, env)
+    except RuntimeError as e:
+        if R.is_collective_failure(e):  # a peer died or hangs: name this rank, do not wait on the group
+            raise R.collective_error(e, env.rank, env.dims.world, args.distributed.timeout_s) from e
+        raise
     finally:
         D.teardown(env)
 
@@ -120,12 +128,15 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
             args.model, vocab_size=build_tokenizer(args.data.tokenizer).n_words))
     if args.grad_acc_steps < 1:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
+    R.check_config(args)
+    R.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     if env.is_master:
         dump_config(args, dump_dir)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
     model = build_model(args, env)
+    recall = RecallMeter(model) if args.data.synthetic == "mqar" else None  # answers-only accuracy
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     if args.eval.every > 0:
         E.validation_data_args(args.data, args.eval)  # missing / overlapping validation data fails now
@@ -140,6 +151,8 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
         scheduler.load_state_dict(extra["scheduler"])
         data.load_state_dict(per_rank["data"])
         _set_rng_state(per_rank["rng"])
+    guard = R.StepGuard(args.reliability, skipped=resumed[1].get("skipped_steps", 0) if resumed else 0)
+    fault = R.FaultInjection(env.rank)
     metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name, config=to_dict(args))
     if env.is_master:
         n = count_params(args.model)
@@ -155,14 +168,18 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
     losses: dict[int, float] = {}
     tokens_per_micro = args.data.batch_size * args.data.seq_len
     try:
-        with maybe_profile(args.profiling, dump_dir, env.rank) as prof:
+        with maybe_profile(args.profiling, dump_dir, env.rank) as prof, \
+                R.StopSignals(args.reliability.handle_signals) as signals:
             while step < args.steps:
                 t0 = timer.now()
                 loss_sum, n_sum, data_wait = forward_backward(model, data, env, args, autocast)
                 if not args.distributed.fsdp:
                     D.allreduce_grads(model)
                 grad_norm = clip_grad_norm(model, args.optim.clip)
-                optimizer.step()
+                # one all-reduce: non-finite loss/grad on any rank, stop signal on any rank
+                verdict = guard.check(step + 1, loss_sum, n_sum, grad_norm, signals.received is not None)
+                if verdict.apply:  # a skipped step leaves weights and optimizer state as they were
+                    optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
@@ -179,9 +196,14 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     losses[step] = loss
                     record = dict(step=step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                                   step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9),
-                                  tokens_global=int(n_sum),
+                                  tokens_global=int(n_sum), skipped_steps=guard.skipped,
+                                  bad_lines=getattr(data, "stats", {}).get("bad_lines", 0),
                                   **throughput(tokens_per_micro * args.grad_acc_steps, slowest, fpt, peak),
                                   **memory_stats(env.device))
+                    if recall is not None:
+                        record.update(recall.reduce(env.device))
+                        if env.is_master:
+                            logger.info("step %d recall accuracy %.3f", step, record["recall_acc"])
                     metrics.log(record)
                     if env.is_master:
                         logger.info("step %d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu", step, loss,
@@ -192,10 +214,15 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                                 dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
 
                 every = args.checkpoint.dump.every
-                if (every > 0 and step % every == 0) or step == args.steps:
+                if (every > 0 and step % every == 0) or step == args.steps or verdict.stop:
                     ckpt.save(step, model, optimizer,
-                              extra={"step": step, "scheduler": scheduler.state_dict()},
+                              extra={"step": step, "scheduler": scheduler.state_dict(), "skipped_steps": guard.skipped},
                               per_rank={"data": data.state_dict(), "rng": _rng_state()})
+                fault.after_step(step)
+                if verdict.stop:  # SIGTERM/SIGUSR2 on some rank: all ranks saved this step, now leave
+                    logger.warning("stop signal (%s here): checkpoint of step %d saved; rerun the same command to "
+                                   "resume", signals.name or "none", step)
+                    break
     finally:  # stop the prefetch thread and flush the metrics file even when a step fails
         data.close()
         metrics.close()
@@ -204,10 +231,11 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    args = parse_args(TrainArgs, argv)
-    if int(os.environ.get("RANK", "0")) != 0:
-        logging.getLogger().setLevel(logging.WARNING)
-    train(args)
+    with R.clean_exit():  # one line on stderr and a documented exit code (lingua_zeco/reliability.py)
+        args = parse_args(TrainArgs, argv)
+        if int(os.environ.get("RANK", "0")) != 0:
+            logging.getLogger().setLevel(logging.WARNING)
+        train(args)
 
 
 if __name__ == "__main__":
