@@ -47,7 +47,7 @@ def test_validation_folder_rules(tmp_path):
     assert got.root_dir == str(tmp_path / "valid") and got.sources == {} and got.prefetch == 0
 
 
-def test_eval_every_and_checkpoint_eval(tmp_path):
+def test_eval_every_and_checkpoint_eval(tmp_path, capsys):
     torch.set_num_threads(2)
     train(parse_args(TrainArgs, [*TINY, f"dump_dir={tmp_path}"]))
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -67,3 +67,9 @@ def test_eval_every_and_checkpoint_eval(tmp_path):
     fresh.init_weights(0)
     base = evaluate(fresh, cfg.data, EvalArgs(every=1, steps=2), device=torch.device("cpu"))
     assert base["val_loss"] > val[1]["val_loss"] + 0.1
+    # The same checkpoint drives generation from the command line (recurrent state; tests/test_generate.py).
+    from apps.gla import generate as gla_generate
+
+    capsys.readouterr()
+    gla_generate.main([f"dump_dir={tmp_path}", "prompt=def f", "max_tokens=8", "temperature=0.8", "top_k=20"])
+    assert capsys.readouterr().out.startswith("def f")
