@@ -81,7 +81,7 @@ def test_bad_shapes_are_refused_before_any_communication():
 
 def test_auto_prefers_tree_when_latency_dominates_and_chain_for_few_ranks():
     mib = 1 << 20
-    args = AllScanArgs(algorithm="auto", n_blocks=0, alpha_s=30e-6, beta_Bps=150e9)
+    args = AllScanArgs(algorithm="auto", n_blocks=0, alpha_s=30e-6, beta_Bps=150e9, tree_round_extra_s=0.0)
     assert choose_algorithm(256, mib, args) == "tree"
     assert choose_algorithm(2, mib, args) == "chain"
     assert chain_time(256, mib, 4, 30e-6, 150e9) > 10 * tree_time(256, mib, 30e-6, 150e9)
@@ -124,11 +124,15 @@ def _hier_bad_worker(rank, world):
 def test_auto_across_nodes_uses_inter_node_costs():
     from lingua_zeco.comm.all_scan import estimate
     args = AllScanArgs(algorithm="auto", node_size=8, alpha_s=45e-6, beta_Bps=300e9,
-                       alpha_inter_s=60e-6, beta_inter_Bps=50e9)
+                       alpha_inter_s=60e-6, beta_inter_Bps=50e9, tree_round_extra_s=0.0)
     est = estimate(256, 1 << 20, args)
     assert set(est) == {"chain", "tree", "hier"}
-    assert est["tree"] < est["hier"] < est["chain"]
+    assert est["tree"] < est["hier"] < est["chain"]  # pure alpha-beta: the tree has the fewest hops
     assert choose_algorithm(256, 1 << 20, args) == "tree"
+    # with the measured software cost of a tree round, chaining inside the node saves rounds
+    measured = AllScanArgs(algorithm="auto", node_size=8)
+    assert choose_algorithm(256, 1 << 20, measured) == "hier"
+    assert choose_algorithm(8, 1 << 20, measured) == "chain" == choose_algorithm(2, 1 << 20, measured)
     # the chain pays the inter-node hop once per node boundary: 31 of them at P = 256
     flat = estimate(256, 1 << 20, AllScanArgs(node_size=256))
     assert est["chain"] > flat["chain"]

@@ -40,6 +40,9 @@ class AllScanArgs:
     # NCCL P2P between two H200s (apps/gla/bench/bench_comm.py measures them)
     alpha_s: float = 45e-6
     beta_Bps: float = 300e9
+    # measured extra cost of one tree round over one chain message (batched send/recv, packing):
+    # tree 447 µs against chain 205 µs for one 1 MiB round between two H200s (docs/results/all_scan.md)
+    tree_round_extra_s: float = 240e-6
     # hier / auto across nodes: ranks per node (0 = LOCAL_WORLD_SIZE from torchrun; 0 there = one node)
     # and the per-message cost across nodes (InfiniBand NDR 400 Gb/s per GPU; a lead, not measured)
     node_size: int = 0
@@ -97,10 +100,10 @@ def estimate(P: int, nbytes: int, args: AllScanArgs) -> dict[str, float]:
     rounds = math.ceil(math.log2(P)) if P > 1 else 0
     rounds_in = min(rounds, math.ceil(math.log2(G)) if G > 1 else 0)  # distances < G stay in a node
     est = {"chain": chain_time(P, nbytes, n, args.alpha_s, args.beta_Bps) + (N - 1) * (b_out - b_in),
-           "tree": rounds_in * b_in + (rounds - rounds_in) * b_out}
+           "tree": rounds_in * b_in + (rounds - rounds_in) * b_out + rounds * args.tree_round_extra_s}
     if N > 1:
         est["hier"] = hierarchical_time(P, G, nbytes, args.alpha_s, args.beta_Bps,
-                                        args.alpha_inter_s, args.beta_inter_Bps)
+                                        args.alpha_inter_s, args.beta_inter_Bps, args.tree_round_extra_s)
     return est
 
 

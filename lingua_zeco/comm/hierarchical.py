@@ -31,11 +31,11 @@ def _node_groups(group, P: int, G: int):
 
 
 def hierarchical_time(P: int, G: int, nbytes: int, alpha_s: float, beta_Bps: float,
-                      alpha_inter_s: float, beta_inter_Bps: float) -> float:
+                      alpha_inter_s: float, beta_inter_Bps: float, tree_round_extra_s: float = 0.0) -> float:
     """Alpha–beta estimate: chain over G ranks, tree over N nodes, broadcast inside the node."""
     N = max(1, P // G)
     intra = alpha_s + nbytes / beta_Bps
-    inter = alpha_inter_s + nbytes / beta_inter_Bps
+    inter = alpha_inter_s + nbytes / beta_inter_Bps + tree_round_extra_s
     return (G - 1) * intra + math.ceil(math.log2(N)) * inter + math.ceil(math.log2(G)) * intra
 
 
