@@ -125,7 +125,12 @@ class DistEnv:
 def setup(args: DistributedArgs) -> DistEnv:
     owns = init_process_group(args)
     world, rank = dist.get_world_size(), dist.get_rank()
-    dims = resolve_dims(args, world)
+    try:
+        dims = resolve_dims(args, world)
+    except ValueError:
+        if owns:  # leave no half-made group behind (a caller in the same process may start again)
+            dist.destroy_process_group()
+        raise
     dev_type = device_type()
     if dev_type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))

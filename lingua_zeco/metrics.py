@@ -8,6 +8,7 @@ FLOP count from the model (no quadratic attention term).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -78,7 +79,10 @@ class MetricLogger:
         if not active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", buffering=1)  # "a": a resumed run appends after the old lines
+        # O_APPEND: a resumed run appends after the old lines, never truncates them
+        self._file = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if _ends_torn(self.path):  # a crash mid-line: end that fragment so our first line stays whole
+            _write_all(self._file, b"\n")
         if args.wandb not in ("disabled", "online", "offline"):
             raise ValueError(f"logging.wandb={args.wandb!r}; use disabled, online or offline")
         if args.wandb != "disabled":
@@ -91,13 +95,14 @@ class MetricLogger:
         if not self.active:
             return
         record = {"time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
+        # one write of one whole line (no buffering in this process): a crash loses at most this line
+        _write_all(self._file, (json.dumps(record) + "\n").encode())
         if self._wandb is not None:
             self._wandb.log(record, step=record.get("step"))
 
     def close(self) -> None:
         if self._file is not None:
-            self._file.close()
+            os.close(self._file)
             self._file = None
         if self._wandb is not None:
             self._wandb.finish()
@@ -110,6 +115,31 @@ def _plain(v):
     return v
 
 
+def _ends_torn(path: Path) -> bool:
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() == 0:
+            return False
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) != b"\n"
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """Every record of the file; a line cut short by a crash is skipped with a warning."""
+    out, torn = [], 0
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                torn += 1
+    if torn:
+        logging.getLogger(__name__).warning("%s: skipped %d unreadable line(s) (a crash mid-write)", path, torn)
+    return out

@@ -1,0 +1,237 @@
+"""What the trainer does when things go wrong: stop signals, non-finite steps, bad input, dead peers.
+
+* SIGTERM / SIGUSR2 only set a flag. At the next step boundary every rank learns whether *any* rank
+  got one (the flag rides on the step's small all-reduce), so all ranks finish the same step, save a
+  checkpoint together and exit 0. A second signal of the same kind kills the process at once.
+* Non-finite loss or gradient norm (checked on every rank after the gradient reduction, agreed by the
+  same all-reduce): `reliability.nonfinite=skip` drops the update (weights and optimizer state stay
+  as they were; the step counter and the lr schedule move on), logs a warning and counts it; more
+  than `max_skips` skipped steps in a run stop it. `stop` stops at the first one. Either way the
+  message names the step and the values.
+* A collective that fails (a peer died) or times out (`distributed.timeout_s`, a peer hangs) becomes
+  a CollectiveError naming this rank; the process exits without waiting on the broken group.
+* Bad input (unknown config key, impossible layout, missing files, a corrupt record with
+  data.on_bad_line=error, ranks started with different configs) is one line on stderr.
+
+Exit codes of `python -m apps.gla.train` (each rank under torchrun):
+    0  finished, or stopped by SIGTERM/SIGUSR2 after saving a checkpoint (run the same command again)
+    1  training failed: non-finite loss/gradients beyond the policy, a collective failed or timed out,
+       or an unexpected error (with its traceback)
+    2  bad input, found before or during training (the message says what to change)
+
+Test hook: LINGUA_ZECO_FAULT="SIGNAME@STEP" (or "SIGNAME@STEP:RANK") makes the process send itself
+that signal after STEP (after that step's checkpoint, if any), e.g. SIGKILL@12 or SIGSTOP@3:1.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lingua_zeco.args import ConfigError
+
+log = logging.getLogger(__name__)
+
+NONFINITE_POLICIES = ("skip", "stop")
+STOP_SIGNALS = ("SIGTERM", "SIGUSR2")
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+@dataclass
+class ReliabilityArgs:
+    nonfinite: str = "skip"  # skip | stop: what a step with a non-finite loss or gradient norm does
+    max_skips: int = 10  # skip: stop once more than this many steps of the run were skipped
+    handle_signals: bool = True  # SIGTERM/SIGUSR2 -> checkpoint at the step boundary, exit 0
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class CollectiveError(RuntimeError):
+    pass
+
+
+# -- stop signals ------------------------------------------------------------------------------
+class StopSignals:
+    """Context manager that turns SIGTERM/SIGUSR2 into a flag (main thread only; elsewhere a no-op)."""
+
+    def __init__(self, enabled: bool = True, names: tuple[str, ...] = STOP_SIGNALS):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.signums = [getattr(signal, n) for n in names if hasattr(signal, n)]
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, frame):
+        self.received = signum
+        # a second one of the same kind takes the previous (default: terminate) action
+        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+
+    @property
+    def name(self) -> str | None:
+        return signal.Signals(self.received).name if self.received is not None else None
+
+    def __enter__(self):
+        if self.enabled:
+            for s in self.signums:
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, prev in self._previous.items():
+            signal.signal(s, prev)
+        self._previous.clear()
+        return False
+
+
+# -- non-finite steps and the agreed stop --------------------------------------------------------
+@dataclass
+class Verdict:
+    apply: bool  # take the optimizer step
+    stop: bool  # some rank got a stop signal: save and leave after this step
+
+
+class StepGuard:
+    """One small all-reduce per step: [local loss sum, local non-finite flag, local stop flag]."""
+
+    def __init__(self, args: ReliabilityArgs, skipped: int = 0):
+        if args.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"reliability.nonfinite={args.nonfinite!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+        if args.max_skips < 0:
+            raise ConfigError(f"reliability.max_skips={args.max_skips} must be >= 0")
+        self.args, self.skipped = args, skipped
+
+    def check(self, step: int, loss_sum: torch.Tensor, n_tokens: torch.Tensor, grad_norm: torch.Tensor,
+              stop_requested: bool) -> Verdict:
+        """Collective. `step`: the number of the step being taken; n_tokens: global token count."""
+        grad_norm = grad_norm.detach().to(device=loss_sum.device, dtype=torch.float64)
+        bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        flags = torch.stack([loss_sum.detach().to(torch.float64), bad.to(torch.float64),
+                             torch.tensor(float(stop_requested), dtype=torch.float64, device=loss_sum.device)])
+        if dist.is_initialized():
+            dist.all_reduce(flags)
+        loss_total, n_bad, n_stop = flags.tolist()
+        stop = n_stop > 0
+        if n_bad == 0:
+            return Verdict(apply=True, stop=stop)
+        loss = loss_total / max(float(n_tokens), 1.0)
+        what = f"step {step}: non-finite loss or gradient (loss {loss}, grad norm {float(grad_norm)})"
+        if self.args.nonfinite == "stop":
+            raise NonFiniteError(f"{what}; stopping (reliability.nonfinite=stop). The last complete "
+                                 f"checkpoint is untouched; lower optim.lr or raise optim.warmup")
+        self.skipped += 1
+        if self.skipped > self.args.max_skips:
+            raise NonFiniteError(f"{what}; {self.skipped} steps skipped in this run, more than "
+                                 f"reliability.max_skips={self.args.max_skips}: stopping")
+        log.warning("%s; update skipped (%d of at most %d)", what, self.skipped, self.args.max_skips)
+        return Verdict(apply=False, stop=stop)
+
+
+# -- input checks --------------------------------------------------------------------------------
+def check_config(args) -> None:
+    """Values no run can use, named by their key (TrainArgs, duck-typed)."""
+    positive = {"data.seq_len": args.data.seq_len, "data.batch_size": args.data.batch_size,
+                "grad_acc_steps": args.grad_acc_steps, "logging.freq": args.logging.freq,
+                "distributed.timeout_s": args.distributed.timeout_s}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}={value} must be >= 1")
+    if args.steps < 0 or args.checkpoint.dump.keep < 0:
+        raise ConfigError(f"steps={args.steps} and checkpoint.dump.keep={args.checkpoint.dump.keep} must be >= 0")
+    StepGuard(args.reliability)  # validates the non-finite policy
+
+
+def check_same_config(config: dict) -> None:
+    """Collective: every rank must run the same resolved config (an SP group would otherwise
+    disagree on shapes, or a DP rank on the schedule). Raises on every rank, naming the keys."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, _flatten(config))
+    diffs = []
+    for r, other in enumerate(every[1:], start=1):
+        keys = sorted(k for k in set(every[0]) | set(other) if every[0].get(k) != other.get(k))
+        diffs += [f"{k}: rank 0 has {every[0].get(k)!r}, rank {r} has {other.get(k)!r}" for k in keys]
+    if diffs:
+        raise ConfigError("the ranks were started with different configs:\n  " + "\n  ".join(diffs[:20]))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+# -- failures of the process group ---------------------------------------------------------------
+_COMM_HINTS = ("gloo", "nccl", "timed out", "connection", "broken pipe", "peer")
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    if isinstance(e, getattr(dist, "DistError", ())):
+        return True
+    return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _COMM_HINTS)
+
+
+def collective_error(e: BaseException, rank: int, world: int, timeout_s: int) -> CollectiveError:
+    first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+    return CollectiveError(
+        f"rank {rank} of {world}: a collective failed or timed out (distributed.timeout_s={timeout_s}); "
+        f"another rank probably died or hangs, see its log. Checkpoints and metrics written so far are "
+        f"complete; rerun the same command to resume. Cause: {first}")
+
+
+# -- exit codes ----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def clean_exit():
+    """Turn the failures above into one line on stderr and the documented exit code.
+    LINGUA_ZECO_DEBUG=1 prints the traceback as well."""
+    try:
+        yield
+    except (ConfigError, FileNotFoundError, ValueError, NonFiniteError, CollectiveError) as e:
+        if os.environ.get("LINGUA_ZECO_DEBUG") == "1":
+            log.exception("traceback")
+        code = EXIT_FAILED if isinstance(e, (NonFiniteError, CollectiveError)) else EXIT_BAD_INPUT
+        rank = os.environ.get("RANK")
+        print(f"error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if isinstance(e, CollectiveError):
+            os._exit(code)  # the broken group's threads may block or abort the normal interpreter exit
+        sys.exit(code)
+
+
+# -- test hook -----------------------------------------------------------------------------------
+class FaultInjection:
+    """LINGUA_ZECO_FAULT="SIGKILL@12" or "SIGSTOP@3:1": signal this process after that step (on that rank)."""
+
+    def __init__(self, rank: int, spec: str | None = None):
+        spec = os.environ.get("LINGUA_ZECO_FAULT", "") if spec is None else spec
+        self.signum = self.step = None
+        if not spec:
+            return
+        try:
+            name, rest = spec.split("@")
+            step, _, only_rank = rest.partition(":")
+            if only_rank and int(only_rank) != rank:
+                return
+            self.signum, self.step = getattr(signal, name), int(step)
+        except (ValueError, AttributeError) as e:
+            raise ConfigError(f"LINGUA_ZECO_FAULT={spec!r}: expected SIGNAME@STEP or SIGNAME@STEP:RANK") from e
+
+    def after_step(self, step: int) -> None:
+        if self.step is not None and step == self.step:
+            log.warning("LINGUA_ZECO_FAULT: sending %s to myself after step %d", signal.Signals(self.signum).name, step)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(os.getpid(), self.signum)

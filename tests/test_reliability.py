@@ -1,0 +1,272 @@
+"""What happens when things go wrong (lingua_zeco/reliability.py): exact resume after kill -9, stop
+signals, non-finite steps, bad input, a dead or hanging peer, metrics that survive a crash."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import apps.gla.train as T
+from apps.gla.train import TrainArgs, train
+from lingua_zeco.args import parse_args
+from lingua_zeco.checkpoint import MARKER
+from lingua_zeco.metrics import LoggingArgs, MetricLogger, read_metrics
+from lingua_zeco.reliability import CollectiveError, NonFiniteError  # noqa: F401 - named in messages
+from lingua_zeco.testing import free_port, run_on_ranks
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",
+        "data.batch_size=1", "data.seq_len=32", "logging.freq=1", "optim.warmup=2", "optim.lr=1e-2",
+        "data.prefetch=0"]
+
+
+def _argv(dump_dir, *extra) -> list[str]:
+    return [*TINY, f"dump_dir={dump_dir}", *extra]
+
+
+def _popen(dump_dir, *extra, env=None) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k != "LINGUA_ZECO_FAULT"}
+    env = {**base, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "apps.gla.train", *_argv(dump_dir, *extra)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen, timeout=180) -> tuple[int, str, str]:
+    out, err = p.communicate(timeout=timeout)
+    return p.returncode, out, err
+
+
+def _ckpt(dump_dir, step) -> Path:
+    return Path(dump_dir) / "checkpoints" / f"step_{step:010d}"
+
+
+def _state(folder: Path, tmp: Path) -> dict:
+    """Model + optimizer of a DCP checkpoint as one plain dict (every tensor)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{folder.parent.parent.name}_{folder.name}.pt"
+    dcp_to_torch_save(str(folder), str(out))
+    return torch.load(out, weights_only=False)
+
+
+def _tensors(d, prefix=""):
+    if isinstance(d, dict):
+        for k, v in d.items():
+            yield from _tensors(v, f"{prefix}{k}.")
+    elif isinstance(d, torch.Tensor):
+        yield prefix[:-1], d
+
+
+def _same(a: dict, b: dict) -> list[str]:
+    ta, tb = dict(_tensors(a)), dict(_tensors(b))
+    assert ta.keys() == tb.keys() and ta
+    return [k for k in ta if not torch.equal(ta[k], tb[k])]
+
+
+def _losses(dump_dir) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(Path(dump_dir) / "metrics.jsonl")]
+
+
+# -- exact resume after kill -9 ----------------------------------------------------------------------
+def test_kill9_after_checkpoint_resumes_bitwise(tmp_path):
+    """20 steps in one go vs killed (SIGKILL) after step 12 with a checkpoint at 10, then the same command
+    again: steps 11-20 have the same losses bit for bit, and the final model and optimizer are equal."""
+    common = ["steps=20", "checkpoint.dump.every=10", "checkpoint.dump.keep=0"]
+    ref = _popen(tmp_path / "ref", *common)
+    cut = _popen(tmp_path / "cut", *common, env={"LINGUA_ZECO_FAULT": "SIGKILL@12"})
+    rc, out, err = _finish(cut)
+    assert rc == -signal.SIGKILL, err[-2000:]
+    assert (_ckpt(tmp_path / "cut", 10) / MARKER).is_file() and not _ckpt(tmp_path / "cut", 20).exists()
+    rc, out, err = _finish(_popen(tmp_path / "cut", *common))
+    assert rc == 0 and "start at step 10" in out, err[-2000:]
+    rc, _, err = _finish(ref)
+    assert rc == 0, err[-2000:]
+    full, cut_rows = dict(_losses(tmp_path / "ref")), _losses(tmp_path / "cut")
+    # history kept: the killed run's lines 1-12, then the resumed run's 11-20 appended
+    assert [s for s, _ in cut_rows] == list(range(1, 13)) + list(range(11, 21))
+    assert cut_rows[12:] == [(s, full[s]) for s in range(11, 21)]  # exact float equality
+    assert _same(_state(_ckpt(tmp_path / "ref", 20), tmp_path), _state(_ckpt(tmp_path / "cut", 20), tmp_path)) == []
+
+
+# -- stop signals ----------------------------------------------------------------------------------------
+def test_sigusr2_saves_checkpoint_and_exits_zero(tmp_path):
+    p = _popen(tmp_path, "steps=1000", "checkpoint.dump.every=1000", env={"LINGUA_ZECO_FAULT": "SIGUSR2@3"})
+    rc, out, err = _finish(p)
+    assert rc == 0, err[-2000:]
+    # the signal came after step 3: step 4 is the boundary where it is seen, saved, and the run leaves
+    assert (_ckpt(tmp_path, 4) / MARKER).is_file() and "stop signal (SIGUSR2" in out
+    assert [s for s, _ in _losses(tmp_path)] == [1, 2, 3, 4]
+
+
+def _signal_on_rank1(rank, world, argv):
+    torch.set_num_threads(1)
+    if rank == 1:
+        os.environ["LINGUA_ZECO_FAULT"] = "SIGTERM@2"
+    return train(parse_args(TrainArgs, argv))["step"]
+
+
+@pytest.mark.slow
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    """Only rank 1 gets SIGTERM; both ranks must stop after the same step and save together (a rank
+    that left alone would leave the other blocked in a collective: run_on_ranks would time out)."""
+    argv = _argv(tmp_path, "steps=1000", "checkpoint.dump.every=1000", "distributed.sp_size=2")
+    assert run_on_ranks(_signal_on_rank1, 2, argv, timeout_s=120) == [3, 3]
+    assert (_ckpt(tmp_path, 3) / MARKER).is_file()
+
+
+# -- non-finite steps --------------------------------------------------------------------------------------
+def _poisoning(monkeypatch, at: dict[int, str]):
+    """forward_backward that makes the gradients (or the loss) of the given steps NaN, and records the
+    model's weights when each step starts."""
+    real, seen = T.forward_backward, []
+
+    def fb(model, data, env, args, autocast):
+        seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        loss_sum, n_sum, wait = real(model, data, env, args, autocast)
+        kind = at.get(len(seen))
+        if kind == "grad":
+            g = next(p for p in model.parameters() if p.grad is not None).grad
+            (g.to_local() if hasattr(g, "to_local") else g).view(-1)[0] = float("nan")
+        elif kind == "loss":
+            loss_sum = loss_sum * float("inf")
+        return loss_sum, n_sum, wait
+
+    monkeypatch.setattr(T, "forward_backward", fb)
+    return seen
+
+
+def _plain(sd):
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
+
+
+def test_nonfinite_skip_leaves_weights_and_optimizer_then_stops_after_max_skips(tmp_path, monkeypatch):
+    seen = _poisoning(monkeypatch, {2: "grad", 4: "loss"})
+    argv = _argv(tmp_path, "steps=6", "checkpoint.dump.every=1", "checkpoint.dump.keep=0",
+                 "reliability.nonfinite=skip", "reliability.max_skips=1")
+    with pytest.raises(NonFiniteError, match=r"step 4: .*loss inf.*2 steps skipped.*max_skips=1"):
+        train(parse_args(TrainArgs, argv))
+    w = [_plain(s) for s in seen]
+    assert all(torch.equal(w[2][k], w[1][k]) for k in w[1])  # step 2 skipped: weights after it = before it
+    assert not all(torch.equal(w[1][k], w[0][k]) for k in w[0])  # (step 1 did move them)
+    s1, s2 = _state(_ckpt(tmp_path, 1), tmp_path), _state(_ckpt(tmp_path, 2), tmp_path)
+    assert _same(s1["model"], s2["model"]) == [] and _same(s1["optim"]["state"], s2["optim"]["state"]) == []
+    rows = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
+    assert rows[2]["skipped_steps"] == 1 and rows[3]["skipped_steps"] == 1 and math.isnan(rows[2]["grad_norm"])
+    assert sorted(rows) == [1, 2, 3] and not _ckpt(tmp_path, 4).exists()  # nothing saved from the bad step
+
+
+def test_nonfinite_stop_policy_exits_1_naming_the_step(tmp_path, monkeypatch, capsys):
+    _poisoning(monkeypatch, {3: "grad"})
+    with pytest.raises(SystemExit) as e:
+        T.main(_argv(tmp_path, "steps=6", "checkpoint.dump.every=2", "reliability.nonfinite=stop"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "step 3: non-finite" in err[0] and "grad norm nan" in err[0], err
+    assert (_ckpt(tmp_path, 2) / MARKER).is_file() and [s for s, _ in _losses(tmp_path)] == [1, 2]
+
+
+# -- bad input: one clear line, exit 2, nothing lost ---------------------------------------------------------
+@pytest.mark.parametrize("extra, needle", [
+    (["model.dimm=3"], "unknown config key 'model.dimm'"),
+    (["distributed.sp_size=2"], "sp_size=2 does not divide the world size 1"),
+    (["data.seq_len=0"], "data.seq_len=0 must be >= 1"),
+    (["data.root_dir=/nonexistent/data"], "data.root_dir='/nonexistent/data' is not a folder"),
+    (["data.tokenizer.name=sp", "data.tokenizer.path=/nonexistent/tok.model"], "/nonexistent/tok.model"),
+    (["reliability.nonfinite=maybe"], "reliability.nonfinite='maybe'"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, needle):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')  # an earlier run's history
+    with pytest.raises(SystemExit) as e:
+        T.main(_argv(tmp_path, "steps=2", *extra))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 5.0}]
+
+
+def _docs_with_bad_line(folder: Path, bad_at: int) -> str:
+    folder.mkdir(parents=True)
+    lines = [json.dumps({"text": f"doc {i:03d} " * 2}) for i in range(40)]  # 18 tokens each
+    lines[bad_at - 1] = '{"text": "cut short'
+    (folder / "f.jsonl").write_text("\n".join(lines) + "\n")
+    return str(folder)
+
+
+@pytest.mark.parametrize("policy", ["skip", "error"])
+def test_corrupt_jsonl_line_skip_counts_or_error_stops(tmp_path, capsys, policy):
+    root = _docs_with_bad_line(tmp_path / "data", bad_at=12)
+    argv = _argv(tmp_path / "run", "steps=12", "checkpoint.dump.every=2", f"data.root_dir={root}",
+                 f"data.on_bad_line={policy}", "data.shuffle_files=false")
+    if policy == "skip":
+        T.main(argv)
+        rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+        assert len(rows) == 12 and rows[0]["bad_lines"] == 0 and rows[-1]["bad_lines"] == 1
+        return
+    with pytest.raises(SystemExit) as e:
+        T.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and "f.jsonl:12: bad record" in err[0], err
+    steps = [s for s, _ in _losses(tmp_path / "run")]  # what was done before stays readable
+    assert steps == [1, 2, 3, 4, 5, 6]  # step 7 is the first to need line 12
+    assert (_ckpt(tmp_path / "run", 6) / MARKER).is_file()
+
+
+def _config_on_rank(rank, world, argv):
+    torch.set_num_threads(1)
+    try:
+        train(parse_args(TrainArgs, argv + [f"data.seq_len={32 * (rank + 1)}"]))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_ranks_with_different_configs_all_stop_with_the_key_named(tmp_path):
+    msgs = run_on_ranks(_config_on_rank, 2, _argv(tmp_path, "steps=2", "distributed.sp_size=2"), timeout_s=120)
+    assert all("different configs" in m and "data.seq_len: rank 0 has 32, rank 1 has 64" in m for m in msgs), msgs
+
+
+# -- a peer that dies or hangs -------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_dead_or_hanging_peer_is_an_error_within_the_timeout(tmp_path, fault):
+    """2 ranks (env:// like torchrun, SP=2); rank 1 is killed, or stopped (a hang), after step 2. Rank 0
+    must exit 1 naming itself and the timeout setting, not wait forever."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+               "LINGUA_ZECO_FAULT": f"{fault}@2:1"}
+        procs.append(_popen(tmp_path, "steps=50", "checkpoint.dump.every=1000", "distributed.sp_size=2",
+                            "distributed.timeout_s=5", env=env))
+    try:
+        t0 = time.monotonic()
+        rc, out, err = _finish(procs[0], timeout=150)
+        assert rc == 1, (rc, err[-3000:])
+        line = err.strip().splitlines()[-1]
+        assert line.startswith("error (rank 0): rank 0 of 2: a collective failed or timed out") and \
+            "distributed.timeout_s=5" in line, err[-3000:]
+        assert time.monotonic() - t0 < 120
+        assert [s for s, _ in _losses(tmp_path)][:2] == [1, 2]
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
+
+
+# -- metrics that survive a crash ----------------------------------------------------------------------------
+def test_metrics_append_and_survive_a_line_cut_short(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 3.0}\n{"step": 2, "lo')  # a crash in the middle of line 2
+    logger = MetricLogger(str(tmp_path), LoggingArgs(), active=True)
+    logger.log({"step": 2, "loss": 2.5})
+    logger.close()
+    lines = path.read_text().splitlines()
+    assert lines[0] == '{"step": 1, "loss": 3.0}' and lines[1] == '{"step": 2, "lo'  # history untouched
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 3.0), (2, 2.5)]
