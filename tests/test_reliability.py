@@ -94,6 +94,9 @@ def test_kill9_after_checkpoint_resumes_bitwise(tmp_path):
     assert [s for s, _ in cut_rows] == list(range(1, 13)) + list(range(11, 21))
     assert cut_rows[12:] == [(s, full[s]) for s in range(11, 21)]  # exact float equality
     assert _same(_state(_ckpt(tmp_path / "ref", 20), tmp_path), _state(_ckpt(tmp_path / "cut", 20), tmp_path)) == []
+    # and the same data position (and RNG states) saved for the next resume
+    ref_pr, cut_pr = (torch.load(_ckpt(tmp_path / d, 20) / "rank0.pt", weights_only=False) for d in ("ref", "cut"))
+    assert _same(ref_pr, cut_pr) == [] and ref_pr["data"]["sources"] == cut_pr["data"]["sources"]
 
 
 # -- stop signals ----------------------------------------------------------------------------------------
