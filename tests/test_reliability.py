@@ -273,3 +273,20 @@ def test_metrics_append_and_survive_a_line_cut_short(tmp_path):
     lines = path.read_text().splitlines()
     assert lines[0] == '{"step": 1, "loss": 3.0}' and lines[1] == '{"step": 2, "lo'  # history untouched
     assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 3.0), (2, 2.5)]
+
+
+def test_retention_and_resume_ignore_a_torn_newer_checkpoint(tmp_path, caplog):
+    """keep=1 with a torn newer folder (a crash mid-save of a later step): the last complete checkpoint
+    survives retention and is the one resumed, with a warning about the torn one."""
+    from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, SaveEvery
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters())
+    mgr = CheckpointManager(CheckpointArgs(dump=SaveEvery(every=1, keep=1)), str(tmp_path))
+    mgr.save(1, model, opt, extra={"step": 1}, per_rank={})
+    os.makedirs(_ckpt(tmp_path, 3))  # torn: no marker
+    mgr.save(2, model, opt, extra={"step": 2}, per_rank={})
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_0000000002", "step_0000000003"]
+    with caplog.at_level("WARNING"):
+        assert mgr.maybe_resume(model, opt)[0] == 2
+    assert "torn" in caplog.text
