@@ -19,7 +19,7 @@ from apps.gla.train import TrainArgs, train
 from lingua_zeco.args import parse_args
 from lingua_zeco.checkpoint import MARKER
 from lingua_zeco.metrics import LoggingArgs, MetricLogger, read_metrics
-from lingua_zeco.reliability import CollectiveError, NonFiniteError  # noqa: F401 - named in messages
+from lingua_zeco.reliability import NonFiniteError
 from lingua_zeco.testing import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
