@@ -7,7 +7,6 @@ memory-bound, so a Triton kernel does it in one pass; `fold_state_torch_` is its
 """
 from __future__ import annotations
 
-import torch
 
 try:
     import triton

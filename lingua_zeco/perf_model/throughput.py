@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from .links import Topology
-from .op_model import OpArgs, op_times
+from .op_model import OpArgs, interp_clamped, op_times
 from .schedules import DeviceArgs, allreduce_big
 
 # DESIGN §7: fla GLAForCausalLM 1.244B, AdamW, bf16 autocast, one H200
@@ -32,15 +32,9 @@ class ThroughputArgs:
 
 def single_gpu_tok_s(T: int, tok_s: dict[int, float]) -> float:
     """Linear in T between the measured lengths, flat outside them (throughput saturates)."""
-    pts = sorted((int(t), float(v)) for t, v in tok_s.items())
-    if T <= pts[0][0]:
-        return pts[0][1]
-    if T >= pts[-1][0]:
-        return pts[-1][1]
-    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
-        if t0 <= T <= t1:
-            return v0 + (v1 - v0) * (T - t0) / (t1 - t0)
-    raise AssertionError("unreachable")
+    if not tok_s:
+        raise ValueError("single_gpu_tok_s needs at least one measured length")
+    return interp_clamped(T, tok_s, 0.0)
 
 
 def tokens_per_gpu(N: int, T_local: int, args: ThroughputArgs, op: OpArgs, topo: Topology,

@@ -15,11 +15,10 @@ import statistics
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lingua_zeco.comm import ScanWork
 
-from .common import parse_dataclass
+from .common import gla_inputs, parse_dataclass
 
 
 @dataclass
@@ -45,12 +44,7 @@ def main(argv=None):
     dev = torch.device("cuda")
     rows = []
     for T in args.t_local:
-        gen = torch.Generator(device=dev).manual_seed(0)
-        shape = (1, T, args.heads, args.head_k)
-        q, k = (torch.randn(shape, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_() for _ in range(2))
-        v = torch.randn(1, T, args.heads, args.head_v, device=dev, generator=gen, dtype=torch.bfloat16).requires_grad_()
-        g = F.logsigmoid(torch.randn(shape, device=dev, generator=gen)).to(torch.bfloat16).requires_grad_()
-        do = torch.randn_like(v)
+        q, k, v, g, do = gla_inputs(T, args.heads, args.head_k, args.head_v, dev)
         scale = args.head_k ** -0.5
         variants = {
             "fla_chunk_gla": lambda: chunk_gla(q, k, v, g, scale=scale)[0],

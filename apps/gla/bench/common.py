@@ -171,3 +171,13 @@ def finish() -> None:
         _OWN_GROUP = False
         dist.barrier()
         dist.destroy_process_group()
+
+
+def gla_inputs(T: int, heads: int, head_k: int, head_v: int, device, dtype=torch.bfloat16, seed: int = 0):
+    """Leaf q, k, v, g (g = logsigmoid(randn), fp32 math then `dtype`) and an output gradient, B = 1."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shape = (1, T, heads, head_k)
+    q, k = (torch.randn(shape, device=device, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
+    v = torch.randn(1, T, heads, head_v, device=device, generator=gen, dtype=dtype).requires_grad_()
+    g = torch.nn.functional.logsigmoid(torch.randn(shape, device=device, generator=gen)).to(dtype).requires_grad_()
+    return q, k, v, g, torch.randn_like(v)

@@ -8,11 +8,10 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from .bench_fused import _no_comm_scan
-from .common import parse_dataclass
+from .common import gla_inputs, parse_dataclass
 
 
 @dataclass
@@ -30,10 +29,7 @@ def main(argv=None):
     from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
     args = parse_dataclass(ProfileFusedArgs, argv, __doc__)
     dev = torch.device("cuda")
-    shape = (1, args.t_local, args.heads, args.head_dim)
-    q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-    g = F.logsigmoid(torch.randn(shape, device=dev)).to(torch.bfloat16).requires_grad_()
-    do = torch.randn_like(v)
+    q, k, v, g, do = gla_inputs(args.t_local, args.heads, args.head_dim, args.head_dim, dev)
     scale = args.head_dim ** -0.5
     variants = {"fla_chunk_gla": lambda: chunk_gla(q, k, v, g, scale=scale)[0],
                 "zeco_fused_no_comm": lambda: FusedZeCOGLA.apply(q, k, v, g, scale, _no_comm_scan)}

@@ -12,12 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan
 
-from .common import finish, init_distributed, parse_dataclass
+from .common import finish, gla_inputs, init_distributed, parse_dataclass
 
 
 @dataclass
@@ -34,10 +33,7 @@ def main(argv=None):
     args = parse_dataclass(ProfileSPArgs, argv, __doc__)
     dev = init_distributed()
     rank = dist.get_rank()
-    shape = (1, args.t_local, args.heads, args.head_dim)
-    q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16).requires_grad_() for _ in range(3))
-    g = F.logsigmoid(torch.randn(shape, device=dev)).to(torch.bfloat16).requires_grad_()
-    do = torch.randn_like(v)
+    q, k, v, g, do = gla_inputs(args.t_local, args.heads, args.head_dim, args.head_dim, dev, seed=rank)
     scale = args.head_dim ** -0.5
     scan = AllScanArgs()
 
