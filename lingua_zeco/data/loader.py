@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lingua_zeco.data.mqar import MQARArgs, MQARLoader
 from lingua_zeco.data.sources import DocumentSource, resolve_sources
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
@@ -37,6 +38,8 @@ class DataArgs:
     text_key: str = "text"  # jsonl field / parquet column holding the document text
     shuffle_files: bool = True  # seeded per-epoch file order within each source
     prefetch: int = 2  # batches prepared ahead on a background thread (0 = build batches inline)
+    synthetic: str = ""  # "" = documents as above | "mqar": multi-query associative recall (data/mqar.py)
+    mqar: MQARArgs = field(default_factory=MQARArgs)
 
 
 class _Packer:
@@ -232,5 +235,12 @@ class PackedDataLoader:
 
 
 def build_data_loader(args: DataArgs, *, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int,
-                      seed: int) -> PackedDataLoader:
+                      seed: int) -> PackedDataLoader | MQARLoader:
+    if args.synthetic == "mqar":
+        if args.varlen:
+            raise ValueError("data.synthetic=mqar yields one sequence per row: set data.varlen=false")
+        return MQARLoader(args.mqar, seq_len=args.seq_len, batch_size=args.batch_size, dp_rank=dp_rank,
+                          dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size, seed=seed)
+    if args.synthetic:
+        raise ValueError(f"data.synthetic={args.synthetic!r}: expected '' (documents) or 'mqar'")
     return PackedDataLoader(args, dp_rank=dp_rank, dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size, seed=seed)
