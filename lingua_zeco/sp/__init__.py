@@ -7,6 +7,7 @@ concatenation of the group's slices in rank order. Methods:
   lasp2  all-gather of every rank's state, local scan
   none   a group of one rank (plain GLA)
   local  diagnostic only: each rank runs its slice alone, dropping the state from before it
+sp_simple_gla: the scalar-decay variant (one decay per head and token) through the same machinery.
 """
 from __future__ import annotations
 
@@ -52,4 +53,21 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
                              backend=name, scan_args=scan)
 
 
-__all__ = ["METHODS", "SPArgs", "sp_gla"]
+def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
+                  backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None):
+    """Scalar-decay GLA (RetNet style, fla's chunk_simple_gla): g [B, T_local, H], one log decay per
+    head and token. Its transition diag(exp(g)·1) is GLA's with the decay broadcast over K, so the
+    same exchange is exact: one K×V state per head, the same All-Scan operator (the scanned decay
+    a = b_end is constant over K). P = 1 runs the variant's own kernel (fla's chunk_simple_gla on
+    CUDA); P > 1 runs sp_gla on the broadcast gate (a [B, T, H, K] view; dg sums over K by autograd)."""
+    if g.dim() != 3 or g.shape != q.shape[:3]:
+        raise ValueError(f"sp_simple_gla: g must be [B, T_local, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
+    if group_rank_size(group)[1] == 1:
+        check_local(q, k, v, g[..., None].expand_as(q), method, cu_seqlens, 1)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        return kernels.chunk_simple_gla(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens, backend=backend)[0]
+    return sp_gla(q, k, v, g[..., None].expand_as(q), group=group, method=method, scale=scale,
+                  cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan)
+
+
+__all__ = ["METHODS", "SPArgs", "sp_gla", "sp_simple_gla"]
