@@ -156,3 +156,19 @@ def test_logits_match_fla(fla_on_cpu, T):
     ours.model.layers[0].attn.gate_logit_normalizer = 8
     with torch.no_grad():
         assert (ours(x) - want).abs().max() > 1e-3
+
+
+def test_simple_gla_variant():
+    """model.attn_variant=simple_gla: one forget gate per head (gk_proj dim -> n_heads), analytic
+    parameter count, and it trains (the gate gets a gradient)."""
+    args = dataclasses.replace(TINY, attn_variant="simple_gla")
+    m = GLAForCausalLM(args)
+    m.init_weights(0)
+    assert m.model.layers[0].attn.gk_proj.weight.shape == (args.n_heads, args.dim)
+    assert count_params(args)["total"] == sum(p.numel() for p in m.parameters())
+    x = torch.randint(0, args.vocab_size, (2, 20))
+    loss, n = m(x, labels=x)
+    loss.backward()
+    assert n == 40 and m.model.layers[0].attn.gk_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="attn_variant"):
+        GLAForCausalLM(dataclasses.replace(TINY, attn_variant="deltanet"))

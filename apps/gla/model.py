@@ -18,9 +18,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lingua_zeco.sp import sp_gla
+from lingua_zeco.sp import sp_gla, sp_simple_gla
 
 AC_MODES = ("none", "full", "selective")
+ATTN_VARIANTS = ("gla", "simple_gla")
 
 
 @dataclass
@@ -40,6 +41,9 @@ class GLAArgs:
     fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
+    # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
+    # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads)
+    attn_variant: str = "gla"
 
     @property
     def key_dim(self) -> int:
@@ -109,9 +113,14 @@ class GatedLinearAttention(nn.Module):
         self.k_proj = nn.Linear(d, kd, bias=False)
         self.v_proj = nn.Linear(d, vd, bias=False)
         self.g_proj = nn.Linear(d, vd, bias=False)
-        # Low-rank forget gate: hidden -> 16 -> key_dim (with bias), as in fla.
-        self.gk_proj = nn.Sequential(nn.Linear(d, args.gate_low_rank_dim, bias=False),
-                                     nn.Linear(args.gate_low_rank_dim, kd, bias=True))
+        if args.attn_variant not in ATTN_VARIANTS:
+            raise ValueError(f"model.attn_variant={args.attn_variant!r}; choose from {ATTN_VARIANTS}")
+        self.variant = args.attn_variant
+        if self.variant == "simple_gla":  # one forget gate per head, as fla's SimpleGatedLinearAttention
+            self.gk_proj = nn.Linear(d, args.n_heads, bias=True)
+        else:  # Low-rank forget gate: hidden -> 16 -> key_dim (with bias), as in fla.
+            self.gk_proj = nn.Sequential(nn.Linear(d, args.gate_low_rank_dim, bias=False),
+                                         nn.Linear(args.gate_low_rank_dim, kd, bias=True))
         self.o_proj = nn.Linear(vd, d, bias=False)
         self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
 
@@ -121,9 +130,9 @@ class GatedLinearAttention(nn.Module):
         q = self.q_proj(x).view(B, T, H, K)
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
-        gk = F.logsigmoid(self.gk_proj(x).view(B, T, H, K)) / self.gate_logit_normalizer
-        o = sp_gla(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
-                   scan=self.sp_scan)
+        attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
+        gk = F.logsigmoid(self.gk_proj(x).view(B, T, H, -1).squeeze(-1)) / self.gate_logit_normalizer
+        o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens, scan=self.sp_scan)
         o = self.g_norm_swish_gate(o.to(x.dtype), self.g_proj(x).view(B, T, H, V))
         return self.o_proj(o.reshape(B, T, H * V))
 
@@ -238,7 +247,8 @@ def count_params(args: GLAArgs) -> dict:
     """Analytic parameter counts (tested against the module): total, embedding, head, non-embedding."""
     d, kd, vd, f = args.dim, args.key_dim, args.value_dim, args.ffn_dim
     r = args.gate_low_rank_dim
-    attn = d * kd * 2 + d * vd * 2 + vd * d + d * r + r * kd + kd + vd // args.n_heads
+    gate = d * args.n_heads + args.n_heads if args.attn_variant == "simple_gla" else d * r + r * kd + kd
+    attn = d * kd * 2 + d * vd * 2 + vd * d + gate + vd // args.n_heads
     layer = attn + 3 * d * f + 2 * d
     body = args.n_layers * layer + d
     emb = args.vocab_size * d
