@@ -64,7 +64,7 @@ def _train_on_rank(rank, world, argv):
     train(parse_args(TrainArgs, argv))
 
 
-@pytest.mark.slow
+@pytest.mark.long  # ~1 min of training; its margin depends on the run (docs/long_context.md)
 def test_recall_needs_the_state_from_the_other_rank(tmp_path):
     """The first 150 steps of configs/mqar_sp2.yaml's 1000-step run (same lr schedule; docs/long_context.md).
     Chance is 1/8; zeco's accuracy over steps 101-150 is clearly above it, local's (no state
