@@ -40,17 +40,18 @@ def peak_flops(device: torch.device, override: float = 0.0) -> float:
 
 
 def memory_stats(device: torch.device) -> dict:
-    if device.type != "cuda":
-        return {}
+    if device.type != "cuda":  # peak resident memory of this process (Linux reports KiB)
+        import resource
+        return dict(mem_gib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20)
     gib = 2**30
     return dict(mem_alloc_gib=torch.cuda.memory_allocated(device) / gib,
-                mem_peak_gib=torch.cuda.max_memory_allocated(device) / gib,
+                mem_gib=torch.cuda.max_memory_allocated(device) / gib,  # peak allocated
                 mem_reserved_gib=torch.cuda.max_memory_reserved(device) / gib)
 
 
 def throughput(tokens_per_gpu: int, step_time_s: float, flops_per_token: float, peak: float) -> dict:
     tps = tokens_per_gpu / step_time_s if step_time_s > 0 else 0.0
-    out = dict(tokens_per_s_per_gpu=tps, tflops_per_gpu=tps * flops_per_token / 1e12)
+    out = dict(tok_per_s_per_gpu=tps, tflops_per_gpu=tps * flops_per_token / 1e12)
     if peak > 0:
         out["mfu"] = tps * flops_per_token / peak
     return out

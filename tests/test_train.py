@@ -61,7 +61,7 @@ def test_cli_debug_run(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert 0 < r["loss"] < 10 and r["tokens_per_s_per_gpu"] > 0 and 0 <= r["data_wait_share"] <= 1
+        assert 0 < r["loss"] < 10 and r["tok_per_s_per_gpu"] > 0 and r["mem_gib"] > 0 and 0 <= r["data_wait_share"] <= 1
         assert r["tokens_global"] == 2 * 64
     assert any(p.name.startswith("step_") for p in (tmp_path / "checkpoints").iterdir())
     assert list((tmp_path / "profile").glob("rank0_step*.json"))  # the profiler window was recorded

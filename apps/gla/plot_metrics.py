@@ -32,8 +32,8 @@ def plot(runs: list[str], out: str) -> str:
         if val:
             vs = sorted(val)
             ax_loss.plot(vs, [val[s]["val_loss"] for s in vs], "o--", label=f"{label} valid")
-        tps = [s for s in steps if "tokens_per_s_per_gpu" in train[s]]
-        ax_tps.plot(tps, [train[s]["tokens_per_s_per_gpu"] for s in tps], label=label)
+        tps = [s for s in steps if "tok_per_s_per_gpu" in train[s]]
+        ax_tps.plot(tps, [train[s]["tok_per_s_per_gpu"] for s in tps], label=label)
     ax_loss.set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     ax_tps.set(xlabel="step", ylabel="tokens/s/GPU", title="throughput")
     for ax in (ax_loss, ax_tps):

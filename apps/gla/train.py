@@ -167,6 +167,7 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                 else contextlib.nullcontext())
     losses: dict[int, float] = {}
     tokens_per_micro = args.data.batch_size * args.data.seq_len
+    start_step, t_loop = step, time.perf_counter()  # for the console's ETA
     try:
         with maybe_profile(args.profiling, dump_dir, env.rank) as prof, \
                 R.StopSignals(args.reliability.handle_signals) as signals:
@@ -206,8 +207,11 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                             logger.info("step %d recall accuracy %.3f", step, record["recall_acc"])
                     metrics.log(record)
                     if env.is_master:
-                        logger.info("step %d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu", step, loss,
-                                    record["lr"], record["grad_norm"], record["tokens_per_s_per_gpu"])
+                        eta = (time.perf_counter() - t_loop) / max(step - start_step, 1) * (args.steps - step)
+                        logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu mfu %.1f%% eta %s",
+                                    step, args.steps, loss, record["lr"], record["grad_norm"],
+                                    record["tok_per_s_per_gpu"], 100 * record.get("mfu", 0.0),
+                                    time.strftime("%H:%M:%S", time.gmtime(eta)))
 
                 if E.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
                     metrics.log({"step": step, **E.evaluate(model, args.data, args.eval, device=env.device, autocast=autocast,

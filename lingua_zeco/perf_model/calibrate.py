@@ -58,7 +58,8 @@ def load_raw(raw: str) -> dict:
 
 def median_tok_s(rows: list[dict]) -> float:
     """Median tokens/s/GPU over the logged steps, the first logged step (warm-up) left out."""
-    return statistics.median(r["tokens_per_s_per_gpu"] for r in rows[1:])
+    # the 2026-11-30 files predate the rename to tok_per_s_per_gpu
+    return statistics.median(r.get("tok_per_s_per_gpu", r.get("tokens_per_s_per_gpu")) for r in rows[1:])
 
 
 def _model_state(H: int, K: int = 128, V: int = 128) -> StateArgs:
