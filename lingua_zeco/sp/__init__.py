@@ -11,8 +11,6 @@ sp_simple_gla: the scalar-decay variant (one decay per head and token) through t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs
 
@@ -20,14 +18,6 @@ from .compose import lasp1, scan_then_correct
 from .state_passing import group_rank_size
 from .validate import METHODS, check_across_ranks, check_local
 from .varlen import local_segments
-
-
-@dataclass
-class SPArgs:
-    method: str = "zeco"                 # zeco | lasp1 | lasp2 | none
-    backend: str | None = None           # fla | torch | None (from the device)
-    fused: bool = True                   # zeco/lasp2: use fla's stages (overlapped scan) when the backend is fla
-    scan: AllScanArgs = field(default_factory=AllScanArgs)
 
 
 def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
@@ -70,4 +60,4 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
                   cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan)
 
 
-__all__ = ["METHODS", "SPArgs", "sp_gla", "sp_simple_gla"]
+__all__ = ["METHODS", "sp_gla", "sp_simple_gla"]
