@@ -35,7 +35,7 @@ class BenchOpArgs:
     head_v: int = 128
     # also: zeco_tree (Hillis-Steele All-Scan), zeco_composed (no overlap: the reference build)
     methods: tuple = ("none", "zeco", "lasp1", "lasp2", "fla")  # fla: CUDA only, skipped elsewhere
-    n_blocks: int = 4  # chain All-Scan pipelining depth for zeco
+    n_blocks: int = 0  # chain All-Scan pipelining depth for zeco (0: chosen by the alpha-beta model)
     dtype: str = ""  # "" = bf16 on CUDA, fp32 on CPU
     warmup: int = 5
     iters: int = 20
@@ -81,7 +81,7 @@ def sp_kwargs(method: str, n_blocks: int, self_group) -> dict:
     raise ValueError(f"unknown benchmark method {method!r}")
 
 
-def step_fn(method: str, inputs, self_group, n_blocks: int = 4):
+def step_fn(method: str, inputs, self_group, n_blocks: int = 0):
     q, k, v, g, do = inputs
 
     def clear():
