@@ -130,9 +130,6 @@ def main(argv: list[str] | None = None) -> str | None:
         link = next(iter(payload["calibration"]["links"].items()))
         md += f"\nfit {link[0]}: alpha = {link[1]['alpha_s'] * 1e6:.2f} µs, beta = {link[1]['beta_Bps'] / 1e9:.2f} GB/s\n"
     path = write_outputs(args.out, f"comm_P{dist.get_world_size()}", payload, md)
-    if path:
-        print(md)
-        print(f"wrote {path}")
     finish()
     return path
 

@@ -147,9 +147,6 @@ def main(argv: list[str] | None = None) -> str | None:
     md = f"# bench_op, P={P} ({payload['env']['device']}, {rows[0]['dtype'] if rows else ''})\n\n"
     md += markdown_table(rows, ["method", "T_local", "P", "H", "median_ms", "p10_ms", "p90_ms", "peak_mem_MiB"])
     path = write_outputs(args.out, f"op_P{P}", payload, md)
-    if path:
-        print(md)
-        print(f"wrote {path}")
     finish()
     return path
 

@@ -152,7 +152,7 @@ def markdown_table(rows: list[dict], cols: list[str]) -> str:
 
 
 def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str) -> str | None:
-    """Rank 0 writes <stem>.json and <stem>.md; returns the JSON path there (None elsewhere)."""
+    """Rank 0 writes <stem>.json and <stem>.md and prints the table; returns the JSON path there (None elsewhere)."""
     if dist.get_rank() != 0:
         return None
     os.makedirs(out_dir, exist_ok=True)
@@ -161,6 +161,8 @@ def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str) -> str 
         json.dump(payload, f, indent=1)
     with open(os.path.join(out_dir, stem + ".md"), "w") as f:
         f.write(markdown)
+    print(markdown)
+    print(f"wrote {path}")
     return path
 
 
