@@ -15,6 +15,7 @@ from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs
 
 from .compose import lasp1, scan_then_correct
+from .delta import sp_gated_delta  # noqa: F401  (Gated DeltaNet: lingua_zeco/sp/delta.py)
 from .state_passing import group_rank_size
 from .validate import METHODS, check_across_ranks, check_local
 from .varlen import local_segments
