@@ -57,7 +57,7 @@ def test_torch_kernel_matches_oracle_forward_backward_varlen():
     o, ht = torch_chunk_gated_delta(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     assert max_rel(o, o64) < 1e-10 and max_rel(ht, ht64) < 1e-10
     # gradients of every input (and of the initial state) against finite differences
-    short = [t[:1, :11].clone().requires_grad_() for t in (q, k, v, g, beta)] + [h0[:1].clone().requires_grad_()]
+    short = [t[:1, :7, :1].clone().requires_grad_() for t in (q, k, v, g, beta)] + [h0[:1, :1].clone().requires_grad_()]
     assert torch.autograd.gradcheck(
         lambda q_, k_, v_, g_, b_, h_: torch_chunk_gated_delta(q_, k_, v_, g_, b_, initial_state=h_, chunk=4,
                                                                output_final_state=True), short)
@@ -73,10 +73,9 @@ def test_torch_kernel_matches_oracle_forward_backward_varlen():
 def test_widened_pass_gives_transition_matrix():
     """[v | 0] from [0 | I] returns the product of the transitions: S_out = M S_in + S_loc for any S_in."""
     q, k, v, g, beta, _ = (t.double() for t in global_inputs(1))
-    _, S_wide = torch_chunk_gated_delta(q, k, torch.cat([v, torch.zeros(*v.shape[:3], K, dtype=v.dtype)], -1), g,
-                                        beta, initial_state=torch.cat([torch.zeros(B, H, K, V, dtype=v.dtype),
-                                                                       torch.eye(K, dtype=v.dtype).expand(B, H, K, K)], -1),
-                                        output_final_state=True)
+    v_wide = torch.cat([v, torch.zeros(*v.shape[:3], K, dtype=v.dtype)], -1)
+    h0 = torch.cat([torch.zeros(B, H, K, V, dtype=v.dtype), torch.eye(K, dtype=v.dtype).expand(B, H, K, K)], -1)
+    _, S_wide = torch_chunk_gated_delta(q, k, v_wide, g, beta, initial_state=h0, output_final_state=True)
     S_in = torch.randn(B, H, K, V, dtype=torch.float64)
     _, S_out = naive_gated_delta(q, k, v, g, beta, initial_state=S_in, output_final_state=True)
     assert max_rel(S_wide[..., V:] @ S_in + S_wide[..., :V], S_out) < 1e-12
@@ -94,7 +93,8 @@ def test_bad_inputs():
 
 # ----------------------------------------------------------------------------- SP on gloo ranks
 
-VARIANTS = [("zeco", "chain", False), ("zeco", "tree", False), ("zeco", "chain", True), ("zeco", "tree", True),
+VARIANTS = [("zeco", "chain", False), ("zeco", "tree", False), ("zeco", "auto", False),
+            ("zeco", "chain", True), ("zeco", "tree", True),
             ("lasp1", "chain", False), ("lasp1", "chain", True), ("lasp2", "chain", False), ("lasp2", "chain", True),
             ("local", "chain", False), ("zeco_no_M", "chain", False)]
 
@@ -106,14 +106,14 @@ def _scan_worker(rank, P):
     out = {}
     for algo, nb in (("chain", 1), ("chain", 3), ("tree", 0)):
         args = AllScanArgs(algorithm=algo, n_blocks=nb)
-        out[algo, nb] = (pair_scan(xs[rank], As[rank], args=args), pair_scan(xs[rank], As[rank], reverse=True, args=args))
+        out[algo, nb] = (pair_scan(xs[rank], As[rank], args=args),
+                         pair_scan(xs[rank], As[rank], reverse=True, args=args))
     return xs, As, out
 
 
-@pytest.mark.slow
-def test_pair_scan_matches_serial_recurrence():
-    P = 4
-    res = run_on_ranks(_scan_worker, P, timeout_s=60)
+def check_pair_scan(res):
+    """The ranks' pair_scan results (from _scan_worker) against the serial recurrence."""
+    P = len(res)
     xs, As, _ = res[0]
     fwd, y = [], torch.zeros_like(xs[0])
     for p in range(P):
@@ -140,6 +140,7 @@ def _worker(rank, P):
                            scan=AllScanArgs(algorithm=algo, n_blocks=3))
         (o * do).sum().backward()
         out[(method, algo, varlen)] = [o.detach()] + [t.grad for t in ins]
+    out["pair_scan"] = _scan_worker(rank, P)
     return out
 
 
@@ -162,6 +163,7 @@ NAMES = "o dq dk dv dg dbeta".split()
 @pytest.mark.parametrize("P", [2, 4])
 def test_sp_gated_delta_equals_single_device(P):
     per_rank = run_on_ranks(_worker, P, timeout_s=240)
+    check_pair_scan([r["pair_scan"] for r in per_rank])
     refs = {vl: single_device(P, vl) for vl in (False, True)}
     for varlen, (ref, oracle) in refs.items():  # the single-device kernel itself is the oracle's
         errs = {n: max_rel(a, b) for n, a, b in zip(NAMES, ref, oracle)}
@@ -226,3 +228,57 @@ def test_fla_gated_delta_matches_torch_on_gpu():
     for name, a, b in zip("o ht dq dk dv dg dbeta".split(), res["fla"], res["torch"]):
         rel = (a.float() - b.float()).norm() / b.float().norm()
         assert rel < 2e-2, f"{name}: relative error {rel:.3e}"
+
+
+# ----------------------------------------------------------------------------- the model variant
+
+def test_model_variant_counts_and_trains():
+    import dataclasses
+
+    from apps.gla.model import GLAArgs, GLAForCausalLM, count_params
+    args = GLAArgs(dim=32, n_layers=2, n_heads=2, ffn_hidden=64, vocab_size=61, attn_variant="gated_deltanet")
+    m = GLAForCausalLM(args)
+    m.init_weights(0)
+    attn = m.model.layers[0].attn
+    assert type(attn).__name__ == "GatedDeltaNet" and attn.a_proj.weight.shape == (2, 32)
+    assert count_params(args)["total"] == sum(p.numel() for p in m.parameters())
+    x = torch.randint(0, args.vocab_size, (2, 40))
+    loss, n = m(x, labels=x)
+    loss.backward()
+    for name in ("A_log", "dt_bias", "a_proj.weight", "b_proj.weight", "k_proj.weight"):
+        assert attn.get_parameter(name).grad.abs().sum() > 0, name
+    assert count_params(dataclasses.replace(args, attn_variant="gla"))["total"] != count_params(args)["total"]
+
+
+TRAIN = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",
+         "model.attn_variant=gated_deltanet", "data.batch_size=2", "logging.freq=1", "optim.warmup=2",
+         "optim.lr=1e-2", "data.prefetch=0", "steps=4", "checkpoint.dump.every=100"]
+
+
+def _train_on_rank(rank, world, argvs):
+    from apps.gla.train import TrainArgs, train
+    from lingua_zeco.args import parse_args
+    torch.set_num_threads(1)
+    return [train(parse_args(TrainArgs, argv))["losses"] for argv in argvs]  # one spawn, several runs
+
+
+@pytest.mark.slow
+def test_model_sp2_trains_as_sp1(tmp_path):
+    """model.attn_variant=gated_deltanet: 4 steps on 2 x 64 tokens split over 2 ranks (zeco and
+    local) vs 128 tokens on one: zeco's loss curve is the same, local's is not."""
+    from apps.gla.train import TrainArgs, train
+    from lingua_zeco.args import parse_args
+    from lingua_zeco.metrics import read_metrics
+    ref = train(parse_args(TrainArgs, [*TRAIN, f"dump_dir={tmp_path / 'sp1'}", "data.seq_len=128"]))["losses"]
+    ref = torch.tensor([ref[s] for s in sorted(ref)])
+    methods = ("zeco", "local")
+    argvs = [[*TRAIN, f"dump_dir={tmp_path / m}", "data.seq_len=64", "distributed.sp_size=2",
+              f"distributed.sp_method={m}"] for m in methods]
+    got = run_on_ranks(_train_on_rank, 2, argvs, timeout_s=120)
+    assert got[0] == got[1]  # every rank reports the global loss
+    curves = {m: torch.tensor([c[s] for s in sorted(c)]) for m, c in zip(methods, got[0])}
+    assert ref[-1] < ref[0]  # it learns
+    torch.testing.assert_close(curves["zeco"], ref, rtol=2e-5, atol=0)
+    assert ((curves["local"] - ref).abs() / ref).max() > 1e-4, (curves["local"], ref)  # observed 6e-4 vs 1e-7
+    gn = [[r["grad_norm"] for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in ("sp1", "zeco")]
+    torch.testing.assert_close(torch.tensor(gn[1]), torch.tensor(gn[0]), rtol=1e-4, atol=0)

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from lingua_zeco.sp import sp_gla, sp_simple_gla
 
 AC_MODES = ("none", "full", "selective")
-ATTN_VARIANTS = ("gla", "simple_gla")
+ATTN_VARIANTS = ("gla", "simple_gla", "gated_deltanet")  # gated_deltanet: apps/gla/gated_deltanet.py
 
 
 @dataclass
@@ -156,7 +156,11 @@ class GLABlock(nn.Module):
     def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
-        self.attn = GatedLinearAttention(args, sp_group, sp_method, sp_scan)
+        if args.attn_variant == "gated_deltanet":
+            from apps.gla.gated_deltanet import GatedDeltaNet  # imports this module: import on use
+            self.attn = GatedDeltaNet(args, sp_group, sp_method, sp_scan)
+        else:
+            self.attn = GatedLinearAttention(args, sp_group, sp_method, sp_scan)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.mlp = SwiGLU(args.dim, args.ffn_dim, args.fused_kernels)
         if args.activation_checkpointing not in AC_MODES:
@@ -248,6 +252,8 @@ def count_params(args: GLAArgs) -> dict:
     d, kd, vd, f = args.dim, args.key_dim, args.value_dim, args.ffn_dim
     r = args.gate_low_rank_dim
     gate = d * args.n_heads + args.n_heads if args.attn_variant == "simple_gla" else d * r + r * kd + kd
+    if args.attn_variant == "gated_deltanet":  # a_proj, b_proj (dim -> n_heads), A_log, dt_bias
+        gate = 2 * (d * args.n_heads + args.n_heads)
     attn = d * kd * 2 + d * vd * 2 + vd * d + gate + vd // args.n_heads
     layer = attn + 3 * d * f + 2 * d
     body = args.n_layers * layer + d

@@ -123,7 +123,8 @@ def torch_chunk_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None,
 
 def check_shapes(q, k, v, g, beta, where: str = "gated delta"):
     if q.dim() != 4 or k.shape != q.shape:
-        raise ValueError(f"{where}: q and k must share one shape [B, T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError(f"{where}: q and k must share one shape [B, T, H, K]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"{where}: v must be [B, T, H, V] matching q {tuple(q.shape)} (no grouped value "
                          f"heads here); got {tuple(v.shape)}")

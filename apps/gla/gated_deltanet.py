@@ -1,0 +1,72 @@
+"""Gated DeltaNet attention (model.attn_variant=gated_deltanet), sequence-parallel through
+lingua_zeco.sp.sp_gated_delta (zeco / lasp1 / lasp2 / none / local, as the GLA variants).
+
+Simplified from fla's GatedDeltaNet layer (fla.layers.gated_deltanet), parameter names kept:
+  q, k, v = silu(q_proj x), silu(k_proj x), silu(v_proj x)       (q, k L2-normalised per head)
+  β       = sigmoid(b_proj x)                                      one per head and token
+  g       = −exp(A_log) · softplus(a_proj x + dt_bias)             log decay ≤ 0, one per head and token
+  o       = o_proj( RMSNorm(delta_rule(q, k, v, g, β)) · swish(g_proj x) )   (o_norm, per head)
+Differences from fla's layer, on purpose:
+* no short causal convolution on q, k, v (fla: ShortConvolution, kernel 4). Under SP it would need
+  the previous rank's last 3 tokens (a halo exchange), which is a separate piece of work;
+* head dims follow GLAArgs (key_dim = dim·expand_k, value_dim = dim·expand_v, n_heads heads), no
+  grouped value heads, no negative eigenvalues (β ∈ (0, 1));
+* initialisation: the model's init_weights draws every matrix N(0, init_std), zeroes biases and sets
+  other 1-D parameters to 1, so A_log = 1 and dt_bias = 0 (decay exp(−e·ln 2) ≈ 0.15 per token at
+  init, trainable). fla draws A ~ U(0, 16) and dt ∈ [1e-3, 1e-1] (much slower decay); this module
+  does that in its constructor, which only matters when it is used without init_weights.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from apps.gla.model import GatedRMSNorm, GLAArgs
+from lingua_zeco.sp import sp_gated_delta
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
+        super().__init__()
+        d, kd, vd, H = args.dim, args.key_dim, args.value_dim, args.n_heads
+        if kd % H or vd % H:
+            raise ValueError(f"key dim {kd} and value dim {vd} must be divisible by n_heads={H}")
+        self.n_heads, self.head_k, self.head_v = H, kd // H, vd // H
+        self.sp_group, self.sp_method, self.sp_scan = sp_group, sp_method, sp_scan
+        self.q_proj = nn.Linear(d, kd, bias=False)
+        self.k_proj = nn.Linear(d, kd, bias=False)
+        self.v_proj = nn.Linear(d, vd, bias=False)
+        self.a_proj = nn.Linear(d, H, bias=False)
+        self.b_proj = nn.Linear(d, H, bias=False)
+        self.A_log = nn.Parameter(torch.empty(H))
+        self.dt_bias = nn.Parameter(torch.empty(H))
+        self.g_proj = nn.Linear(d, vd, bias=False)
+        self.o_norm = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
+        self.o_proj = nn.Linear(vd, d, bias=False)
+        self.reset_gate_parameters()
+
+    @torch.no_grad()
+    def reset_gate_parameters(self, generator: torch.Generator | None = None) -> None:
+        """fla's ranges: A ~ U(0, 16) (floored), dt log-uniform in [1e-3, 1e-1], dt_bias = softplus⁻¹(dt)."""
+        H = self.n_heads
+        A = torch.empty(H).uniform_(0, 16, generator=generator).clamp(min=1e-4)
+        dt = torch.exp(torch.rand(H, generator=generator) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+        dt = dt.clamp(min=1e-4)
+        self.A_log.copy_(A.log().to(self.A_log))
+        self.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt))).to(self.dt_bias))
+
+    def forward(self, x, cu_seqlens=None):
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_k, self.head_v
+        q = F.silu(self.q_proj(x)).view(B, T, H, K)
+        k = F.silu(self.k_proj(x)).view(B, T, H, K)
+        v = F.silu(self.v_proj(x)).view(B, T, H, V)
+        beta = self.b_proj(x).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        o = sp_gated_delta(q, k, v, g, beta, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
+                           use_qk_l2norm=True, scan=self.sp_scan)
+        o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, V))
+        return self.o_proj(o.reshape(B, T, H * V))
