@@ -64,8 +64,9 @@ class GatedDeltaNet(nn.Module):
         q = F.silu(self.q_proj(x)).view(B, T, H, K)
         k = F.silu(self.k_proj(x)).view(B, T, H, K)
         v = F.silu(self.v_proj(x)).view(B, T, H, V)
-        beta = self.b_proj(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
+        acc = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 at least (fp64 stays fp64)
+        beta = self.b_proj(x).to(acc).sigmoid()
+        g = -self.A_log.to(acc).exp() * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))
         o = sp_gated_delta(q, k, v, g, beta, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
                            use_qk_l2norm=True, scan=self.sp_scan)
         o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, V))

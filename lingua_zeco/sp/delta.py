@@ -161,7 +161,7 @@ class MatScanFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dS_in):
         M, S_in = ctx.saved_tensors
-        E = pair_scan(dS_in.float().contiguous(), M.transpose(-1, -2), ctx.group, reverse=True, args=ctx.args)
+        E = pair_scan(dS_in.to(M.dtype).contiguous(), M.transpose(-1, -2), ctx.group, reverse=True, args=ctx.args)
         return E, E @ S_in.transpose(-1, -2), None, None
 
 
@@ -184,8 +184,9 @@ def _widened_pass(q, k, v, g, beta, *, scale, seg: LocalSegments, backend):
     V = v.shape[-1]
     v_wide = torch.cat([v, v.new_zeros(B, T, H, K)], dim=-1)
     N = B if seg.cu_seqlens is None else seg.n_segments
-    h0 = torch.zeros(N, H, K, V + K, dtype=torch.float32, device=q.device)
-    eye = torch.eye(K, dtype=torch.float32, device=q.device)
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 states (fp64 stays fp64: exactness checks)
+    h0 = torch.zeros(N, H, K, V + K, dtype=acc, device=q.device)
+    eye = torch.eye(K, dtype=acc, device=q.device)
     if seg.cu_seqlens is None:
         h0[..., V:] = eye
     elif seg.continues:  # only the segment that continues the previous rank's document sees S_in
@@ -194,7 +195,7 @@ def _widened_pass(q, k, v, g, beta, *, scale, seg: LocalSegments, backend):
                                        output_final_state=True, cu_seqlens=seg.cu_seqlens, backend=backend)
     if seg.cu_seqlens is not None:
         S_wide = S_wide[-1:]  # the slice's end state is its last segment's
-    S_wide = S_wide.float()
+    S_wide = S_wide.to(acc)
     return o_wide[..., :V], o_wide[..., V:], S_wide[..., :V], S_wide[..., V:]
 
 
@@ -231,7 +232,8 @@ def sp_gated_delta(q, k, v, g, beta, *, group=None, method: str = "zeco", scale:
         S_in = gather_pair_scan(S_loc, M, group)
     else:
         S_in = MatScanFn.apply(S_loc, M, group, scan or AllScanArgs())
-    o = o_loc.float() + torch.einsum("bthk,bhkv->bthv", q_tilde.float(), S_in)
+    acc = S_in.dtype
+    o = o_loc.to(acc) + torch.einsum("bthk,bhkv->bthv", q_tilde.to(acc), S_in)
     return o.to(o_loc.dtype)
 
 
