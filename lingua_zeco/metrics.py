@@ -57,16 +57,34 @@ def throughput(tokens_per_gpu: int, step_time_s: float, flops_per_token: float, 
     return out
 
 
-class Timer:
-    """Wall time of a region; on CUDA synchronises first so the kernels are really done."""
+class StepTimer:
+    """Mean seconds per step over a logging window, with no synchronisation per step: a CUDA event
+    (perf_counter on CPU) marks the window's start; `window()` marks its end and waits for it."""
 
     def __init__(self, device: torch.device):
-        self.device = device
+        self.cuda = device.type == "cuda"
+        self.n, self.last_n = 0, 0
+        self._start = self._mark()
 
-    def now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+    def _mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def step(self) -> None:
+        self.n += 1
+
+    def window(self) -> float:
+        end = self._mark()
+        if self.cuda:
+            end.synchronize()
+            dt = self._start.elapsed_time(end) * 1e-3
+        else:
+            dt = end - self._start
+        self.last_n, self.n, self._start = self.n, 0, end
+        return dt / max(self.last_n, 1)
 
 
 class MetricLogger:

@@ -22,7 +22,7 @@ class OptimArgs:
     lr_min_ratio: float = 0.1  # decayed lr floor, as a fraction of lr
     decay_steps: int = 0  # horizon of the decay; 0 = the run's `steps`
     clip: float = 1.0  # max global grad norm; <= 0 disables clipping
-    fused: bool = True  # fused AdamW kernel on CUDA
+    fused: bool = True  # fused AdamW kernel (CUDA and CPU); it can drop a non-finite step on the device
 
 
 def lr_factor(step: int, args: OptimArgs, total: int) -> float:
@@ -48,9 +48,8 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, total_steps: int):
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay, weight_decay=0.0)]
-    on_cuda = any(p.is_cuda for p in decay)
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
-                            fused=args.fused and on_cuda)
+                            fused=args.fused)
     horizon = args.decay_steps if args.decay_steps > 0 else total_steps
     sched = LambdaLR(opt, lambda step: lr_factor(step, args, horizon))
     return opt, sched

@@ -175,6 +175,21 @@ def test_nonfinite_stop_policy_exits_1_naming_the_step(tmp_path, monkeypatch, ca
     assert (_ckpt(tmp_path, 2) / MARKER).is_file() and [s for s, _ in _losses(tmp_path)] == [1, 2]
 
 
+def test_deferred_verdict_skips_on_device_and_stops_one_step_later(tmp_path, monkeypatch):
+    """With no log/save between them, steps do not sync: a bad step's update is dropped by the fused
+    AdamW on the device, and the host learns it (and applies the policy) at the next step."""
+    seen = _poisoning(monkeypatch, {2: "grad", 4: "grad"})
+    argv = _argv(tmp_path, "steps=6", "logging.freq=100", "checkpoint.dump.every=0",
+                 "reliability.nonfinite=skip", "reliability.max_skips=1")
+    with pytest.raises(NonFiniteError, match=r"step 4: .*grad norm nan.*2 steps skipped"):
+        train(parse_args(TrainArgs, argv))
+    w = [_plain(s) for s in seen]
+    assert len(w) == 5  # raised while checking step 5, about step 4: one step late
+    assert all(torch.equal(w[2][k], w[1][k]) for k in w[1])  # step 2 dropped on the device
+    assert all(torch.equal(w[4][k], w[3][k]) for k in w[3])  # step 4 as well
+    assert not all(torch.equal(w[3][k], w[2][k]) for k in w[2])  # step 3 did move the weights
+
+
 # -- bad input: one clear line, exit 2, nothing lost ---------------------------------------------------------
 @pytest.mark.parametrize("extra, needle", [
     (["model.dimm=3"], "unknown config key 'model.dimm'"),

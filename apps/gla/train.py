@@ -28,7 +28,7 @@ from lingua_zeco import reliability as R
 from lingua_zeco.args import dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.data import DataArgs, build_data_loader
-from lingua_zeco.metrics import LoggingArgs, MetricLogger, Timer, memory_stats, peak_flops, throughput
+from lingua_zeco.metrics import LoggingArgs, MetricLogger, StepTimer, memory_stats, peak_flops, throughput
 from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm
 from lingua_zeco.profiling import ProfilerArgs, maybe_profile
 from lingua_zeco.tokenizer import build_tokenizer
@@ -108,6 +108,29 @@ def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
     return loss_sum, n_sum, data_wait
 
 
+def train_step(model, optimizer, scheduler, data, env: D.DistEnv, args: TrainArgs, autocast, guard: R.StepGuard,
+               step: int, stop_requested: bool = False, sync: bool = False):
+    """One optimizer step (the benchmark times exactly this). sync=False leaves the non-finite
+    verdict on the device until the next step (no host sync in the step). Returns
+    (local loss sum, global token count, data wait s, grad norm, the guard's verdict)."""
+    loss_sum, n_sum, data_wait = forward_backward(model, data, env, args, autocast)
+    if not args.distributed.fsdp:
+        D.allreduce_grads(model)
+    grad_norm = clip_grad_norm(model, args.optim.clip)
+    # one all-reduce: non-finite loss/grad on any rank, stop signal on any rank
+    verdict = guard.check(step + 1, loss_sum, n_sum, grad_norm, stop_requested, optimizer=optimizer, sync=sync)
+    if verdict.apply:  # a skipped step leaves weights and optimizer state as they were
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, n_sum, data_wait, grad_norm, verdict
+
+
+def _saves_or_evaluates(args: TrainArgs, step: int) -> bool:
+    every = args.checkpoint.dump.every
+    return (every > 0 and step % every == 0) or E.due(args.eval, step, args.steps)
+
+
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
     env = D.setup(args.distributed)
@@ -162,7 +185,8 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
 
     fpt = flops_per_token(args.model)
     peak = peak_flops(env.device, args.logging.peak_flops)
-    timer = Timer(env.device)
+    timer = StepTimer(env.device)
+    data_wait_window = 0.0
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
                 else contextlib.nullcontext())
     losses: dict[int, float] = {}
@@ -172,28 +196,25 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
         with maybe_profile(args.profiling, dump_dir, env.rank) as prof, \
                 R.StopSignals(args.reliability.handle_signals) as signals:
             while step < args.steps:
-                t0 = timer.now()
-                loss_sum, n_sum, data_wait = forward_backward(model, data, env, args, autocast)
-                if not args.distributed.fsdp:
-                    D.allreduce_grads(model)
-                grad_norm = clip_grad_norm(model, args.optim.clip)
-                # one all-reduce: non-finite loss/grad on any rank, stop signal on any rank
-                verdict = guard.check(step + 1, loss_sum, n_sum, grad_norm, signals.received is not None)
-                if verdict.apply:  # a skipped step leaves weights and optimizer state as they were
-                    optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                log_now = (step + 1) % args.logging.freq == 0 or step + 1 == args.steps
+                loss_sum, n_sum, data_wait, grad_norm, verdict = train_step(
+                    model, optimizer, scheduler, data, env, args, autocast, guard, step, signals.received is not None,
+                    sync=log_now or _saves_or_evaluates(args, step + 1))
+                data_wait_window += data_wait
                 step += 1
                 prof.step()
-                step_time = timer.now() - t0
+                timer.step()
 
-                if step % args.logging.freq == 0 or step == args.steps:
+                if log_now:
                     # Global mean loss; step time and data wait of the slowest rank.
                     dist.all_reduce(loss_sum)
                     n_sum = n_sum.item()
                     loss = loss_sum.item() / max(n_sum, 1.0)
-                    slowest = D.all_reduce_scalar(step_time, op=dist.ReduceOp.MAX, device=env.device)
-                    wait = D.all_reduce_scalar(data_wait, op=dist.ReduceOp.MAX, device=env.device)
+                    # mean step time since the last log (no per-step sync), of the slowest rank
+                    slowest = D.all_reduce_scalar(timer.window(), op=dist.ReduceOp.MAX, device=env.device)
+                    wait = D.all_reduce_scalar(data_wait_window / max(timer.last_n, 1), op=dist.ReduceOp.MAX,
+                                               device=env.device)
+                    data_wait_window = 0.0
                     losses[step] = loss
                     record = dict(step=step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                                   step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9),

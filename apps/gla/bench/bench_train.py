@@ -1,0 +1,240 @@
+"""Training throughput of GLA-1B on one GPU: the trainer's own step against fla's GLAForCausalLM.
+
+    python -m apps.gla.bench.bench_train                                  # fla + ours at 16K
+    python -m apps.gla.bench.bench_train --variants ours,ours_nofsdp --seq-len 262144 --overrides model.activation_checkpointing=full
+    python -m apps.gla.bench.bench_train --profile fla,ours               # + kernel time by category
+
+Every variant runs in this one process, one after another, on the same random tokens: warm-up
+steps, then `--steps` back-to-back steps with a CUDA event after each and no synchronisation in
+between (a host sync inside a step shows as a longer step); the table gives the median step time,
+tok/s and the peak memory. "ours*" variants call `apps.gla.train.train_step` (FSDP2, autocast,
+clipping, the non-finite guard, AdamW) on a model built by `apps.gla.train.build_model` from
+`--config` plus the variant's overrides. "fla" is fla's `GLAForCausalLM` of the same shape (fp32
+weights, bf16 autocast, fused AdamW, clipping): the reference of issue 5.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import itertools
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from apps.gla.bench.common import (env_info, finish, init_distributed, markdown_table, parse_dataclass,
+                                   peak_memory_mib, reset_peak_memory, summarize, write_outputs)
+
+# name -> extra overrides on top of --config and --overrides
+VARIANTS = {
+    "fla": None,
+    "ours": [],
+    "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
+    "ours_noguard": [],  # the trainer's step without the per-step host sync of the non-finite guard
+}
+
+
+@dataclass
+class BenchTrainArgs:
+    config: str = "gla_1b_dp.yaml"
+    variants: tuple = ("fla", "ours")
+    overrides: tuple = ()  # applied to every ours* variant, e.g. model.activation_checkpointing=full
+    seq_len: int = 16384
+    warmup: int = 3
+    steps: int = 8
+    profile: tuple = ()  # variant names: also profile one step of each and print kernel time by category
+    out_dir: str = "bench_out"
+    stem: str = "train"
+
+
+# ------------------------------------------------------------------------------------- variants
+def _tokens(vocab: int, T: int, device, seed: int = 0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, T + 1), device=device, generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+class _NoSyncGuard:
+    """Always applies the update: the cost of the guard's host sync shows as the difference."""
+
+    skipped = 0
+
+    def check(self, *args, **kwargs):
+        from lingua_zeco.reliability import Verdict
+
+        return Verdict(apply=True, stop=False)
+
+
+def build_ours(name: str, a: BenchTrainArgs):
+    """(step function, n_params, cleanup) of the trainer's step for variant `name`."""
+    from apps.gla import train as T
+    from lingua_zeco import distributed as D
+    from lingua_zeco import reliability as R
+    from lingua_zeco.args import parse_args
+    from lingua_zeco.optim import build_optimizer
+
+    argv = [f"config={a.config}", f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1",
+            *a.overrides, *VARIANTS[name]]
+    args = parse_args(T.TrainArgs, argv)
+    env = D.setup(args.distributed)
+    model = T.build_model(args, env)
+    optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
+    guard = _NoSyncGuard() if name == "ours_noguard" else R.StepGuard(args.reliability)
+    x, y = _tokens(args.model.vocab_size, a.seq_len, env.device)
+    data = itertools.repeat({"input_ids": x, "labels": y})
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
+                else contextlib.nullcontext())
+    counter = itertools.count()
+
+    def step():
+        T.train_step(model, optimizer, scheduler, data, env, args, autocast, guard, next(counter))
+
+    n_params = sum(p.numel() for p in model.parameters())
+    return step, n_params, (model, optimizer)
+
+
+def build_fla(a: BenchTrainArgs, device):
+    """fla's GLAForCausalLM with the shape of --config's model section."""
+    from apps.gla import train as T
+    from fla.models import GLAConfig, GLAForCausalLM
+    from lingua_zeco.args import parse_args
+
+    m = parse_args(T.TrainArgs, [f"config={a.config}"]).model
+    cfg = GLAConfig(hidden_size=m.dim, expand_k=m.expand_k, expand_v=m.expand_v, intermediate_size=m.ffn_dim,
+                    num_hidden_layers=m.n_layers, num_heads=m.n_heads, vocab_size=m.vocab_size,
+                    norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, use_cache=False)
+    model = GLAForCausalLM(cfg).to(device)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+    x, _ = _tokens(m.vocab_size, a.seq_len, device)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=x, labels=x).loss  # fla shifts the labels itself
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    return step, n_params, (model, opt)
+
+
+# ------------------------------------------------------------------------------------ profiling
+CATEGORIES = [  # first match wins; lower-case substrings of kernel names
+    ("gla (fla chunk kernels + fold)", ("chunk_", "fold", "gla", "fwd_h", "bwd_dh", "cumsum")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul")),
+    ("cross-entropy", ("cross_entropy", "logsumexp", "ce_")),
+    ("norms", ("norm",)),
+    ("swiglu / activations", ("swiglu", "swish", "silu", "sigmoid")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm")),
+    ("fsdp copies / casts", ("copy", "cast", "chunk_cat", "split_with_sizes", "all_gather", "reduce_scatter")),
+]
+
+
+def kernel_breakdown(step, steps: int = 1) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--profile needs a CUDA GPU")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals, names = defaultdict(float), defaultdict(lambda: defaultdict(float))
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
+        if us <= 0 or ev.key.startswith("ProfilerStep"):
+            continue
+        key = ev.key.lower()
+        cat = next((c for c, pats in CATEGORIES if any(p in key for p in pats)), "other")
+        totals[cat] += us / steps
+        names[cat][ev.key[:60]] += us / steps
+    all_us = sum(totals.values())
+    rows = []
+    for cat, us in sorted(totals.items(), key=lambda kv: -kv[1]):
+        top = sorted(names[cat].items(), key=lambda kv: -kv[1])[:3]
+        rows.append(dict(category=cat, ms=us / 1e3, share=us / all_us,
+                         top="; ".join(f"{n} {u / 1e3:.1f}" for n, u in top)))
+    return rows
+
+
+def steady_state_times(step, device, warmup: int, steps: int) -> list[float]:
+    """Seconds per step with no synchronisation between steps, as in the trainer's hot loop: an
+    event after each step, the durations between consecutive events (GPU idle gaps included)."""
+    import time
+
+    for _ in range(warmup):
+        step()
+    if device.type != "cuda":
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            out.append(time.perf_counter() - t0)
+        return out
+    torch.cuda.synchronize(device)
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+    events[0].record()
+    for i in range(steps):
+        step()
+        events[i + 1].record()
+    events[-1].synchronize()
+    return [a.elapsed_time(b) * 1e-3 for a, b in zip(events, events[1:])]
+
+
+# ----------------------------------------------------------------------------------------- main
+def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
+    from apps.gla.model import flops_per_token
+    from apps.gla import train as T
+    from lingua_zeco.args import parse_args
+    from lingua_zeco.metrics import peak_flops
+
+    if name not in VARIANTS:
+        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
+    reset_peak_memory(device)
+    step, n_params, keep = build_fla(a, device) if name == "fla" else build_ours(name, a)
+    times = steady_state_times(step, device, a.warmup, a.steps)
+    s = summarize(times)
+    m = parse_args(T.TrainArgs, [f"config={a.config}", *a.overrides]).model
+    fpt = flops_per_token(m)
+    tok_s = a.seq_len / (s["median_ms"] / 1e3)
+    peak, mem = peak_flops(device), peak_memory_mib(device)
+    row = dict(variant=name, seq_len=a.seq_len, params_M=n_params / 1e6, step_ms=s["median_ms"],
+               p10_ms=s["p10_ms"], p90_ms=s["p90_ms"], tok_per_s=tok_s, mfu=tok_s * fpt / peak if peak else None,
+               peak_gib=mem / 1024 if mem is not None else None)
+    if name in a.profile:
+        row["profile"] = kernel_breakdown(step)
+    del keep, step
+    gc.collect()
+    reset_peak_memory(device)
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_dataclass(BenchTrainArgs, argv, __doc__)
+    device = init_distributed()
+    if device.type != "cuda" and "fla" in a.variants:
+        raise SystemExit("the fla reference needs a CUDA GPU (its kernels are Triton); drop it from --variants")
+    rows = []
+    for name in a.variants:
+        rows.append(run_variant(name, a, device))
+        print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
+    ref = next((r["tok_per_s"] for r in rows if r["variant"] == "fla"), None)
+    for r in rows:
+        r["vs_fla"] = r["tok_per_s"] / ref if ref else None
+    md = markdown_table(rows, ["variant", "seq_len", "params_M", "step_ms", "p10_ms", "p90_ms", "tok_per_s",
+                               "vs_fla", "mfu", "peak_gib"])
+    for r in rows:
+        if "profile" in r:
+            md += f"\nKernel time of one `{r['variant']}` step by category (ms):\n\n"
+            md += markdown_table(r["profile"], ["category", "ms", "share", "top"])
+    write_outputs(a.out_dir, a.stem, dict(env=env_info(device), args=dataclasses.asdict(a), rows=rows), md)
+    finish()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
