@@ -3,6 +3,7 @@
     python -m apps.gla.bench.bench_train                                  # fla + ours at 16K
     python -m apps.gla.bench.bench_train --variants ours,ours_nofsdp --seq-len 262144 --overrides model.activation_checkpointing=full
     python -m apps.gla.bench.bench_train --profile fla,ours               # + kernel time by category
+    torchrun --nproc_per_node=2 -m apps.gla.bench.bench_train --variants ours,sp_zeco,sp_lasp1,sp_lasp2
 
 Every variant runs in this one process, one after another, on the same random tokens: warm-up
 steps, then `--steps` back-to-back steps with a CUDA event after each and no synchronisation in
@@ -23,6 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from apps.gla.bench.common import (env_info, finish, init_distributed, markdown_table, parse_dataclass,
                                    peak_memory_mib, reset_peak_memory, summarize, write_outputs)
@@ -32,7 +34,11 @@ VARIANTS = {
     "fla": None,
     "ours": [],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
-    "ours_noguard": [],  # the trainer's step without the per-step host sync of the non-finite guard
+    "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
+    # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP
+    "sp_zeco": ["distributed.sp_method=zeco"],
+    "sp_lasp1": ["distributed.sp_method=lasp1"],
+    "sp_lasp2": ["distributed.sp_method=lasp2"],
 }
 
 
@@ -77,6 +83,8 @@ def build_ours(name: str, a: BenchTrainArgs):
 
     argv = [f"config={a.config}", f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1",
             *a.overrides, *VARIANTS[name]]
+    if name.startswith("sp_"):
+        argv.append(f"distributed.sp_size={dist.get_world_size()}")
     args = parse_args(T.TrainArgs, argv)
     env = D.setup(args.distributed)
     model = T.build_model(args, env)
