@@ -44,6 +44,9 @@ class GLAArgs:
     # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
     # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads)
     attn_variant: str = "gla"
+    # parameter / compute dtype off CUDA: fp32 | fp64 (exactness checks such as SP-size parity; the
+    # norms and the loss compute in at least fp32, so fp64 stays fp64). CUDA runs keep fp32 + bf16 autocast.
+    dtype: str = "fp32"
 
     @property
     def key_dim(self) -> int:
@@ -66,6 +69,14 @@ def _exact(x: float, what: str) -> int:
     return round(x)
 
 
+DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """Compute dtype of the norms and the loss: fp32 at least (bf16 -> fp32, fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _fla():
     """fla's fused modules, imported only when a CUDA tensor needs them (the import is slow)."""
     from fla.modules.activations import swiglu_linear
@@ -85,9 +96,9 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         if self.fused and x.is_cuda:
             return _fla()[0](x, self.weight, None, eps=self.eps)
-        xf = x.float()
+        xf = x.to(_acc(x.dtype))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
 
 
 class GatedRMSNorm(RMSNorm):
@@ -96,8 +107,8 @@ class GatedRMSNorm(RMSNorm):
     def forward(self, x, g):
         if self.fused and x.is_cuda:
             return _fla()[1](x, g, self.weight, None, activation="swish", eps=self.eps)
-        y = super().forward(x).float()
-        return (y * F.silu(g.float())).to(x.dtype)
+        y = super().forward(x).to(_acc(x.dtype))
+        return (y * F.silu(g.to(y.dtype))).to(x.dtype)
 
 
 class GatedLinearAttention(nn.Module):
@@ -211,6 +222,9 @@ class GLAForCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
+        if args.dtype not in DTYPES:
+            raise ValueError(f"model.dtype={args.dtype!r}; choose from {tuple(DTYPES)}")
+        self.to(DTYPES[args.dtype])
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
@@ -238,7 +252,7 @@ class GLAForCausalLM(nn.Module):
             loss_fn = _fla()[3](reduction="sum")
             loss = loss_fn(h.reshape(-1, h.shape[-1]), labels.reshape(-1), self.lm_head.weight)
         else:
-            logits = self.lm_head(h).float()
+            logits = self.lm_head(h).to(_acc(h.dtype))
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
         return loss, n_tokens
 

@@ -4,6 +4,10 @@ difference (JSON) and a plot.
 
     python -m apps.gla.parity                        # 200 steps, SP 1 2 4, zeco
     python -m apps.gla.parity steps=20 sizes=1,2 out=/tmp/parity
+    python -m apps.gla.parity dtype=fp64 tag=fp64   # float64 model (model.dtype): exactness, not rounding
+    python -m apps.gla.parity optim.lr=3e-4 tag=lr3e-4  # any other key=value goes to the trainer
+
+Writes <out>/results/parity[_<tag>].json and <out>/figures/parity_sp124[_<tag>].png (out: docs/).
 
 SP > 1 runs go through `torchrun --nproc_per_node=P` (gloo); on a 2-core machine SP = 4 is
 oversubscribed but only slower.
@@ -23,11 +27,11 @@ ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_TOKENS = 256
 
 
-def run(P: int, steps: int, method: str, dump: Path, extra: list[str]) -> list[dict]:
+def run(P: int, steps: int, method: str, dump: Path, extra: list[str], dtype: str = "fp32") -> list[dict]:
     shutil.rmtree(dump, ignore_errors=True)
     argv = ["-m", "apps.gla.train", "config=debug.yaml", f"dump_dir={dump}", f"steps={steps}", "logging.freq=1",
             f"data.seq_len={GLOBAL_TOKENS // P}", f"distributed.sp_size={P}", f"distributed.sp_method={method}",
-            "checkpoint.dump.every=0", "data.prefetch=0", *extra]
+            "checkpoint.dump.every=0", "data.prefetch=0", f"model.dtype={dtype}", *extra]
     cmd = [sys.executable, *argv] if P == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                    f"--nproc_per_node={P}", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -42,22 +46,28 @@ def main(argv: list[str]) -> dict:
     steps = int(opts.pop("steps", 200))
     sizes = [int(s) for s in opts.pop("sizes", "1,2,4").split(",")]
     method = opts.pop("method", "zeco")
+    dtype = opts.pop("dtype", "fp32")  # model.dtype: fp64 makes rounding ~1e-16 instead of ~1e-7
+    tag = opts.pop("tag", "")
+    suffix = f"_{tag}" if tag else ""
     out = Path(opts.pop("out", ROOT / "docs"))
     extra = [f"{k}={v}" for k, v in opts.items()]  # any other key=value goes to the trainer
-    curves = {P: [r["loss"] for r in run(P, steps, method, Path("dumps") / f"parity_sp{P}", extra)] for P in sizes}
+    curves = {P: [r["loss"] for r in run(P, steps, method, Path("dumps") / f"parity{suffix}_sp{P}", extra, dtype)]
+              for P in sizes}
     ref = curves[sizes[0]]
-    diffs = {P: max(abs(a - b) for a, b in zip(c, ref)) for P, c in curves.items()}
-    result = {"steps": steps, "method": method, "global_tokens_per_sequence": GLOBAL_TOKENS, "extra": extra,
-              "max_abs_diff_vs_sp%d" % sizes[0]: {str(P): d for P, d in diffs.items()},
+    gaps = {P: [abs(a - b) for a, b in zip(c, ref)] for P, c in curves.items()}
+    diffs = {P: max(g) for P, g in gaps.items()}
+    result = {"steps": steps, "method": method, "dtype": dtype, "global_tokens_per_sequence": GLOBAL_TOKENS,
+              "extra": extra, "max_abs_diff_vs_sp%d" % sizes[0]: {str(P): d for P, d in diffs.items()},
+              "median_abs_diff_vs_sp%d" % sizes[0]: {str(P): sorted(g)[len(g) // 2] for P, g in gaps.items()},
               "final_loss": {str(P): c[-1] for P, c in curves.items()}, "losses": {str(P): c for P, c in curves.items()}}
     (out / "results").mkdir(parents=True, exist_ok=True)
-    (out / "results" / "parity.json").write_text(json.dumps(result, indent=1))
-    plot(curves, diffs, out / "figures" / "parity_sp124.png", method)
+    (out / "results" / f"parity{suffix}.json").write_text(json.dumps(result, indent=1))
+    plot(curves, diffs, out / "figures" / f"parity_sp124{suffix}.png", method, dtype, extra)
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1))
     return result
 
 
-def plot(curves: dict, diffs: dict, path: Path, method: str) -> None:
+def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str = "fp32", extra: list | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -69,9 +79,10 @@ def plot(curves: dict, diffs: dict, path: Path, method: str) -> None:
     for (P, c), style in zip(curves.items(), ["-", "--", ":"]):
         ax.plot(range(1, len(c) + 1), c, style, lw=1.5, label=f"SP={P}" + ("" if P == 1 else f" ({method})"))
         if P != ref_P:
-            bx.semilogy(range(1, len(c) + 1), [abs(a - b) + 1e-12 for a, b in zip(c, curves[ref_P])], style,
+            bx.semilogy(range(1, len(c) + 1), [abs(a - b) + 1e-17 for a, b in zip(c, curves[ref_P])], style,
                         label=f"|SP={P} - SP={ref_P}|, max {diffs[P]:.1e}")
-    ax.set(xlabel="step", ylabel="training loss", title="debug config, 256 tokens per global sequence, CPU fp32")
+    lr = next((e.split("=", 1)[1] for e in extra or [] if e.startswith("optim.lr=")), "3e-3 (debug.yaml)")
+    ax.set(xlabel="step", ylabel="training loss", title=f"debug config, 256 tokens/sequence, CPU {dtype}, lr {lr}")
     bx.axhline(1e-3, color="gray", lw=0.8)
     bx.set(xlabel="step", ylabel="absolute loss difference", title="difference to SP=1 (line: 1e-3)")
     ax.legend()

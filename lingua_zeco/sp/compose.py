@@ -19,15 +19,16 @@ from .varlen import LocalSegments, incoming_decay
 def scan_then_correct(q, k, v, g, *, scale, group, method, seg: LocalSegments, backend, scan_args: AllScanArgs):
     o_BTHV, S_loc = kernels.chunk_gla(q, k, v, g, scale=scale, output_final_state=True,
                                       cu_seqlens=seg.cu_seqlens, backend=backend)
-    S_end_BHKV = (S_loc[-1:] if seg.cu_seqlens is not None else S_loc).float()
-    b_BTHK = incoming_decay(g, seg)
+    acc = torch.promote_types(torch.promote_types(q.dtype, g.dtype), torch.float32)  # fp32 at least; fp64 stays
+    S_end_BHKV = (S_loc[-1:] if seg.cu_seqlens is not None else S_loc).to(acc)
+    b_BTHK = incoming_decay(g, seg).to(acc)
     b_end_BHK = b_BTHK[:, -1].contiguous()
     if method == "zeco":
         S_in_BHKV = AllScanFn.apply(S_end_BHKV, b_end_BHK, group, scan_args)
     else:
         S_in_BHKV = all_gather_scan(S_end_BHKV, b_end_BHK, group)
-    corr_BTHV = torch.einsum("bthk,bhkv->bthv", q.float() * b_BTHK, S_in_BHKV)
-    return (o_BTHV.float() + scale * corr_BTHV).to(o_BTHV.dtype)
+    corr_BTHV = torch.einsum("bthk,bhkv->bthv", q.to(acc) * b_BTHK, S_in_BHKV)
+    return (o_BTHV.to(acc) + scale * corr_BTHV).to(o_BTHV.dtype)
 
 
 def lasp1(q, k, v, g, *, scale, group, seg: LocalSegments, backend):

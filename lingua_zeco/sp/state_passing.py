@@ -18,6 +18,11 @@ def group_rank_size(group):
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _acc(dtype):
+    """Exchange dtype of states and their gradients: fp32 at least (fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _global(group, r):
     return dist.get_global_rank(group, r) if group is not None and group is not dist.group.WORLD else r
 
@@ -36,7 +41,7 @@ class AllScanFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy_BHKV):
         a_BHK, y_BHKV = ctx.saved_tensors
-        G_BHKV = all_scan(dy_BHKV.float().contiguous(), a_BHK, ctx.group, reverse=True, args=ctx.args)
+        G_BHKV = all_scan(dy_BHKV.to(a_BHK.dtype).contiguous(), a_BHK, ctx.group, reverse=True, args=ctx.args)
         return G_BHKV, (G_BHKV * y_BHKV).sum(-1), None, None
 
 
@@ -82,7 +87,7 @@ class RecvPrevFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shape, group, *anchors):
         rank, _ = group_rank_size(group)
-        S = anchors[0].new_zeros(shape, dtype=torch.float32)
+        S = anchors[0].new_zeros(shape, dtype=_acc(anchors[0].dtype))  # the sender's S_out dtype
         if rank > 0:
             dist.recv(S, src=_global(group, rank - 1), group=group)
         ctx.group, ctx.rank, ctx.n = group, rank, len(anchors)
@@ -91,7 +96,7 @@ class RecvPrevFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dS):
         if ctx.rank > 0:
-            dist.send(dS.float().contiguous(), dst=_global(ctx.group, ctx.rank - 1), group=ctx.group)
+            dist.send(dS.to(_acc(dS.dtype)).contiguous(), dst=_global(ctx.group, ctx.rank - 1), group=ctx.group)
         return (None, None) + (None,) * ctx.n
 
 
@@ -102,14 +107,14 @@ class SendNextFn(torch.autograd.Function):
     def forward(ctx, o, S_out, group):
         rank, P = group_rank_size(group)
         if rank < P - 1:
-            dist.send(S_out.float().contiguous(), dst=_global(group, rank + 1), group=group)
+            dist.send(S_out.to(_acc(S_out.dtype)).contiguous(), dst=_global(group, rank + 1), group=group)
         ctx.group, ctx.rank, ctx.P = group, rank, P
         ctx.shape, ctx.dtype = S_out.shape, S_out.dtype
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, do):
-        G = do.new_zeros(ctx.shape, dtype=torch.float32)
+        G = do.new_zeros(ctx.shape, dtype=_acc(ctx.dtype))
         if ctx.rank < ctx.P - 1:
             dist.recv(G, src=_global(ctx.group, ctx.rank + 1), group=ctx.group)
         return do, G.to(ctx.dtype), None

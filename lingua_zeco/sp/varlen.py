@@ -37,8 +37,8 @@ def local_segments(cu_seqlens: torch.Tensor | None, pos: int, T_local: int, devi
 
 
 def incoming_decay(g_BTHK: torch.Tensor, seg: LocalSegments) -> torch.Tensor:
-    """b_t = exp(Σ_{u≤t} g_u) in fp32 for tokens that still see S_in, 0 after the first boundary."""
-    b_BTHK = g_BTHK.float().cumsum(1).exp()
+    """b_t = exp(Σ_{u≤t} g_u) in fp32 (fp64 for fp64 g) for tokens that still see S_in, 0 after the first boundary."""
+    b_BTHK = g_BTHK.to(torch.promote_types(g_BTHK.dtype, torch.float32)).cumsum(1).exp()
     if seg.first_end < g_BTHK.shape[1]:
         b_BTHK = torch.cat([b_BTHK[:, :seg.first_end], b_BTHK.new_zeros(b_BTHK[:, seg.first_end:].shape)], 1)
     return b_BTHK
