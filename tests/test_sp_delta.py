@@ -224,10 +224,30 @@ def test_fla_gated_delta_matches_torch_on_gpu():
         else:
             o, ht = torch_chunk_gated_delta(l2norm(q.float()), l2norm(k.float()), v.float(), g, beta.float(),
                                             scale=0.3, initial_state=h0, output_final_state=True)
-        res[backend] = [o, ht, *torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(), (q, k, v, g, beta))]
-    for name, a, b in zip("o ht dq dk dv dg dbeta".split(), res["fla"], res["torch"]):
+        res[backend] = [o, ht]
+    _close(res["fla"], res["torch"], "o ht".split())
+    for backend in ("fla", "torch"):
+        o, ht = res[backend]
+        res[backend] += _grads_or_skip(lambda: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
+                                                                   (q, k, v, g, beta)))
+    _close(res["fla"], res["torch"], "o ht dq dk dv dg dbeta".split())
+
+
+def _close(got, want, names, tol=2e-2):
+    for name, a, b in zip(names, got, want):
         rel = (a.float() - b.float()).norm() / b.float().norm()
-        assert rel < 2e-2, f"{name}: relative error {rel:.3e}"
+        assert rel < tol, f"{name}: relative error {rel:.3e}"
+
+
+def _grads_or_skip(fn):
+    """fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 ≤ v < 3.7.1 (fla issue #640):
+    the forward checks have passed by then; skip the gradient part with that reason."""
+    try:
+        return list(fn())
+    except RuntimeError as e:
+        if "#640" in str(e):
+            pytest.skip(f"forward checked; fla's gated backward unavailable here: {str(e)[:120]}")
+        raise
 
 
 # ----------------------------------------------------------------------------- the model variant
@@ -282,3 +302,38 @@ def test_model_sp2_trains_as_sp1(tmp_path):
     assert ((curves["local"] - ref).abs() / ref).max() > 1e-4, (curves["local"], ref)  # observed 6e-4 vs 1e-7
     gn = [[r["grad_norm"] for r in read_metrics(tmp_path / d / "metrics.jsonl")] for d in ("sp1", "zeco")]
     torch.testing.assert_close(torch.tensor(gn[1]), torch.tensor(gn[0]), rtol=1e-4, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fla_widened_pass_two_virtual_ranks_on_gpu():
+    """The zeco composition on fla's kernel, two virtual ranks on one GPU: the second half's widened
+    pass ([v | 0] from [0 | I]) plus q̃ S_in, with S_in the first half's final state, equals
+    single-device fla on the whole sequence (o and every gradient); dropping S_in is caught."""
+    from lingua_zeco.sp.delta import _widened_pass
+    from lingua_zeco.sp.varlen import LocalSegments
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    Bg, T, Hg, Kg, Vg = 1, 512, 4, 64, 64
+    q = torch.randn(Bg, T, Hg, Kg, generator=gen, device="cuda", dtype=torch.bfloat16)
+    k = l2norm(torch.randn(Bg, T, Hg, Kg, generator=gen, device="cuda", dtype=torch.bfloat16))
+    v = torch.randn(Bg, T, Hg, Vg, generator=gen, device="cuda", dtype=torch.bfloat16)
+    g = F.logsigmoid(torch.randn(Bg, T, Hg, generator=gen, device="cuda") + 6)  # slow decay: S_in matters
+    beta = torch.rand(Bg, T, Hg, generator=gen, device="cuda")
+    do = torch.randn_like(v)
+    ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    ref_o, _ = chunk_gated_delta(*ins, backend="fla")
+    results = {}
+    for keep in (True, False):
+        h = T // 2
+        o0, S0 = chunk_gated_delta(*(t[:, :h] for t in ins), output_final_state=True, backend="fla")
+        o_loc, q_t, _, _ = _widened_pass(*(t[:, h:] for t in ins), scale=Kg ** -0.5,
+                                         seg=LocalSegments(None, h, 1), backend="fla")
+        o1 = o_loc.float() + (torch.einsum("bthk,bhkv->bthv", q_t.float(), S0.float()) if keep else 0)
+        results[keep] = torch.cat([o0.float(), o1], 1)
+    _close([results[True]], [ref_o], ["o"])
+    h = T // 2  # the second virtual rank's outputs, with and without S_in
+    rel = (results[False][:, h:] - ref_o[:, h:].float()).norm() / ref_o[:, h:].float().norm()
+    assert rel > 5e-2, f"dropping S_in went unnoticed ({rel:.2e})"
+    ref = [ref_o, *_grads_or_skip(lambda: torch.autograd.grad((ref_o.float() * do.float()).sum(), ins))]
+    got = [results[True], *torch.autograd.grad((results[True] * do.float()).sum(), ins)]
+    _close(got, ref, NAMES)
