@@ -48,6 +48,11 @@ class AllScanArgs:
     node_size: int = 0
     alpha_inter_s: float = 60e-6
     beta_inter_Bps: float = 50e9
+    # fused ZeCO runs the scan on a side stream, overlapped with the intra-chunk work, from this group
+    # size on; below it on the caller's stream. At P = 2 (one hop) blocking was faster: GLA-1B training
+    # 51.2K against 48.2K tok/s/GPU, operator -0.28 ms (docs/results/performance.md). P >= 4 is not
+    # measured yet; 2 = always overlap.
+    overlap_min_ranks: int = 3
 
 
 def _group_info(group):

@@ -15,10 +15,13 @@ the next rank, except that G is not known when dh is computed:
   4. dh_n += diag(2^{Gtot − Gi_n}) G   (Gi_n: gate sum through chunk n)
   5. dv, and dq, dk, dg from fla's inter-chunk stage (dg then includes the decay of S_in and of G).
 The extra work against plain fla is the two folds and a few [B, NT, H, K] gate sums.
+The side stream is used from `AllScanArgs.overlap_min_ranks` ranks on; below that (P = 2 by default,
+one hop, where it measured slower) the scan runs on the caller's stream at the same points.
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan, gather_scan
 from lingua_zeco.kernels.fold import fold_state_
@@ -96,6 +99,8 @@ def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, gather: 
     def scan_fn(x, a, reverse):  # returns a handle; the caller computes until it waits
         if gather:
             return ScanWork(gather_scan(x, a, group, reverse=reverse))
-        return all_scan(x, a, group, reverse=reverse, args=scan, async_op=True)
+        if dist.get_world_size(group) >= scan.overlap_min_ranks:
+            return all_scan(x, a, group, reverse=reverse, args=scan, async_op=True)
+        return ScanWork(all_scan(x, a, group, reverse=reverse, args=scan))
 
     return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn)

@@ -36,7 +36,9 @@ VARIANTS = {
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
     # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP
-    "sp_zeco": ["distributed.sp_method=zeco"],
+    "sp_zeco": ["distributed.sp_method=zeco"],  # the default: overlapped from 3 ranks on
+    "sp_zeco_overlap": ["distributed.sp_method=zeco", "distributed.all_scan.overlap_min_ranks=2"],
+    "sp_zeco_blocking": ["distributed.sp_method=zeco", "distributed.all_scan.overlap_min_ranks=1000000"],
     "sp_lasp1": ["distributed.sp_method=lasp1"],
     "sp_lasp2": ["distributed.sp_method=lasp2"],
 }
