@@ -4,7 +4,8 @@ difference (JSON) and a plot.
 
     python -m apps.gla.parity                        # 200 steps, SP 1 2 4, zeco
     python -m apps.gla.parity steps=20 sizes=1,2 out=/tmp/parity
-    python -m apps.gla.parity dtype=fp64 tag=fp64   # float64 model (model.dtype): exactness, not rounding
+    python -m apps.gla.parity dtype=fp64 tag=fp64 control=true  # float64 model (model.dtype), plus a control:
+        # SP=1 again with the batch as 2 micro-batches (the same maths, another summation order)
     python -m apps.gla.parity optim.lr=3e-4 tag=lr3e-4  # any other key=value goes to the trainer
 
 Writes <out>/results/parity[_<tag>].json and <out>/figures/parity_sp124[_<tag>].png (out: docs/).
@@ -21,10 +22,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 from lingua_zeco.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 GLOBAL_TOKENS = 256
+CONTROL = "1_grad_acc2"  # the control run's key in the results
 
 
 def run(P: int, steps: int, method: str, dump: Path, extra: list[str], dtype: str = "fp32") -> list[dict]:
@@ -50,16 +54,24 @@ def main(argv: list[str]) -> dict:
     tag = opts.pop("tag", "")
     suffix = f"_{tag}" if tag else ""
     out = Path(opts.pop("out", ROOT / "docs"))
+    control = opts.pop("control", "false").lower() in ("1", "true", "yes")
     extra = [f"{k}={v}" for k, v in opts.items()]  # any other key=value goes to the trainer
-    curves = {P: [r["loss"] for r in run(P, steps, method, Path("dumps") / f"parity{suffix}_sp{P}", extra, dtype)]
+    curves = {str(P): [r["loss"] for r in run(P, steps, method, Path("dumps") / f"parity{suffix}_sp{P}", extra, dtype)]
               for P in sizes}
-    ref = curves[sizes[0]]
+    if control:  # rounding alone: SP=1, the same global batch summed as 2 micro-batches
+        batch = int(opts.get("data.batch_size", OmegaConf.load(ROOT / "configs" / "debug.yaml").data.batch_size))
+        acc = [*extra, "grad_acc_steps=2", f"data.batch_size={batch // 2}"]
+        curves[CONTROL] = [r["loss"] for r in run(1, steps, method, Path("dumps") / f"parity{suffix}_control", acc, dtype)]
+    ref = curves[str(sizes[0])]
     gaps = {P: [abs(a - b) for a, b in zip(c, ref)] for P, c in curves.items()}
     diffs = {P: max(g) for P, g in gaps.items()}
     result = {"steps": steps, "method": method, "dtype": dtype, "global_tokens_per_sequence": GLOBAL_TOKENS,
-              "extra": extra, "max_abs_diff_vs_sp%d" % sizes[0]: {str(P): d for P, d in diffs.items()},
-              "median_abs_diff_vs_sp%d" % sizes[0]: {str(P): sorted(g)[len(g) // 2] for P, g in gaps.items()},
-              "final_loss": {str(P): c[-1] for P, c in curves.items()}, "losses": {str(P): c for P, c in curves.items()}}
+              "extra": extra, "max_abs_diff_vs_sp%d" % sizes[0]: diffs,
+              "median_abs_diff_vs_sp%d" % sizes[0]: {P: sorted(g)[len(g) // 2] for P, g in gaps.items()},
+              # the first step at which each curve is more than 1e-3 from the reference (None: never)
+              "first_step_over_1e-3": {P: next((i + 1 for i, d in enumerate(g) if d > 1e-3), None)
+                                       for P, g in gaps.items()},
+              "final_loss": {P: c[-1] for P, c in curves.items()}, "losses": curves}
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "results" / f"parity{suffix}.json").write_text(json.dumps(result, indent=1))
     plot(curves, diffs, out / "figures" / f"parity_sp124{suffix}.png", method, dtype, extra)
@@ -76,11 +88,12 @@ def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str = "fp32"
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
     ref_P = next(iter(curves))
-    for (P, c), style in zip(curves.items(), ["-", "--", ":"]):
-        ax.plot(range(1, len(c) + 1), c, style, lw=1.5, label=f"SP={P}" + ("" if P == 1 else f" ({method})"))
+    for i, ((P, c), style) in enumerate(zip(curves.items(), ["-", "--", ":", "-."])):
+        name = "SP=1, 2 micro-batches" if P == CONTROL else f"SP={P}" + ("" if P == "1" else f" ({method})")
+        ax.plot(range(1, len(c) + 1), c, style, color=f"C{i}", lw=1.5, label=name)
         if P != ref_P:
             bx.semilogy(range(1, len(c) + 1), [abs(a - b) + 1e-17 for a, b in zip(c, curves[ref_P])], style,
-                        label=f"|SP={P} - SP={ref_P}|, max {diffs[P]:.1e}")
+                        color=f"C{i}", label=f"|{name.split(' (')[0]} - SP={ref_P}|, max {diffs[P]:.1e}")
     lr = next((e.split("=", 1)[1] for e in extra or [] if e.startswith("optim.lr=")), "3e-3 (debug.yaml)")
     ax.set(xlabel="step", ylabel="training loss", title=f"debug config, 256 tokens/sequence, CPU {dtype}, lr {lr}")
     bx.axhline(1e-3, color="gray", lw=0.8)
