@@ -80,6 +80,14 @@ def build_model(args: TrainArgs, env: D.DistEnv) -> GLAForCausalLM:
     return model
 
 
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # A copy from pageable host memory first waits for the whole stream (CUDA's rule); from pinned
+    # memory it is queued like a kernel, so the host keeps running ahead of the GPU.
+    if device.type == "cuda" and t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
     """All micro-batches of one step. Returns (local loss sum, global token count, data wait s)."""
     data_wait = 0.0
@@ -89,10 +97,9 @@ def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
         td = time.perf_counter()  # host-side wait only: no device sync inside the step
         batch = next(data)
         data_wait += time.perf_counter() - td
-        input_ids = batch["input_ids"].to(env.device, non_blocking=True)
-        labels = batch["labels"].to(env.device, non_blocking=True)
+        input_ids, labels = _to_device(batch["input_ids"], env.device), _to_device(batch["labels"], env.device)
         cu = batch.get("cu_seqlens")
-        cu = cu.to(env.device) if cu is not None else None
+        cu = _to_device(cu, env.device) if cu is not None else None
         if args.distributed.fsdp:
             model.set_requires_gradient_sync(micro == args.grad_acc_steps - 1)  # reduce once per step
         with autocast:

@@ -92,7 +92,7 @@ def build_ours(name: str, a: BenchTrainArgs):
     model = T.build_model(args, env)
     optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
     guard = _NoSyncGuard() if name == "ours_noguard" else R.StepGuard(args.reliability)
-    x, y = _tokens(args.model.vocab_size, a.seq_len, env.device)
+    x, y = _tokens(args.model.vocab_size, a.seq_len, torch.device("cpu"))  # on the host, as the loader gives them
     data = itertools.repeat({"input_ids": x, "labels": y})
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
                 else contextlib.nullcontext())
