@@ -124,8 +124,8 @@ class StepGuard:
         dev = loss_sum.device
         grad_norm = grad_norm.detach().to(device=dev, dtype=torch.float64)
         bad = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-        # torch.full launches a fill kernel; torch.tensor(x, device=cuda) would copy from pageable
-        # host memory, which waits for everything queued on the stream
+        # torch.full launches a fill kernel; torch.tensor(x, device=cuda) is a blocking host copy
+        # that waits for everything queued on the stream
         flags = torch.stack([loss_sum.detach().to(torch.float64), bad.to(torch.float64),
                              torch.full((), float(stop_requested), dtype=torch.float64, device=dev)])
         if dist.is_initialized():
