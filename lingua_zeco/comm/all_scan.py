@@ -143,31 +143,39 @@ def _chain(x, a, group, pos, P, peer, n_blocks):
     return out
 
 
-def _tree(x, a, group, pos, P, peer):
-    """Hillis–Steele exclusive scan; works for any P (missing partners are skipped)."""
-    inc_a, inc_x = a.clone(), x.clone()
-    exc_a, exc_x = torch.ones_like(a), torch.zeros_like(x)
-    n_x = x.numel()
+def hillis_steele(inc: tuple, compose, group, pos: int, P: int, peer):
+    """Exclusive scan of one element per position by Hillis–Steele rounds (any P: missing partners
+    are skipped). `inc`: this position's element, a tuple of tensors; `compose(earlier, later)` the
+    associative combine of two elements. Returns the composition of every earlier position's
+    element, or None at position 0 (the caller's identity). Also the matrix scan of sp/delta.py."""
+    exc = None
     d = 1
     while d < P:
         ops, recv = [], None
         if pos + d < P:
-            msg = torch.cat([inc_x.reshape(-1), inc_a.reshape(-1)])
+            msg = torch.cat([t.reshape(-1) for t in inc])
             ops.append(dist.P2POp(dist.isend, msg, peer(pos + d), group))
         if pos - d >= 0:
-            recv = x.new_empty(n_x + a.numel())
+            recv = inc[0].new_empty(sum(t.numel() for t in inc))
             ops.append(dist.P2POp(dist.irecv, recv, peer(pos - d), group))
         for work in dist.batch_isend_irecv(ops) if ops else []:
             work.wait()
-        if recv is not None:
-            r_x, r_a = recv[:n_x].view_as(x), recv[n_x:].view_as(a)
-            # the received segment lies before ours: (r_a, r_x) ∘ (a, x) = (r_a·a, a ⊙ r_x + x)
-            exc_x = exc_x + exc_a[..., None] * r_x
-            exc_a = exc_a * r_a
-            inc_x = inc_x + inc_a[..., None] * r_x
-            inc_a = inc_a * r_a
+        if recv is not None:  # the received segment (pos−2d, pos−d] lies before ours
+            got = tuple(part.view_as(t) for part, t in zip(recv.split([t.numel() for t in inc]), inc))
+            exc = got if exc is None else compose(got, exc)
+            inc = compose(got, inc)
         d *= 2
-    return exc_x
+    return exc
+
+
+def _tree(x, a, group, pos, P, peer):
+    """Decay scan by Hillis–Steele: (a₁, x₁) then (a₂, x₂) composes to (a₁a₂, a₂ ⊙ x₁ + x₂)."""
+    def compose(earlier, later):
+        (ea, ex), (la, lx) = earlier, later
+        return ea * la, la[..., None] * ex + lx
+
+    exc = hillis_steele((a, x), compose, group, pos, P, peer)
+    return torch.zeros_like(x) if exc is None else exc[1]
 
 
 class ScanWork:

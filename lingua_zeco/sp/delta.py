@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs
-from lingua_zeco.comm.all_scan import _k_blocks, best_n_blocks, chain_time, tree_time
+from lingua_zeco.comm.all_scan import _k_blocks, best_n_blocks, chain_time, hillis_steele, tree_time
 from lingua_zeco.kernels.delta import check_shapes, chunk_gated_delta, l2norm
 
 from .state_passing import RecvPrevFn, SendNextFn, _AllGatherFn, _global, group_rank_size
@@ -77,32 +77,13 @@ def _chain(x, A, group, pos, P, peer, n_blocks):
 
 
 def _tree(x, A, group, pos, P, peer):
-    """Hillis–Steele: keep the inclusive pair of positions (pos−d, pos] and the exclusive one of
-    (pos−d, pos); each round composes the inclusive pair received from pos−d (earlier) on both."""
-    inc_A, inc_x = A.clone(), x.clone()
-    exc_A = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A).clone()
-    exc_x = torch.zeros_like(x)
-    n_x = x.numel()
-    d = 1
-    while d < P:
-        ops, recv = [], None
-        if pos + d < P:
-            msg = torch.cat([inc_x.reshape(-1), inc_A.reshape(-1)])
-            ops.append(dist.P2POp(dist.isend, msg, peer(pos + d), group))
-        if pos - d >= 0:
-            recv = x.new_empty(n_x + A.numel())
-            ops.append(dist.P2POp(dist.irecv, recv, peer(pos - d), group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        if recv is not None:
-            r_x, r_A = recv[:n_x].view_as(x), recv[n_x:].view_as(A)
-            # (ours) ∘ (received, earlier) = (A_ours r_A, A_ours r_x + x_ours)
-            exc_x = exc_x + exc_A @ r_x
-            exc_A = exc_A @ r_A
-            inc_x = inc_x + inc_A @ r_x
-            inc_A = inc_A @ r_A
-        d *= 2
-    return exc_x
+    """Hillis–Steele over the pairs: (A₁, x₁) then (A₂, x₂) composes to (A₂A₁, A₂x₁ + x₂)."""
+    def compose(earlier, later):
+        (eA, ex), (lA, lx) = earlier, later
+        return lA @ eA, lA @ ex + lx
+
+    exc = hillis_steele((A, x), compose, group, pos, P, peer)
+    return torch.zeros_like(x) if exc is None else exc[1]
 
 
 def choose_scan(P: int, x: torch.Tensor, A: torch.Tensor, args: AllScanArgs) -> tuple[str, int]:
