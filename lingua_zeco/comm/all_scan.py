@@ -120,27 +120,33 @@ def choose_algorithm(P: int, nbytes: int, args: AllScanArgs) -> str:
     return min(est, key=lambda k: (est[k], k != "chain"))
 
 
-def _chain(x, a, group, pos, P, peer, n_blocks):
-    """Receive y block by block from the previous position, forward a ⊙ y + x to the next one."""
+def pipelined_chain(x, slices, carry, group, pos: int, P: int, peer):
+    """Chain scan, pipelined in blocks: position p receives its exclusive prefix y block by block
+    (`slices` index x) and, as each block arrives, sends carry(slice, y_block) (x's block at p = 0)
+    on to p + 1, so hop p+1 starts before hop p has finished. Returns y (zeros at p = 0)."""
     out = torch.zeros_like(x)
-    blocks = _k_blocks(x.shape[-2], n_blocks)
     recvs = []
     if pos > 0:
-        bufs = [x.new_empty((*x.shape[:-2], e - s, x.shape[-1])) for s, e in blocks]
-        recvs = [(buf, dist.irecv(buf, src=peer(pos - 1), group=group)) for buf in bufs]
+        recvs = [(buf, dist.irecv(buf, src=peer(pos - 1), group=group))
+                 for buf in (x.new_empty(x[sl].shape) for sl in slices)]
     sends = []
-    for j, (s, e) in enumerate(blocks):
+    for j, sl in enumerate(slices):
         if recvs:
             buf, work = recvs[j]
             work.wait()
-            out[..., s:e, :] = buf
+            out[sl] = buf
         if pos < P - 1:
-            blk = x[..., s:e, :] + a[..., s:e, None] * out[..., s:e, :] if recvs else x[..., s:e, :]
-            blk = blk.contiguous()
+            blk = (carry(sl, out[sl]) if recvs else x[sl]).contiguous()
             sends.append((blk, dist.isend(blk, dst=peer(pos + 1), group=group)))
     for _, work in sends:
         work.wait()
     return out
+
+
+def _chain(x, a, group, pos, P, peer, n_blocks):
+    """Decay chain in blocks of K rows: forward a ⊙ y + x (a diagonal: the rows are independent)."""
+    slices = [(..., slice(s, e), slice(None)) for s, e in _k_blocks(x.shape[-2], n_blocks)]
+    return pipelined_chain(x, slices, lambda sl, y: x[sl] + a[sl[:-1]][..., None] * y, group, pos, P, peer)
 
 
 def hillis_steele(inc: tuple, compose, group, pos: int, P: int, peer):

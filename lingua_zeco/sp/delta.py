@@ -42,7 +42,8 @@ import torch.distributed as dist
 
 from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs
-from lingua_zeco.comm.all_scan import _k_blocks, best_n_blocks, chain_time, hillis_steele, tree_time
+from lingua_zeco.comm.all_scan import (_k_blocks, best_n_blocks, chain_time, hillis_steele, pipelined_chain,
+                                       tree_time)
 from lingua_zeco.kernels.delta import check_shapes, chunk_gated_delta, l2norm
 
 from .state_passing import RecvPrevFn, SendNextFn, _AllGatherFn, _global, group_rank_size
@@ -55,25 +56,10 @@ SCAN_ALGORITHMS = ("chain", "tree", "auto")
 # ----------------------------------------------------------------------------- the scan (no autograd)
 
 def _chain(x, A, group, pos, P, peer, n_blocks):
-    """Receive y from the previous position block by block (blocks along V), forward A y + x."""
-    out = torch.zeros_like(x)
-    blocks = _k_blocks(x.shape[-1], n_blocks)
-    recvs = []
-    if pos > 0:
-        bufs = [x.new_empty((*x.shape[:-1], e - s)) for s, e in blocks]
-        recvs = [(buf, dist.irecv(buf, src=peer(pos - 1), group=group)) for buf in bufs]
-    sends = []
-    for j, (s, e) in enumerate(blocks):
-        if recvs:
-            buf, work = recvs[j]
-            work.wait()
-            out[..., s:e] = buf
-        if pos < P - 1:
-            blk = (x[..., s:e] + A @ out[..., s:e] if recvs else x[..., s:e]).contiguous()
-            sends.append((blk, dist.isend(blk, dst=peer(pos + 1), group=group)))
-    for _, work in sends:
-        work.wait()
-    return out
+    """Matrix chain in blocks of V columns (A mixes rows, so blocks of rows would not be independent):
+    forward A y + x."""
+    slices = [(..., slice(s, e)) for s, e in _k_blocks(x.shape[-1], n_blocks)]
+    return pipelined_chain(x, slices, lambda sl, y: x[sl] + A @ y, group, pos, P, peer)
 
 
 def _tree(x, A, group, pos, P, peer):
