@@ -90,7 +90,7 @@ def _recall(tmp_path, method: str, first_step: int) -> dict:
     return {"acc": sum(r["recall_acc"] for r in late) / len(late), "loss": sum(r["loss"] for r in late) / len(late)}
 
 
-@pytest.mark.slow  # two 150-step 2-rank trainings, ~35 s on 2 cores (in CI)
+@pytest.mark.slow  # two 150-step 2-rank trainings: 28-42 s on 2 cores (in CI)
 def test_recall_needs_the_state_from_the_other_rank(tmp_path):
     """docs/long_context.md, section 1: every answer is on rank 1, every pair on rank 0. With the state
     passed (zeco) recall is nearly perfect over steps 101-150 (measured 0.99-1.00 over 4 seeds, loss
