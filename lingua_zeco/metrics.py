@@ -58,12 +58,14 @@ def throughput(tokens_per_gpu: int, step_time_s: float, flops_per_token: float, 
 
 
 class StepTimer:
-    """Mean seconds per step over a logging window, with no synchronisation per step: a CUDA event
-    (perf_counter on CPU) marks the window's start; `window()` marks its end and waits for it."""
+    """Mean seconds per step over a logging window, with no synchronisation per step. Marks are CUDA
+    events (perf_counter on CPU); `pause()`/`resume()` leave logging, evaluation and checkpoints out
+    of the window; `window()` waits for the last mark only."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.n, self.last_n = 0, 0
+        self._segments = []  # closed (start, end) marks of the current window
         self._start = self._mark()
 
     def _mark(self):
@@ -76,14 +78,27 @@ class StepTimer:
     def step(self) -> None:
         self.n += 1
 
+    def pause(self) -> None:
+        if self._start is not None:
+            self._segments.append((self._start, self._mark()))
+            self._start = None
+
+    def resume(self) -> None:
+        if self._start is None:
+            self._start = self._mark()
+
     def window(self) -> float:
-        end = self._mark()
-        if self.cuda:
-            end.synchronize()
-            dt = self._start.elapsed_time(end) * 1e-3
+        """Mean step time since the last window; the next window starts now (or at resume())."""
+        running = self._start is not None
+        self.pause()
+        if self.cuda and self._segments:
+            self._segments[-1][1].synchronize()
+            dt = sum(a.elapsed_time(b) * 1e-3 for a, b in self._segments)
         else:
-            dt = end - self._start
-        self.last_n, self.n, self._start = self.n, 0, end
+            dt = sum(b - a for a, b in self._segments)
+        self._segments, self.last_n, self.n = [], self.n, 0
+        if running:
+            self.resume()
         return dt / max(self.last_n, 1)
 
 

@@ -148,6 +148,10 @@ class StepGuard:
         self._pending = (step, host, event)
         return Verdict(apply=True, stop=stop_before)  # the optimizer skips on the device if bad
 
+    def settle(self) -> None:
+        """Read a deferred verdict now (raises per the policy); nothing to do after a sync step."""
+        self._read_pending()
+
     def _read_pending(self) -> bool:
         if self._pending is None:
             return False

@@ -60,3 +60,24 @@ def test_plot_metrics(tmp_path):
     plot_metrics.main([str(tmp_path)])
     png = tmp_path / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_step_timer_averages_steps_and_leaves_paused_time_out():
+    import time as _time
+
+    import torch
+
+    from lingua_zeco.metrics import StepTimer
+
+    t = StepTimer(torch.device("cpu"))
+    for _ in range(2):
+        _time.sleep(0.05)  # a step
+        t.step()
+        t.pause()
+        _time.sleep(0.2)  # logging / checkpoint: not step time
+        t.resume()
+    dt = t.window()
+    assert t.last_n == 2 and 0.045 < dt < 0.12, dt
+    _time.sleep(0.03)
+    t.step()
+    assert t.last_n == 2 and 0.025 < t.window() < 0.2 and t.last_n == 1  # a fresh window

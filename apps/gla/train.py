@@ -211,6 +211,7 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                 step += 1
                 prof.step()
                 timer.step()
+                timer.pause()  # logging, evaluation and checkpoints are not step time
 
                 if log_now:
                     # Global mean loss; step time and data wait of the slowest rank.
@@ -247,9 +248,11 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
 
                 every = args.checkpoint.dump.every
                 if (every > 0 and step % every == 0) or step == args.steps or verdict.stop:
+                    guard.settle()  # a stop found one step late: read this step's verdict before saving
                     ckpt.save(step, model, optimizer,
                               extra={"step": step, "scheduler": scheduler.state_dict(), "skipped_steps": guard.skipped},
                               per_rank={"data": data.state_dict(), "rng": _rng_state()})
+                timer.resume()
                 fault.after_step(step)
                 if verdict.stop:  # SIGTERM/SIGUSR2 on some rank: all ranks saved this step, now leave
                     logger.warning("stop signal (%s here): checkpoint of step %d saved; rerun the same command to "
