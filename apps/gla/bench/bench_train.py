@@ -1,4 +1,5 @@
-"""Training throughput of GLA-1B on one GPU: the trainer's own step against fla's GLAForCausalLM.
+"""Training throughput of GLA-1B: the trainer's own step against fla's GLAForCausalLM on one GPU,
+and the SP methods against data parallelism under torchrun.
 
     python -m apps.gla.bench.bench_train                                  # fla + ours at 16K
     python -m apps.gla.bench.bench_train --variants ours,ours_nofsdp --seq-len 262144 --overrides model.activation_checkpointing=full
@@ -65,7 +66,7 @@ def _tokens(vocab: int, T: int, device, seed: int = 0):
 
 
 class _NoSyncGuard:
-    """Always applies the update: the cost of the guard's host sync shows as the difference."""
+    """Always applies the update: the guard's whole cost shows as the difference to "ours"."""
 
     skipped = 0
 
@@ -76,7 +77,7 @@ class _NoSyncGuard:
 
 
 def build_ours(name: str, a: BenchTrainArgs):
-    """(step function, n_params, cleanup) of the trainer's step for variant `name`."""
+    """(step function, n_params, objects to keep alive) of the trainer's step for variant `name`."""
     from apps.gla import train as T
     from lingua_zeco import distributed as D
     from lingua_zeco import reliability as R
