@@ -134,7 +134,7 @@ class StepGuard:
         record = torch.cat([flags, n_tokens.detach().to(device=dev, dtype=torch.float64).reshape(1),
                             grad_norm.reshape(1)])
         deferrable = optimizer is not None and bool(optimizer.defaults.get("fused"))
-        if optimizer is not None and deferrable:
+        if deferrable:
             optimizer.found_inf = None if sync else (flags[1] > 0).to(torch.float32)
         if sync or not deferrable:
             v = self._judge(step, record.tolist())
