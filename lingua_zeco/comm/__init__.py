@@ -1,7 +1,7 @@
 """Collectives for sequence parallelism (no autograd at this level)."""
 from .gather_scan import gather_scan
 from .all_scan import (ALGORITHMS, AllScanArgs, ScanWork, all_scan, best_n_blocks, chain_time, choose_algorithm,
-                       tree_time)
+                       on_side_stream, tree_time)
 
 __all__ = ["ALGORITHMS", "AllScanArgs", "ScanWork", "all_scan", "best_n_blocks", "chain_time", "choose_algorithm",
-           "gather_scan", "tree_time"]
+           "gather_scan", "on_side_stream", "tree_time"]

@@ -246,11 +246,19 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
     if not (async_op and x.is_cuda):
         out = run()
         return ScanWork(out) if async_op else out
-    main, side = torch.cuda.current_stream(x.device), _side_stream(x.device)
-    side.wait_stream(main)  # x and a are produced on the caller's stream
+    return on_side_stream(run, (x, a))
+
+
+def on_side_stream(run, inputs: tuple) -> ScanWork:
+    """Run `run()` (which returns a CUDA tensor) on the side stream after the caller's stream has
+    produced `inputs`; the handle's wait() orders the caller's stream after it. The asynchronous
+    All-Scan uses this; tests run virtual ranks' scans through it too."""
+    device = inputs[0].device
+    main, side = torch.cuda.current_stream(device), _side_stream(device)
+    side.wait_stream(main)
     with torch.cuda.stream(side):
         out = run()
-    for t in (x, a, out):
+    for t in (*inputs, out):  # the allocator must not reuse these while either stream may use them
         t.record_stream(main)
         t.record_stream(side)
     event = torch.cuda.Event()

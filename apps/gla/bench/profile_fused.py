@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from .bench_fused import _no_comm_scan
+from .bench_fused import variants
 from .common import gla_inputs, parse_dataclass
 
 
@@ -24,23 +24,19 @@ class ProfileFusedArgs:
 
 
 def main(argv=None):
-    from fla.ops.gla import chunk_gla
-
-    from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
     args = parse_dataclass(ProfileFusedArgs, argv, __doc__)
     dev = torch.device("cuda")
     q, k, v, g, do = gla_inputs(args.t_local, args.heads, args.head_dim, args.head_dim, dev)
     scale = args.head_dim ** -0.5
-    variants = {"fla_chunk_gla": lambda: chunk_gla(q, k, v, g, scale=scale)[0],
-                "zeco_fused_no_comm": lambda: FusedZeCOGLA.apply(q, k, v, g, scale, _no_comm_scan)}
+    fns = variants(q, k, v, g, do, scale)  # bench_fused's: fla with and without S_in, fused ZeCO on a middle rank
     os.makedirs(args.out, exist_ok=True)
-    for name, fn in variants.items():
+    for name, fn in fns.items():
         for _ in range(3):
-            fn().backward(do)
+            fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.iters):
-                fn().backward(do)
+                fn()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
         with open(os.path.join(args.out, f"profile_{name}_{args.t_local}.txt"), "w") as f:

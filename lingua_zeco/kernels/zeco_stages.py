@@ -1,0 +1,225 @@
+"""The three stages ZeCO adds to fla's chunk_gla, each a Triton kernel beside its torch oracle.
+
+fla keeps, per chunk of BT tokens, the gate cumsum *local to the chunk* in base 2 (`g_cs`, fla's
+`chunk_local_cumsum(g, BT, scale=log2 e)`) and the state entering chunk n, h_n [B, NT, H, K, V].
+ZeCO runs a rank's slice from a zero state (so its final state is ready for the All-Scan early)
+and lets the true incoming state S_in and the gradient arriving from the next rank enter through
+stages that read the same data anyway, so no pass rewrites all chunk states:
+
+* `chunk_decay_prefix`  Gx [B, NT, H, K]: base-2 gate sum from the slice start to the start of
+                        chunk n (exclusive), and b_end [B, H, K] = 2^(sum over the slice) for the scan.
+* `zeco_fwd_o`          replaces fla's `chunk_gla_fwd_o_gk`: the same output stage with S_in folded
+                        into each chunk's state in registers:
+                        o_t = scale·(q_t ⊙ 2^g_cs_t)·(h_n + diag(2^Gx_n)·S_in) + Σ_{j≤t in chunk} A_tj v_j
+* `zeco_dS_in`          D = ∂L/∂S_in from this slice's outputs, scale·Σ_t (q_t ⊙ b_t)ᵀ do_t with
+                        b_t = 2^(Gx_n + g_cs_t): one read of q, g, do, before dh is computed, so that
+                        fla's dh stage can then run once with the final-state gradient G from the
+                        reverse All-Scan (no fold of G into dh afterwards).
+Indices are int64 wherever a product can pass 2^31 (1M tokens × H = 16 × K = 128 already does).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the oracles still work
+    triton = None
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+def fla_chunk_size(T: int) -> int:
+    """fla chunk_gla's rule for its chunk size (ChunkGLAFunction): 64, smaller for short sequences."""
+    return min(64, max(16, 1 << max(0, (T - 1).bit_length())))
+
+
+# ----------------------------------------------------------------------------------- oracles
+def chunk_local_cumsum_torch(g_BTHK, BT):
+    """fla's chunk-local, base-2 cumsum of the log gates (fp32, at least the input's precision)."""
+    B, T, H, K = g_BTHK.shape
+    acc = torch.promote_types(g_BTHK.dtype, torch.float32)
+    pad = (-T) % BT
+    g = torch.nn.functional.pad(g_BTHK.to(acc), (0, 0, 0, 0, 0, pad))
+    return (g.view(B, -1, BT, H, K).cumsum(2) * LOG2E).view(B, -1, H, K)[:, :T]
+
+
+def chunk_decay_prefix_torch(g_cs_BTHK, BT):
+    """(Gx [B, NT, H, K], b_end [B, H, K]) from the chunk-local base-2 cumsum."""
+    T = g_cs_BTHK.shape[1]
+    ends = torch.arange(BT - 1, T + BT - 1, BT, device=g_cs_BTHK.device).clamp_(max=T - 1)
+    tot_BNHK = g_cs_BTHK[:, ends]
+    incl_BNHK = tot_BNHK.cumsum(1)
+    return incl_BNHK - tot_BNHK, torch.exp2(incl_BNHK[:, -1])
+
+
+def _chunk_index(T, BT, device):
+    return torch.arange(T, device=device) // BT
+
+
+def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
+    """Oracle of `zeco_fwd_o` (computes in at least fp32). A [B, T, H, BT] as fla's intra stage gives it
+    (row t, column j of t's chunk); h [B, NT, H, K, V] from a zero state; S_in [B, H, K, V]."""
+    B, T, H, K = q.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
+    n_T = _chunk_index(T, BT, q.device)
+    h_true = h.to(acc) + torch.exp2(Gx.to(acc))[..., None] * S_in.to(acc)[:, None]
+    qg = q.to(acc) * torch.exp2(g_cs.to(acc))
+    o = scale * torch.einsum("bthk,bthkv->bthv", qg, h_true[:, n_T])
+    col_T = torch.arange(T, device=q.device) % BT
+    causal = col_T[:, None] >= torch.arange(BT, device=q.device)[None, :]  # [T, BT]
+    A = A.to(acc).masked_fill(~causal[None, :, None, :], 0)
+    v_pad = torch.nn.functional.pad(v.to(acc), (0, 0, 0, 0, 0, (-T) % BT)).view(B, -1, BT, H, v.shape[-1])
+    o = o + torch.einsum("bthj,btjhv->bthv", A, v_pad[:, n_T])
+    return o.to(v.dtype)
+
+
+def zeco_dS_in_torch(q, g, Gx, do, scale, BT):
+    """Oracle of `zeco_dS_in`: scale·Σ_t (q_t ⊙ 2^(Gx_n + g_cs_t))ᵀ do_t, [B, H, K, V] in at least fp32."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    g_cs = chunk_local_cumsum_torch(g, BT)
+    b = torch.exp2(Gx.to(acc)[:, _chunk_index(q.shape[1], BT, q.device)] + g_cs)
+    return scale * torch.einsum("bthk,bthv->bhkv", q.to(acc) * b, do.to(acc))
+
+
+# ----------------------------------------------------------------------------------- Triton
+if triton is not None:
+    @triton.jit(do_not_specialize=["T", "NT"])
+    def _decay_prefix_kernel(g_cs, gx, b_end, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                             BK: tl.constexpr, BN: tl.constexpr):
+        i_k, i_bh = tl.program_id(0), tl.program_id(1)
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        carry = tl.zeros([BK], dtype=tl.float32)
+        for i0 in range(0, NT, BN):  # BN chunk ends at a time: a short scan in registers, carried over
+            o_n = i0 + tl.arange(0, BN)
+            m = (o_n < NT)[:, None] & m_k[None, :]
+            t_end = tl.minimum(o_n * BT + BT - 1, T - 1).to(tl.int64)
+            tot = tl.load(g_cs + ((i_b * T + t_end) * H + i_h)[:, None] * K + o_k[None, :], mask=m, other=0.)
+            excl = tl.cumsum(tot, axis=0) - tot + carry[None, :]
+            tl.store(gx + ((i_b * NT + o_n.to(tl.int64)) * H + i_h)[:, None] * K + o_k[None, :], excl, mask=m)
+            carry += tl.sum(tot, axis=0)
+        tl.store(b_end + (i_b * H + i_h) * K + o_k, tl.exp2(carry), mask=m_k)
+
+    @triton.autotune(
+        configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+                 for bk in (32, 64) for bv in (64, 128) for w in (4, 8) for s in (2, 3)],
+        key=["BT", "K", "V"], cache_results=True)
+    @triton.jit(do_not_specialize=["T"])
+    def _fwd_o_kernel(q, v, g, A, h, s_in, gx, o, scale, T, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+        NT = tl.cdiv(T, BT)
+        o_i = tl.arange(0, BT)
+        o_t = i_n * BT + o_i
+        m_t = o_t < T
+        row = (i_b * T + o_t.to(tl.int64)) * H + i_h        # [BT] rows of q, g, v, o, A
+        hrow = (i_b * NT + i_n) * H + i_h                    # this chunk's state in h and Gx
+        srow = i_b * H + i_h                                 # S_in of this sequence and head
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        acc = tl.zeros([BT, BV], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
+            b_qg = (b_q * tl.exp2(b_g)).to(b_q.dtype)
+            b_h = tl.load(h + (hrow * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+            b_s = tl.load(s_in + (srow * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+            b_gx = tl.load(gx + hrow * K + o_k, mask=m_k, other=0.)
+            b_h += tl.exp2(b_gx)[:, None] * b_s              # the true state entering this chunk
+            acc = tl.dot(b_qg, b_h.to(b_q.dtype), acc)
+        acc *= scale
+        b_A = tl.load(A + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
+        b_A = tl.where(o_i[:, None] >= o_i[None, :], b_A, 0.)
+        b_v = tl.load(v + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+        acc = tl.dot(b_A.to(b_v.dtype), b_v, acc)
+        tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+
+    @triton.autotune(
+        configs=[triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4)],
+        key=["BT", "K", "V", "BK", "BV"], cache_results=True)
+    @triton.jit(do_not_specialize=["T", "NT", "CPS"])
+    def _dS_in_kernel(q, g, gx, do, dp, scale, T, NT, CPS, B, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+        i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+        o_k = i_k * BK + tl.arange(0, BK)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_k, m_v = o_k < K, o_v < V
+        acc = tl.zeros([BK, BV], dtype=tl.float32)
+        for i_n in range(i_s * CPS, tl.minimum(i_s * CPS + CPS, NT)):  # this program's run of chunks
+            o_t = i_n * BT + tl.arange(0, BT)
+            m_t = o_t < T
+            row = (i_b * T + o_t.to(tl.int64)) * H + i_h
+            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_gx = tl.load(gx + ((i_b * NT + i_n) * H + i_h) * K + o_k, mask=m_k, other=0.)
+            b_lb = tl.cumsum(b_g.to(tl.float32) * 1.4426950408889634, axis=0) + b_gx[None, :]
+            b_qb = (b_q.to(tl.float32) * tl.exp2(b_lb)).to(b_q.dtype)
+            b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
+            acc = tl.dot(tl.trans(b_qb), b_do, acc)
+        p = dp + (((i_s * B + i_b) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
+        tl.store(p, acc * scale, mask=m_k[:, None] & m_v[None, :])
+
+
+def _cuda(*ts):
+    return triton is not None and all(t.is_cuda for t in ts)
+
+
+def chunk_decay_prefix(g_cs_BTHK, BT):
+    """(Gx [B, NT, H, K] fp32, b_end [B, H, K] fp32) from fla's chunk-local base-2 cumsum. One launch."""
+    if not _cuda(g_cs_BTHK):
+        return chunk_decay_prefix_torch(g_cs_BTHK, BT)
+    B, T, H, K = g_cs_BTHK.shape
+    NT = triton.cdiv(T, BT)
+    gx = g_cs_BTHK.new_empty(B, NT, H, K, dtype=torch.float32)
+    b_end = g_cs_BTHK.new_empty(B, H, K, dtype=torch.float32)
+    BK = min(32, triton.next_power_of_2(K))
+    _decay_prefix_kernel[(triton.cdiv(K, BK), B * H)](g_cs_BTHK, gx, b_end, T, NT, H=H, K=K, BT=BT, BK=BK, BN=64)
+    return gx, b_end
+
+
+def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT):
+    """fla's output stage (chunk_gla_fwd_o_gk) with S_in folded into each chunk's state. One launch."""
+    if not _cuda(q):
+        return zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    o = torch.empty_like(v)
+
+    def grid(meta):
+        return triton.cdiv(V, meta["BV"]), triton.cdiv(T, BT), B * H
+    _fwd_o_kernel[grid](q, v, g_cs, A, h, S_in, Gx, o, scale, T, H=H, K=K, V=V, BT=BT)
+    return o
+
+
+def zeco_dS_in(q, g, Gx, do, scale, BT, programs: int = 528):
+    """D = ∂L/∂S_in of this slice's outputs, [B, H, K, V] fp32. The chunks are split into runs so
+    that about `programs` programs fill the GPU; each run's partial sum is written, and summed."""
+    if not _cuda(q):
+        return zeco_dS_in_torch(q, g, Gx, do, scale, BT).float()
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    NT = triton.cdiv(T, BT)
+    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
+    tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV) * B * H
+    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(programs, tiles))))  # chunks per run
+    NS = triton.cdiv(NT, CPS)
+    dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
+    _dS_in_kernel[(tiles // (B * H), NS, B * H)](q, g, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT,
+                                                  BK=BK, BV=BV)
+    return dp[0] if NS == 1 else dp.sum(0)
+
+
+__all__ = ["chunk_decay_prefix", "chunk_decay_prefix_torch", "chunk_local_cumsum_torch", "fla_chunk_size",
+           "zeco_dS_in", "zeco_dS_in_torch", "zeco_fwd_o", "zeco_fwd_o_torch"]

@@ -1,0 +1,142 @@
+"""CPU checks of the math of the fused ZeCO stages (lingua_zeco/kernels/zeco_stages.py oracles) in
+float64 against the token-by-token recurrence: the chunk gate prefix, the output stage with S_in
+folded into each chunk's state, D = ∂L/∂S_in, and the whole forward/backward schedule of
+FusedZeCOGLA on P virtual ranks (forward All-Scan of S_end, reverse All-Scan of D)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lingua_zeco.kernels import naive_gla
+from lingua_zeco.kernels import zeco_stages as zs
+from lingua_zeco.sp.virtual_ranks import VirtualScan
+
+
+def _inputs(T, H=2, K=8, V=6, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen, dtype=torch.float64)
+    g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) + 2)
+    return q, k, v, g
+
+
+def _chunk_states(k, v, g_cs, BT):
+    """fla's h: the state entering each chunk, from a zero state (float64), and the final state."""
+    B, T, H, K = k.shape
+    S = k.new_zeros(B, H, K, v.shape[-1])
+    hs = []
+    for s in range(0, T, BT):
+        hs.append(S)
+        gc = g_cs[:, s:s + BT]
+        last = gc[:, -1]
+        S = torch.exp2(last)[..., None] * S + torch.einsum("bthk,bthv->bhkv", k[:, s:s + BT] * torch.exp2(last[:, None] - gc),
+                                                           v[:, s:s + BT])
+    return torch.stack(hs, 1), S
+
+
+def _intra_A(q, k, g_cs, scale, BT):
+    """fla's A [B, T, H, BT]: row t, column j = scale·Σ_k q_t k_j 2^(g_cs_t − g_cs_j) for j ≤ t in t's chunk."""
+    B, T, H, K = q.shape
+    A = q.new_zeros(B, T, H, BT)
+    for t in range(T):
+        s = t - t % BT
+        for j in range(s, t + 1):
+            A[:, t, :, j - s] = scale * (q[:, t] * k[:, j] * torch.exp2(g_cs[:, t] - g_cs[:, j])).sum(-1)
+    return A
+
+
+@pytest.mark.parametrize("T,BT", [(37, 16), (64, 16), (9, 16)])
+def test_chunk_local_cumsum_and_prefix(T, BT):
+    _, _, _, g = _inputs(T)
+    g_cs = zs.chunk_local_cumsum_torch(g, BT)
+    for s in range(0, T, BT):
+        assert torch.allclose(g_cs[:, s:s + BT], g[:, s:s + BT].cumsum(1) / math.log(2))
+    Gx, b_end = zs.chunk_decay_prefix_torch(g_cs, BT)
+    for n, s in enumerate(range(0, T, BT)):
+        assert torch.allclose(Gx[:, n], g[:, :s].sum(1) / math.log(2))
+    assert torch.allclose(b_end, g.sum(1).exp())
+
+
+def test_fla_chunk_size_rule():
+    assert [zs.fla_chunk_size(T) for T in (1, 10, 16, 17, 33, 64, 65, 10 ** 6)] == [16, 16, 16, 32, 64, 64, 64, 64]
+
+
+@pytest.mark.parametrize("T,BT", [(37, 16), (48, 16)])
+def test_output_stage_with_incoming_state_equals_recurrence(T, BT):
+    q, k, v, g = _inputs(T)
+    scale = 0.3
+    S_in = torch.randn(1, 2, 8, 6, dtype=torch.float64)
+    g_cs = zs.chunk_local_cumsum_torch(g, BT)
+    h, _ = _chunk_states(k, v, g_cs, BT)
+    Gx, _ = zs.chunk_decay_prefix_torch(g_cs, BT)
+    o = zs.zeco_fwd_o_torch(q, v, g_cs, _intra_A(q, k, g_cs, scale, BT), h, S_in, Gx, scale, BT)
+    ref, _ = naive_gla(q, k, v, g, scale=scale, initial_state=S_in)
+    assert (o - ref).abs().max() < 1e-10
+    o_dropped = zs.zeco_fwd_o_torch(q, v, g_cs, _intra_A(q, k, g_cs, scale, BT), h, 0 * S_in, Gx, scale, BT)
+    assert (o_dropped - ref).abs().max() > 1e-2  # the fold is what carries S_in
+
+
+def test_dS_in_and_end_decay_are_the_state_gradients():
+    """L = <o, do> + <S_out, G> from S_in: ∂L/∂S_in = D + diag(b_end)·G (what the reverse scan passes on)."""
+    T, BT = 45, 16
+    q, k, v, g = _inputs(T)
+    do = torch.randn(1, T, 2, 6, dtype=torch.float64)
+    G = torch.randn(1, 2, 8, 6, dtype=torch.float64)
+    S_in = torch.randn(1, 2, 8, 6, dtype=torch.float64, requires_grad=True)
+    o, S_out = naive_gla(q, k, v, g, scale=0.5, initial_state=S_in, output_final_state=True)
+    dS_in, = torch.autograd.grad((o * do).sum() + (S_out * G).sum(), S_in)
+    Gx, b_end = zs.chunk_decay_prefix_torch(zs.chunk_local_cumsum_torch(g, BT), BT)
+    D = zs.zeco_dS_in_torch(q, g, Gx, do, 0.5, BT)
+    assert (D + b_end[..., None] * G - dS_in).abs().max() < 1e-10
+    assert (D - dS_in).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("P", [3, 4])
+def test_fused_schedule_on_virtual_ranks_equals_whole_sequence(P):
+    """FusedZeCOGLA's schedule with the oracle stages: rank p runs from a zero state, receives S_in
+    from the forward scan of (S_end, b_end), outputs through the folded output stage; backward: D,
+    the reverse scan of (D, b_end) gives G_p = ∂L/∂S_out(p), checked against autograd through the
+    whole recurrence."""
+    T_local, BT, scale = 21, 16, 0.4
+    q, k, v, g = _inputs(P * T_local)
+    do = torch.randn(1, P * T_local, 2, 6, dtype=torch.float64)
+    scan = VirtualScan(P)
+    sl = [slice(p * T_local, (p + 1) * T_local) for p in range(P)]
+    outs, prefix = [], []
+    for p in range(P):
+        g_cs = zs.chunk_local_cumsum_torch(g[:, sl[p]], BT)
+        h, S_end = _chunk_states(k[:, sl[p]], v[:, sl[p]], g_cs, BT)
+        Gx, b_end = zs.chunk_decay_prefix_torch(g_cs, BT)
+        S_in = scan.scan_fn(p)(S_end, b_end, False).wait()
+        A = _intra_A(q[:, sl[p]], k[:, sl[p]], g_cs, scale, BT)
+        outs.append(zs.zeco_fwd_o_torch(q[:, sl[p]], v[:, sl[p]], g_cs, A, h, S_in, Gx, scale, BT))
+        prefix.append((Gx, b_end))
+    ref, _ = naive_gla(q, k, v, g, scale=scale)
+    assert (torch.cat(outs, 1) - ref).abs().max() < 1e-10
+
+    # reference G_p: autograd through the whole recurrence, cut at the rank boundaries
+    states, o_parts, S = [], [], None
+    for p in range(P):
+        o_p, S = naive_gla(q[:, sl[p]], k[:, sl[p]], v[:, sl[p]], g[:, sl[p]], scale=scale, initial_state=S,
+                           output_final_state=True)
+        if not S.requires_grad:
+            S.requires_grad_()
+        states.append(S)
+        o_parts.append(o_p)
+    loss = sum((o_p * do[:, sl[p]]).sum() for p, o_p in enumerate(o_parts))
+    G_ref = torch.autograd.grad(loss, states[:-1])
+    for p in reversed(range(P)):
+        D = zs.zeco_dS_in_torch(q[:, sl[p]], g[:, sl[p]], prefix[p][0], do[:, sl[p]], scale, BT)
+        G = scan.scan_fn(p)(D, prefix[p][1], True).wait()
+        if p < P - 1:
+            assert (G - G_ref[p]).abs().max() < 1e-10, f"rank {p}"
+        else:
+            assert G.abs().max() == 0  # nothing after the last rank
+
+
+def test_virtual_scan_refuses_out_of_order_ranks():
+    scan = VirtualScan(3)
+    x, a = torch.ones(1, 2, 4, 3), torch.ones(1, 2, 4)
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] have not run their forward"):
+        scan.scan_fn(0)(x, a, False), scan.scan_fn(2)(x, a, False)
