@@ -44,10 +44,10 @@ def _fla_stages(q, k, v, g, BT, scale):
 
 
 def test_zeco_stages_match_oracles_and_fla():
-    T = 1000  # H = 16, K = V = 128, bf16: the shapes whose fla autotune results setup/gpu keeps
     from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 
     from lingua_zeco.kernels import zeco_stages as zs
+    T = 1000  # H = 16, K = V = 128, bf16: the shapes whose fla autotune results setup/gpu keeps
     q, k, v, g, do = _inputs(T)
     scale, BT = q.shape[-1] ** -0.5, zs.fla_chunk_size(T)
     g_cs, h, A = _fla_stages(q, k, v, g, BT, scale)
