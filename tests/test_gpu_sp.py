@@ -56,14 +56,14 @@ def test_zeco_stages_match_oracles_and_fla():
     Gx_ref, b_end_ref = zs.chunk_decay_prefix_torch(g_cs, BT)
     assert torch.allclose(Gx, Gx_ref, rtol=1e-5, atol=1e-4) and torch.allclose(b_end, b_end_ref, rtol=1e-4, atol=1e-7)
     S_in = torch.randn(1, 16, 128, 128, device="cuda")
-    o = zs.zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT)
+    o = zs.zeco_fwd_o(q, v, g_cs, A, h, S_in.bfloat16(), Gx, scale, BT)
     assert _rel(o, zs.zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)) < 1e-2
     o0, o0_fla = (zs.zeco_fwd_o(q, v, g_cs, A, h, S_in * 0, Gx, scale, BT),
                   chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, chunk_size=BT))
     assert _rel(o0, o0_fla) < 2e-3, "at S_in = 0 the output stage must be fla's"
-    assert _rel(o, o0_fla) > 5e-2, "S_in must change the output"
-    D = zs.zeco_dS_in(q, g, Gx, do, scale, BT, programs=4)  # few programs: several chunks per run
-    assert _rel(D, zs.zeco_dS_in_torch(q, g, Gx, do, scale, BT)) < 1e-2
+    assert _rel(o[:, :BT], o0_fla[:, :BT]) > 5e-2, "S_in must change the output (its first chunk at least)"
+    D = zs.zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs=4)  # few runs: several chunks each
+    assert _rel(D, zs.zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT)) < 1e-2
 
 
 def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None):
@@ -97,7 +97,8 @@ NAMES = "o dq dk dv dg".split()
 
 
 @pytest.mark.parametrize("P,dtype,side_stream", [(3, torch.float32, False), (3, torch.bfloat16, True),
-                                                 (4, torch.float32, True), (4, torch.bfloat16, False)])
+                                                 (4, torch.float32, True), (4, torch.bfloat16, False)],
+                         ids=["P3-fp32", "P3-bf16-side_stream", "P4-fp32-side_stream", "P4-bf16"])
 def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream):
     T_local = 1000  # not a multiple of the chunk size (64)
     q, k, v, g, do = _inputs(P * T_local, dtype=dtype)
@@ -108,10 +109,12 @@ def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream):
         errs = {n: _rel(a, b) for n, a, b in zip(NAMES, got[p], ref[p])}
         print(f"P={P} {dtype} side_stream={side_stream} rank {p}: " + " ".join(f"{n} {e:.1e}" for n, e in errs.items()))
         assert max(errs.values()) < tol, f"rank {p}: {errs}"
-    for drop, hit in (("S_in", ("o", "dq", "dg")), ("G", ("dk", "dv", "dg"))):
+    # a middle rank has both an incoming state and an incoming gradient; with decaying gates S_in
+    # reaches the outputs of its slice's first tokens, G the gradients of its last ones
+    mid = P // 2
+    for drop, hit, near in (("S_in", ("o", "dq", "dg"), slice(0, 64)), ("G", ("dk", "dv", "dg"), slice(-64, None))):
         bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=drop)
-        mid = P // 2  # a middle rank: it has both an incoming state and an incoming gradient
-        errs = {n: _rel(a, b) for n, a, b in zip(NAMES, bad[mid], ref[mid])}
+        errs = {n: _rel(a[:, near], b[:, near]) for n, a, b in zip(NAMES, bad[mid], ref[mid])}
         assert all(errs[n] > 5 * tol for n in hit), f"dropping {drop} was not caught: {errs}"
 
 
@@ -129,41 +132,45 @@ def test_side_stream_scan_is_waited_for():
 
 
 def test_1m_tokens_per_rank():
-    """T_local = 2^20, H = 16, K = V = 128: token × head × K indices pass 2^31 and chunk-state ones 2^32."""
+    """T_local = 2^20, K = V = 128. The stages at H = 16 (token × head × K indices pass 2^31, chunk-state
+    ones 2^32) against their oracles; the whole operator at H = 8 (chunk-state indices pass 2^31; what
+    fits twice in memory) against fla chunk_gla with the same initial state and final-state gradient."""
     from fla.ops.gla import chunk_gla
 
     from lingua_zeco.kernels import zeco_stages as zs
     from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
-    T, H = 1 << 20, 16
-    q, k, v, g, do = _inputs(T, H=H)
-    scale, BT = 128 ** -0.5, 64
+    T, scale, BT = 1 << 20, 128 ** -0.5, 64
     with torch.no_grad():
+        q, k, v, g, do = _inputs(T, H=16)
         g_cs, h, A = _fla_stages(q, k, v, g, BT, scale)
         Gx, b_end = zs.chunk_decay_prefix(g_cs, BT)
         Gx_ref, b_end_ref = zs.chunk_decay_prefix_torch(g_cs, BT)
         assert torch.allclose(Gx, Gx_ref, rtol=1e-4, atol=1e-2) and torch.allclose(b_end, b_end_ref, atol=1e-6)
-        S_in = torch.randn(1, H, 128, 128, device="cuda")
+        S_in = torch.randn(1, 16, 128, 128, device="cuda").bfloat16()
         o = zs.zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT)
         last = slice(T - 2 * BT, T)  # the last two chunks: the highest offsets
         o_ref = zs.zeco_fwd_o_torch(q[:, last], v[:, last], g_cs[:, last], A[:, last], h[:, -2:], S_in, Gx[:, -2:],
                                     scale, BT)
         assert _rel(o[:, last], o_ref) < 1e-2
-        D = zs.zeco_dS_in(q, g, Gx, do, scale, BT)
-        D_ref = sum(zs.zeco_dS_in_torch(q[:, s:s + T // 8], g[:, s:s + T // 8], Gx[:, s // BT:(s + T // 8) // BT],
-                                        do[:, s:s + T // 8], scale, BT) for s in range(0, T, T // 8))
+        D = zs.zeco_dS_in(q, g_cs, Gx, do, scale, BT)
+        part = T // 8
+        D_ref = sum(zs.zeco_dS_in_torch(q[:, s:s + part], g_cs[:, s:s + part], Gx[:, s // BT:(s + part) // BT],
+                                        do[:, s:s + part], scale, BT) for s in range(0, T, part))
         assert _rel(D, D_ref) < 1e-2
-        del g_cs, h, A, o, o_ref
-    # the whole operator on a middle rank = fla chunk_gla from S_in with final-state gradient G
+        del q, k, v, g, do, g_cs, h, A, o, o_ref
+    torch.cuda.empty_cache()
+    H = 8
+    q, k, v, g, do = _inputs(T, H=H)
+    S_in = torch.randn(1, H, 128, 128, device="cuda")
     G = torch.randn(1, H, 128, 128, device="cuda") * 0.1
 
     def middle_rank_scan(x, a, reverse):
         return ScanWork(G if reverse else S_in)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+    leaves = [t.requires_grad_() for t in (q, k, v, g)]
     o = FusedZeCOGLA.apply(*leaves, scale, middle_rank_scan)
     got = [o.detach(), *torch.autograd.grad(o, leaves, do)]
-    del o, leaves
+    del o
     torch.cuda.empty_cache()
-    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
     o, ht = chunk_gla(*leaves, initial_state=S_in, output_final_state=True)
     ref = [o.detach(), *torch.autograd.grad((o, ht), leaves, (do, G))]
     errs = {n: _rel(a, b) for n, a, b in zip(NAMES, got, ref)}

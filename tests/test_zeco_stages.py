@@ -87,7 +87,7 @@ def test_dS_in_and_end_decay_are_the_state_gradients():
     o, S_out = naive_gla(q, k, v, g, scale=0.5, initial_state=S_in, output_final_state=True)
     dS_in, = torch.autograd.grad((o * do).sum() + (S_out * G).sum(), S_in)
     Gx, b_end = zs.chunk_decay_prefix_torch(zs.chunk_local_cumsum_torch(g, BT), BT)
-    D = zs.zeco_dS_in_torch(q, g, Gx, do, 0.5, BT)
+    D = zs.zeco_dS_in_torch(q, zs.chunk_local_cumsum_torch(g, BT), Gx, do, 0.5, BT)
     assert (D + b_end[..., None] * G - dS_in).abs().max() < 1e-10
     assert (D - dS_in).abs().max() > 1e-3
 
@@ -127,7 +127,8 @@ def test_fused_schedule_on_virtual_ranks_equals_whole_sequence(P):
     loss = sum((o_p * do[:, sl[p]]).sum() for p, o_p in enumerate(o_parts))
     G_ref = torch.autograd.grad(loss, states[:-1])
     for p in reversed(range(P)):
-        D = zs.zeco_dS_in_torch(q[:, sl[p]], g[:, sl[p]], prefix[p][0], do[:, sl[p]], scale, BT)
+        D = zs.zeco_dS_in_torch(q[:, sl[p]], zs.chunk_local_cumsum_torch(g[:, sl[p]], BT), prefix[p][0],
+                                do[:, sl[p]], scale, BT)
         G = scan.scan_fn(p)(D, prefix[p][1], True).wait()
         if p < P - 1:
             assert (G - G_ref[p]).abs().max() < 1e-10, f"rank {p}"

@@ -12,7 +12,7 @@ stages that read the same data anyway, so no pass rewrites all chunk states:
                         into each chunk's state in registers:
                         o_t = scale·(q_t ⊙ 2^g_cs_t)·(h_n + diag(2^Gx_n)·S_in) + Σ_{j≤t in chunk} A_tj v_j
 * `zeco_dS_in`          D = ∂L/∂S_in from this slice's outputs, scale·Σ_t (q_t ⊙ b_t)ᵀ do_t with
-                        b_t = 2^(Gx_n + g_cs_t): one read of q, g, do, before dh is computed, so that
+                        b_t = 2^(Gx_n + g_cs_t): one read of q, g_cs, do, before dh is computed, so that
                         fla's dh stage can then run once with the final-state gradient G from the
                         reverse All-Scan (no fold of G into dh afterwards).
 Indices are int64 wherever a product can pass 2^31 (1M tokens × H = 16 × K = 128 already does).
@@ -77,11 +77,10 @@ def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     return o.to(v.dtype)
 
 
-def zeco_dS_in_torch(q, g, Gx, do, scale, BT):
+def zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT):
     """Oracle of `zeco_dS_in`: scale·Σ_t (q_t ⊙ 2^(Gx_n + g_cs_t))ᵀ do_t, [B, H, K, V] in at least fp32."""
     acc = torch.promote_types(q.dtype, torch.float32)
-    g_cs = chunk_local_cumsum_torch(g, BT)
-    b = torch.exp2(Gx.to(acc)[:, _chunk_index(q.shape[1], BT, q.device)] + g_cs)
+    b = torch.exp2(Gx.to(acc)[:, _chunk_index(q.shape[1], BT, q.device)] + g_cs.to(acc))
     return scale * torch.einsum("bthk,bthv->bhkv", q.to(acc) * b, do.to(acc))
 
 
@@ -107,7 +106,7 @@ if triton is not None:
 
     @triton.autotune(
         configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
-                 for bk in (32, 64) for bv in (64, 128) for w in (4, 8) for s in (2, 3)],
+                 for bk in (32, 64) for bv in (64, 128) for w in (2, 4, 8) for s in (2, 3, 4)],
         key=["BT", "K", "V"], cache_results=True)
     @triton.jit(do_not_specialize=["T"])
     def _fwd_o_kernel(q, v, g, A, h, s_in, gx, o, scale, T, H: tl.constexpr, K: tl.constexpr,
@@ -133,7 +132,7 @@ if triton is not None:
             b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
             b_qg = (b_q * tl.exp2(b_g)).to(b_q.dtype)
             b_h = tl.load(h + (hrow * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
-            b_s = tl.load(s_in + (srow * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.)
+            b_s = tl.load(s_in + (srow * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
             b_gx = tl.load(gx + hrow * K + o_k, mask=m_k, other=0.)
             b_h += tl.exp2(b_gx)[:, None] * b_s              # the true state entering this chunk
             acc = tl.dot(b_qg, b_h.to(b_q.dtype), acc)
@@ -145,10 +144,11 @@ if triton is not None:
         tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     @triton.autotune(
-        configs=[triton.Config({}, num_warps=w, num_stages=s) for w in (4, 8) for s in (2, 3, 4)],
-        key=["BT", "K", "V", "BK", "BV"], cache_results=True)
+        configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+                 for bk in (64, 128) for bv in (64, 128) for w in (4, 8) for s in (2, 3, 4)],
+        key=["BT", "K", "V"], cache_results=True)
     @triton.jit(do_not_specialize=["T", "NT", "CPS"])
-    def _dS_in_kernel(q, g, gx, do, dp, scale, T, NT, CPS, B, H: tl.constexpr, K: tl.constexpr,
+    def _dS_in_kernel(q, g_cs, gx, do, dp, scale, T, NT, CPS, B, H: tl.constexpr, K: tl.constexpr,
                       V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
@@ -162,10 +162,9 @@ if triton is not None:
             m_t = o_t < T
             row = (i_b * T + o_t.to(tl.int64)) * H + i_h
             b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_g = tl.load(g_cs + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
             b_gx = tl.load(gx + ((i_b * NT + i_n) * H + i_h) * K + o_k, mask=m_k, other=0.)
-            b_lb = tl.cumsum(b_g.to(tl.float32) * 1.4426950408889634, axis=0) + b_gx[None, :]
-            b_qb = (b_q.to(tl.float32) * tl.exp2(b_lb)).to(b_q.dtype)
+            b_qb = (b_q * tl.exp2(b_g + b_gx[None, :])).to(b_q.dtype)
             b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
             acc = tl.dot(tl.trans(b_qb), b_do, acc)
         p = dp + (((i_s * B + i_b) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
@@ -190,7 +189,8 @@ def chunk_decay_prefix(g_cs_BTHK, BT):
 
 
 def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT):
-    """fla's output stage (chunk_gla_fwd_o_gk) with S_in folded into each chunk's state. One launch."""
+    """fla's output stage (chunk_gla_fwd_o_gk) with S_in folded into each chunk's state. S_in is read
+    by every chunk (from L2): pass it in h's dtype (bf16 halves that traffic; h itself is bf16)."""
     if not _cuda(q):
         return zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)
     B, T, H, K = q.shape
@@ -203,21 +203,22 @@ def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     return o
 
 
-def zeco_dS_in(q, g, Gx, do, scale, BT, programs: int = 528):
+def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264):
     """D = ∂L/∂S_in of this slice's outputs, [B, H, K, V] fp32. The chunks are split into runs so
-    that about `programs` programs fill the GPU; each run's partial sum is written, and summed."""
+    that about `runs` (sequence, head, run) programs fill the GPU (times the K×V tiles the autotuner
+    picks); each run's partial sum is written, and the partials summed."""
     if not _cuda(q):
-        return zeco_dS_in_torch(q, g, Gx, do, scale, BT).float()
+        return zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT).float()
     B, T, H, K = q.shape
     V = do.shape[-1]
     NT = triton.cdiv(T, BT)
-    BK, BV = min(64, triton.next_power_of_2(K)), min(64, triton.next_power_of_2(V))
-    tiles = triton.cdiv(K, BK) * triton.cdiv(V, BV) * B * H
-    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(programs, tiles))))  # chunks per run
+    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(runs, B * H))))  # chunks per run
     NS = triton.cdiv(NT, CPS)
     dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
-    _dS_in_kernel[(tiles // (B * H), NS, B * H)](q, g, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT,
-                                                  BK=BK, BV=BV)
+
+    def grid(meta):
+        return triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), NS, B * H
+    _dS_in_kernel[grid](q, g_cs, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT)
     return dp[0] if NS == 1 else dp.sum(0)
 
 

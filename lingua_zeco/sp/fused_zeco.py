@@ -9,7 +9,7 @@ Forward on rank p (fla's chunk_gla_fwd, reordered; chunk size by fla's rule):
   6. o = output stage with S_in folded into each chunk's state in registers      zeco_stages
 Backward: fla's backward with initial_state = S_in and final-state gradient G from the next rank.
 G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
-  1. g_cs; D = scale·Σ_t (q_t ⊙ b_t)ᵀ do_t (one read of q, g, do)                zeco_stages
+  1. g_cs (fla); D = scale·Σ_t (q_t ⊙ b_t)ᵀ do_t (one read of q, g_cs, do)         zeco_stages
   2. reverse All-Scan of (D, b_end) → G starts                        ┐
   3. h recomputed from S_in; dA; intra-chunk dq, dk                    ┘ overlapped  fla
   4. dh with the final-state gradient G, then dv, and dq, dk, dg       (dg includes the decays of
@@ -47,7 +47,7 @@ class FusedZeCOGLA(torch.autograd.Function):
         work = scan_fn(S_end_BHKV, b_end_BHK, False)
         A = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, chunk_size=BT)
         S_in_BHKV = work.wait()
-        o = zeco_fwd_o(q, v, g_cs, A, h, S_in_BHKV, Gx_BNHK, scale, BT)
+        o = zeco_fwd_o(q, v, g_cs, A, h, S_in_BHKV.to(h.dtype), Gx_BNHK, scale, BT)
         ctx.save_for_backward(q, k, v, g, A, S_in_BHKV, Gx_BNHK, b_end_BHK)
         ctx.scale, ctx.scan_fn, ctx.BT = scale, scan_fn, BT
         return o
@@ -62,9 +62,9 @@ class FusedZeCOGLA(torch.autograd.Function):
         q, k, v, g, A, S_in_BHKV, Gx_BNHK, b_end_BHK = ctx.saved_tensors
         scale, BT = ctx.scale, ctx.BT
         do = do.contiguous()
-        D_BHKV = zeco_dS_in(q, g, Gx_BNHK, do, scale, BT)
-        work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
         g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2)
+        D_BHKV = zeco_dS_in(q, g_cs, Gx_BNHK, do, scale, BT)
+        work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
         h, _ = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
                            states_in_fp32=True)
         dA = chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
