@@ -18,12 +18,12 @@ from lingua_zeco.comm import ScanWork
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _inputs(T, H=16, K=128, V=128, dtype=torch.bfloat16, seed=0):
+def _inputs(T, H=16, K=128, V=128, dtype=torch.bfloat16, seed=0, B=1):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k = (torch.randn(1, T, H, K, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
-    v = torch.randn(1, T, H, V, generator=gen, device="cuda", dtype=dtype)
-    g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen, device="cuda") + 3).to(dtype)
-    do = torch.randn(1, T, H, V, generator=gen, device="cuda", dtype=dtype)
+    q, k = (torch.randn(B, T, H, K, generator=gen, device="cuda", dtype=dtype) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen, device="cuda") + 3).to(dtype)
+    do = torch.randn(B, T, H, V, generator=gen, device="cuda", dtype=dtype)
     return q, k, v, g, do
 
 
@@ -48,14 +48,14 @@ def test_zeco_stages_match_oracles_and_fla():
 
     from lingua_zeco.kernels import zeco_stages as zs
     T = 1000  # H = 16, K = V = 128, bf16: the shapes whose fla autotune results setup/gpu keeps
-    q, k, v, g, do = _inputs(T)
+    q, k, v, g, do = _inputs(T, B=2)
     scale, BT = q.shape[-1] ** -0.5, zs.fla_chunk_size(T)
     g_cs, h, A = _fla_stages(q, k, v, g, BT, scale)
     assert torch.allclose(zs.chunk_local_cumsum_torch(g, BT), g_cs, rtol=1e-5, atol=1e-5)
     Gx, b_end = zs.chunk_decay_prefix(g_cs, BT)
     Gx_ref, b_end_ref = zs.chunk_decay_prefix_torch(g_cs, BT)
     assert torch.allclose(Gx, Gx_ref, rtol=1e-5, atol=1e-4) and torch.allclose(b_end, b_end_ref, rtol=1e-4, atol=1e-7)
-    S_in = torch.randn(1, 16, 128, 128, device="cuda")
+    S_in = torch.randn(2, 16, 128, 128, device="cuda")
     o = zs.zeco_fwd_o(q, v, g_cs, A, h, S_in.bfloat16(), Gx, scale, BT)
     assert _rel(o, zs.zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)) < 1e-2
     o0, o0_fla = (zs.zeco_fwd_o(q, v, g_cs, A, h, S_in * 0, Gx, scale, BT),

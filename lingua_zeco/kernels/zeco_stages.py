@@ -44,7 +44,7 @@ def chunk_local_cumsum_torch(g_BTHK, BT):
     acc = torch.promote_types(g_BTHK.dtype, torch.float32)
     pad = (-T) % BT
     g = torch.nn.functional.pad(g_BTHK.to(acc), (0, 0, 0, 0, 0, pad))
-    return (g.view(B, -1, BT, H, K).cumsum(2) * LOG2E).view(B, -1, H, K)[:, :T]
+    return (g.view(B, -1, BT, H, K).cumsum(2) * LOG2E).view(B, -1, H, K)[:, :T].contiguous()
 
 
 def chunk_decay_prefix_torch(g_cs_BTHK, BT):
@@ -144,12 +144,13 @@ if triton is not None:
         tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     @triton.autotune(
-        configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
-                 for bk in (64, 128) for bv in (64, 128) for w in (4, 8) for s in (2, 3, 4)],
+        configs=[triton.Config({"BS": bs, "BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+                 for bs, bk, bv in ((64, 128, 128), (128, 64, 64), (128, 64, 128), (128, 128, 64), (256, 64, 64))
+                 for w in (4, 8) for s in (2, 3)],
         key=["BT", "K", "V"], cache_results=True)
-    @triton.jit(do_not_specialize=["T", "NT", "CPS"])
-    def _dS_in_kernel(q, g_cs, gx, do, dp, scale, T, NT, CPS, B, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "NT", "L"])
+    def _dS_in_kernel(q, g_cs, gx, do, dp, scale, T, NT, L, B, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
@@ -157,14 +158,16 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         m_k, m_v = o_k < K, o_v < V
         acc = tl.zeros([BK, BV], dtype=tl.float32)
-        for i_n in range(i_s * CPS, tl.minimum(i_s * CPS + CPS, NT)):  # this program's run of chunks
-            o_t = i_n * BT + tl.arange(0, BT)
+        for t0 in range(i_s * L, tl.minimum(i_s * L + L, T), BS):  # this program's run, BS tokens at a time
+            o_t = t0 + tl.arange(0, BS)
             m_t = o_t < T
+            m_tk = m_t[:, None] & m_k[None, :]
             row = (i_b * T + o_t.to(tl.int64)) * H + i_h
-            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_g = tl.load(g_cs + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_gx = tl.load(gx + ((i_b * NT + i_n) * H + i_h) * K + o_k, mask=m_k, other=0.)
-            b_qb = (b_q * tl.exp2(b_g + b_gx[None, :])).to(b_q.dtype)
+            n_row = (i_b * NT + o_t // BT) * H + i_h       # each token's chunk, for its Gx
+            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_g = tl.load(g_cs + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_gx = tl.load(gx + n_row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_qb = (b_q * tl.exp2(b_g + b_gx)).to(b_q.dtype)
             b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
             acc = tl.dot(tl.trans(b_qb), b_do, acc)
         p = dp + (((i_s * B + i_b) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
@@ -172,7 +175,12 @@ if triton is not None:
 
 
 def _cuda(*ts):
-    return triton is not None and all(t.is_cuda for t in ts)
+    """True when the Triton kernels run: CUDA tensors, contiguous (the kernels index them densely)."""
+    if triton is None or not all(t.is_cuda for t in ts):
+        return False
+    if not all(t.is_contiguous() for t in ts):
+        raise ValueError("zeco_stages: the Triton stages index their inputs densely; pass contiguous tensors")
+    return True
 
 
 def chunk_decay_prefix(g_cs_BTHK, BT):
@@ -191,7 +199,7 @@ def chunk_decay_prefix(g_cs_BTHK, BT):
 def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     """fla's output stage (chunk_gla_fwd_o_gk) with S_in folded into each chunk's state. S_in is read
     by every chunk (from L2): pass it in h's dtype (bf16 halves that traffic; h itself is bf16)."""
-    if not _cuda(q):
+    if not _cuda(q, v, g_cs, A, h, S_in, Gx):
         return zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -207,18 +215,18 @@ def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264):
     """D = ∂L/∂S_in of this slice's outputs, [B, H, K, V] fp32. The chunks are split into runs so
     that about `runs` (sequence, head, run) programs fill the GPU (times the K×V tiles the autotuner
     picks); each run's partial sum is written, and the partials summed."""
-    if not _cuda(q):
+    if not _cuda(q, g_cs, Gx, do):
         return zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT).float()
     B, T, H, K = q.shape
     V = do.shape[-1]
     NT = triton.cdiv(T, BT)
-    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(runs, B * H))))  # chunks per run
-    NS = triton.cdiv(NT, CPS)
+    L = triton.cdiv(triton.cdiv(T, max(1, triton.cdiv(runs, B * H))), 256) * 256  # tokens per run: whole blocks
+    NS = triton.cdiv(T, L)
     dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
 
     def grid(meta):
         return triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), NS, B * H
-    _dS_in_kernel[grid](q, g_cs, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT)
+    _dS_in_kernel[grid](q, g_cs, Gx, do, dp, scale, T, NT, L, B, H=H, K=K, V=V, BT=BT)
     return dp[0] if NS == 1 else dp.sum(0)
 
 
