@@ -144,13 +144,12 @@ if triton is not None:
         tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     @triton.autotune(
-        configs=[triton.Config({"BS": bs, "BK": bk, "BV": bv}, num_warps=w, num_stages=s)
-                 for bs, bk, bv in ((64, 128, 128), (128, 64, 64), (128, 64, 128), (128, 128, 64), (256, 64, 64))
-                 for w in (4, 8) for s in (2, 3)],
+        configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
+                 for bk in (64, 128) for bv in (64, 128) for w in (4, 8) for s in (2, 3, 4)],
         key=["BT", "K", "V"], cache_results=True)
-    @triton.jit(do_not_specialize=["T", "NT", "L"])
-    def _dS_in_kernel(q, g_cs, gx, do, dp, scale, T, NT, L, B, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "NT", "CPS"])
+    def _dS_in_kernel(q, g_cs, gx, do, dp, scale, T, NT, CPS, B, H: tl.constexpr, K: tl.constexpr,
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
         i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
@@ -158,16 +157,14 @@ if triton is not None:
         o_v = i_v * BV + tl.arange(0, BV)
         m_k, m_v = o_k < K, o_v < V
         acc = tl.zeros([BK, BV], dtype=tl.float32)
-        for t0 in range(i_s * L, tl.minimum(i_s * L + L, T), BS):  # this program's run, BS tokens at a time
-            o_t = t0 + tl.arange(0, BS)
+        for i_n in range(i_s * CPS, tl.minimum(i_s * CPS + CPS, NT)):  # this program's run of chunks
+            o_t = i_n * BT + tl.arange(0, BT)
             m_t = o_t < T
-            m_tk = m_t[:, None] & m_k[None, :]
             row = (i_b * T + o_t.to(tl.int64)) * H + i_h
-            n_row = (i_b * NT + o_t // BT) * H + i_h       # each token's chunk, for its Gx
-            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-            b_g = tl.load(g_cs + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-            b_gx = tl.load(gx + n_row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
-            b_qb = (b_q * tl.exp2(b_g + b_gx)).to(b_q.dtype)
+            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_g = tl.load(g_cs + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
+            b_gx = tl.load(gx + ((i_b * NT + i_n) * H + i_h) * K + o_k, mask=m_k, other=0.)
+            b_qb = (b_q * tl.exp2(b_g + b_gx[None, :])).to(b_q.dtype)
             b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
             acc = tl.dot(tl.trans(b_qb), b_do, acc)
         p = dp + (((i_s * B + i_b) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
@@ -220,13 +217,13 @@ def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264):
     B, T, H, K = q.shape
     V = do.shape[-1]
     NT = triton.cdiv(T, BT)
-    L = triton.cdiv(triton.cdiv(T, max(1, triton.cdiv(runs, B * H))), 256) * 256  # tokens per run: whole blocks
-    NS = triton.cdiv(T, L)
+    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(runs, B * H))))  # chunks per run
+    NS = triton.cdiv(NT, CPS)
     dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
 
     def grid(meta):
         return triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), NS, B * H
-    _dS_in_kernel[grid](q, g_cs, Gx, do, dp, scale, T, NT, L, B, H=H, K=K, V=V, BT=BT)
+    _dS_in_kernel[grid](q, g_cs, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT)
     return dp[0] if NS == 1 else dp.sum(0)
 
 
