@@ -91,7 +91,9 @@ def peak_memory(args: MemoryArgs) -> dict:
     logits = chunk * s.vocab * (2 + 4 + 4)
     state = args.batch * s.n_heads * s.head_k * s.head_v * 4
     if args.method in ("zeco", "lasp1") and args.sp > 1:
-        sp_extra = s.n_layers * state  # S_in saved for the backward fold
+        # saved for the backward: S_in, and (zeco) the gate sums at chunk starts Gx [B, T/64, H, K] fp32
+        gx = args.batch * -(-args.T_local // 64) * s.n_heads * s.head_k * 4 if args.method == "zeco" else 0
+        sp_extra = s.n_layers * (state + gx)
     elif args.method == "lasp2" and args.sp > 1:
         sp_extra = s.n_layers * state + args.sp * state  # own state per layer + one gathered set
     else:

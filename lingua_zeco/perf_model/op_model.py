@@ -28,7 +28,9 @@ class OpArgs:
     V: int = 128
     fwd_frac: float = 1 / 3  # forward share of fwd+bwd (backward ~ 2x forward in fla's GLA)
     intra_frac: float = 0.35  # share of a pass that needs no S_in (intra-chunk A / dA): overlap window
-    zeco_extra_frac: float = 0.02  # folding S_in into the chunk states: O(N K V) extra, ≤ 2% (DESIGN §3)
+    # the fused path's extra work (the D pass, the chunk gate sums, S_in folded inside the output
+    # stage); calibrate.py takes it per T_local from bench_fused.json (2.3-2.6 % measured, 16K-32K)
+    zeco_extra_frac: float = 0.02
     zeco_overlap: bool = True  # False = composition build (scan exposed)
     scan: str = "auto"  # All-Scan algorithm for zeco: chain | tree | auto (faster of the two)
     n_blocks: int = 4  # chain pipelining depth
