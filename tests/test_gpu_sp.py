@@ -13,8 +13,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.comm import ScanWork
-
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -139,6 +137,7 @@ def test_1m_tokens_per_rank():
 
     from lingua_zeco.kernels import zeco_stages as zs
     from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
+    from lingua_zeco.sp.virtual_ranks import middle_rank_scan
     T, scale, BT = 1 << 20, 128 ** -0.5, 64
     with torch.no_grad():
         q, k, v, g, do = _inputs(T, H=16)
@@ -163,11 +162,8 @@ def test_1m_tokens_per_rank():
     q, k, v, g, do = _inputs(T, H=H)
     S_in = torch.randn(1, H, 128, 128, device="cuda")
     G = torch.randn(1, H, 128, 128, device="cuda") * 0.1
-
-    def middle_rank_scan(x, a, reverse):
-        return ScanWork(G if reverse else S_in)
     leaves = [t.requires_grad_() for t in (q, k, v, g)]
-    o = FusedZeCOGLA.apply(*leaves, scale, middle_rank_scan)
+    o = FusedZeCOGLA.apply(*leaves, scale, middle_rank_scan(S_in, G))
     got = [o.detach(), *torch.autograd.grad(o, leaves, do)]
     del o
     torch.cuda.empty_cache()

@@ -6,6 +6,7 @@ before it, each reverse scan the gradients of the ranks after it). With side_str
 exchange runs through comm's side-stream path (the one the asynchronous All-Scan takes), after a
 GPU-side delay, so that a caller that reads the result without waiting reads it too early.
 `drop="S_in"` / `drop="G"` return zeros instead: broken variants that tests must catch.
+`middle_rank_scan(S_in, G)`: one rank alone with a fixed incoming state and gradient (benchmarks).
 """
 from __future__ import annotations
 
@@ -45,3 +46,10 @@ class VirtualScan:
                 return on_side_stream(run, (x_BHKV, a_BHK))
             return ScanWork(run())
         return fn
+
+
+def middle_rank_scan(S_in_BHKV, G_BHKV):
+    """A scan_fn that hands back fixed tensors at once: S_in forward, G backward (no communication)."""
+    def fn(x_BHKV, a_BHK, reverse):
+        return ScanWork(G_BHKV if reverse else S_in_BHKV)
+    return fn

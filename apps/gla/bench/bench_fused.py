@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lingua_zeco.comm import ScanWork
+from lingua_zeco.sp.virtual_ranks import middle_rank_scan
 
 from .common import gla_inputs, parse_dataclass
 
@@ -37,13 +37,6 @@ class BenchFusedArgs:
     warmup: int = 5
     iters: int = 50
     graphs: bool = True
-
-
-def middle_rank_scan(S_in_BHKV, G_BHKV):
-    """A scan_fn that hands back fixed tensors at once: S_in forward, G backward (no communication)."""
-    def fn(x, a, reverse):
-        return ScanWork(G_BHKV if reverse else S_in_BHKV)
-    return fn
 
 
 def variants(q, k, v, g, do, scale):
