@@ -61,7 +61,12 @@ def test_zeco_stages_match_oracles_and_fla():
     assert _rel(o0, o0_fla) < 2e-3, "at S_in = 0 the output stage must be fla's"
     assert _rel(o[:, :BT], o0_fla[:, :BT]) > 5e-2, "S_in must change the output (its first chunk at least)"
     D = zs.zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs=4)  # few runs: several chunks each
-    assert _rel(D, zs.zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT)) < 1e-2
+    D_ref = zs.zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT)
+    assert _rel(D, D_ref) < 1e-2
+    assert zs.dS_in_reads_raw_gates(q, g)  # bf16 gates: the kernel makes the cumsum itself
+    assert _rel(zs.zeco_dS_in(q, None, Gx, do, scale, BT, runs=4, g=g), D_ref) < 1e-2
+    assert _rel(zs.zeco_dS_in(q, None, Gx, do, scale, BT, runs=4, g=2 * g), D_ref) > 5e-2, \
+        "the raw-gate path must read the gates"
 
 
 def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None):

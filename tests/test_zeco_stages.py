@@ -141,3 +141,52 @@ def test_virtual_scan_refuses_out_of_order_ranks():
     x, a = torch.ones(1, 2, 4, 3), torch.ones(1, 2, 4)
     with pytest.raises(RuntimeError, match=r"ranks \[1\] have not run their forward"):
         scan.scan_fn(0)(x, a, False), scan.scan_fn(2)(x, a, False)
+
+
+_INTERPRETED_DS_IN = r"""
+import itertools, sys, torch, triton
+import torch.nn.functional as F
+from lingua_zeco.kernels import zeco_stages as zs
+B, T, H, K, V, BT = 2, 150, 2, 64, 64, 16
+gen = torch.Generator().manual_seed(0)
+q, do = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
+q, g, do = q.half(), g.half(), do.half()  # the interpreter has no bfloat16; fp16 takes the same 16-bit path
+g_cs_ref = zs.chunk_local_cumsum_torch(g.double(), BT)
+ref = zs.zeco_dS_in_torch(q.double(), g_cs_ref, zs.chunk_decay_prefix_torch(g_cs_ref, BT)[0], do.double(), 0.5, BT)
+if sys.argv[1] == "broken":
+    g[:, 3] = 0.0  # one token's gate changed: the kernel's result must move away from the oracle
+g_cs = zs.chunk_local_cumsum_torch(g.float(), BT)
+Gx, _ = zs.chunk_decay_prefix_torch(g_cs, BT)
+NT = triton.cdiv(T, BT)
+worst = 0.0
+for CPS, CPI, HF, RAW in itertools.product((3, 10), (1, 2), (0, 1), (0, 1)):
+    NS = triton.cdiv(NT, CPS)
+    dp = torch.zeros(NS, B, H, K, V)
+    grid = (B * H, NS, 2) if HF else (2, NS, B * H)
+    zs._dS_in_kernel.fn[grid](q, g if RAW else g_cs, Gx.contiguous(), do, dp, 0.5, T, NT, CPS, B, H=H, K=K, V=V,
+                              BT=BT, BK=32, BV=64, CPI=CPI, HF=HF, RAW=RAW)
+    worst = max(worst, ((dp.sum(0).double() - ref).abs().max() / ref.abs().max()).item())
+print(worst)
+"""
+
+
+@pytest.mark.parametrize("variant", ["exact", "broken"])
+def test_dS_in_triton_kernel_under_the_interpreter(variant):
+    """The Triton kernel of D itself (not its torch oracle), run by Triton's CPU interpreter: every
+    launch shape (chunks per program, chunks per iteration, grid order) from fla's fp32 cumsum and
+    from the raw 16-bit gates (the in-kernel cumsum) against the float64 oracle; a changed gate is caught."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_DS_IN, variant], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worst = float(proc.stdout.split()[-1])
+    if variant == "exact":
+        assert worst < 3e-3, worst  # fp16 rounding of q·2^g before the product
+    else:
+        assert worst > 1e-2, worst

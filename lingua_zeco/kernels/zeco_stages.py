@@ -144,27 +144,50 @@ if triton is not None:
         tl.store(o + row[:, None] * V + o_v[None, :], acc.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
     @triton.autotune(
-        configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
-                 for bk in (64, 128) for bv in (64, 128) for w in (4, 8) for s in (2, 3, 4)],
-        key=["BT", "K", "V"], cache_results=True)
+        # the four fastest of 32 candidates at 16K and 32K on H200 (bench_stages per_config_us, run 8): a
+        # short list, so that the autotuner's noisy pick cannot land 15 % off the best
+        configs=[triton.Config({"BK": 64, "BV": 128, "CPI": c, "HF": hf}, num_warps=4, num_stages=s)
+                 for c, s in ((1, 3), (2, 2)) for hf in (0, 1)],
+        key=["BT", "K", "V", "RAW"], cache_results=True)
     @triton.jit(do_not_specialize=["T", "NT", "CPS"])
     def _dS_in_kernel(q, g_cs, gx, do, dp, scale, T, NT, CPS, B, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-        i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CPI: tl.constexpr,
+                      HF: tl.constexpr, RAW: tl.constexpr):
+        # CPI chunks per iteration: larger loads in flight per program; each chunk's Gx row is broadcast
+        # over its BT tokens by a reshape, not gathered per token. HF (heads fastest in the launch
+        # order): programs running together read all heads of the same tokens, i.e. whole rows of
+        # [B, T, H, K] in DRAM, instead of 128-256 B pieces of rows far apart. RAW: `g_cs` holds the raw
+        # 16-bit log gates and the chunk-local base-2 cumsum is made here, as one product with a
+        # lower-triangular 0/1 matrix (exact products, fp32 sums): half the bytes of reading fla's fp32
+        # cumsum, and the backward can start the scan before that cumsum exists.
+        if HF:
+            i_bh, i_s, i_kv = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        else:
+            i_kv, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_k, i_v = i_kv // tl.cdiv(V, BV), i_kv % tl.cdiv(V, BV)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
         o_k = i_k * BK + tl.arange(0, BK)
         o_v = i_v * BV + tl.arange(0, BV)
         m_k, m_v = o_k < K, o_v < V
+        n_end = tl.minimum(i_s * CPS + CPS, NT)                 # this program's run of chunks ends here
+        t_end = tl.minimum(n_end * BT, T)
         acc = tl.zeros([BK, BV], dtype=tl.float32)
-        for i_n in range(i_s * CPS, tl.minimum(i_s * CPS + CPS, NT)):  # this program's run of chunks
-            o_t = i_n * BT + tl.arange(0, BT)
-            m_t = o_t < T
+        o_r = tl.arange(0, CPI * BT)
+        tri = ((o_r[:, None] >= o_r[None, :]) & (o_r[:, None] // BT == o_r[None, :] // BT)).to(q.dtype.element_ty)
+        for i_n in range(i_s * CPS, n_end, CPI):
+            o_c = i_n + tl.arange(0, CPI)
+            o_t = i_n * BT + tl.arange(0, CPI * BT)
+            m_t = o_t < t_end
             row = (i_b * T + o_t.to(tl.int64)) * H + i_h
-            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_g = tl.load(g_cs + row[:, None] * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.)
-            b_gx = tl.load(gx + ((i_b * NT + i_n) * H + i_h) * K + o_k, mask=m_k, other=0.)
-            b_qb = (b_q * tl.exp2(b_g + b_gx[None, :])).to(b_q.dtype)
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            b_g = tl.load(g_cs + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
+            if RAW:
+                b_g = tl.dot(tri, b_g) * 1.4426950408889634  # per-chunk cumsum, to base 2 (× LOG2E)
+            b_gx = tl.load(gx + ((i_b * NT + o_c) * H + i_h)[:, None] * K + o_k[None, :],
+                           mask=(o_c < n_end)[:, None] & m_k[None, :], other=0.)
+            b_gx = tl.reshape(tl.broadcast_to(b_gx[:, None, :], (CPI, BT, BK)), (CPI * BT, BK))
+            b_qb = (b_q * tl.exp2(b_g + b_gx)).to(b_q.dtype)
             b_do = tl.load(do + row[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.)
             acc = tl.dot(tl.trans(b_qb), b_do, acc)
         p = dp + (((i_s * B + i_b) * H + i_h) * K + o_k[:, None]) * V + o_v[None, :]
@@ -208,11 +231,19 @@ def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     return o
 
 
-def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264):
+def dS_in_reads_raw_gates(q, g) -> bool:
+    """True when zeco_dS_in makes the gates' cumsum itself (16-bit gates in q's dtype, on CUDA)."""
+    return g.is_cuda and triton is not None and g.dtype in (torch.bfloat16, torch.float16) and g.dtype == q.dtype
+
+
+def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264, g=None):
     """D = ∂L/∂S_in of this slice's outputs, [B, H, K, V] fp32. The chunks are split into runs so
     that about `runs` (sequence, head, run) programs fill the GPU (times the K×V tiles the autotuner
-    picks); each run's partial sum is written, and the partials summed."""
-    if not _cuda(q, g_cs, Gx, do):
+    picks); each run's partial sum is written, and the partials summed. With the raw gates `g` in
+    16 bits, the kernel reads them instead of `g_cs` (which may then be None)."""
+    raw = g is not None and dS_in_reads_raw_gates(q, g)
+    if not _cuda(q, g if raw else g_cs, Gx, do):
+        g_cs = chunk_local_cumsum_torch(g, BT) if g_cs is None else g_cs
         return zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT).float()
     B, T, H, K = q.shape
     V = do.shape[-1]
@@ -222,10 +253,12 @@ def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264):
     dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
 
     def grid(meta):
-        return triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]), NS, B * H
-    _dS_in_kernel[grid](q, g_cs, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT)
+        tiles = triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"])
+        return (B * H, NS, tiles) if meta["HF"] else (tiles, NS, B * H)
+    _dS_in_kernel[grid](q, g if raw else g_cs, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT, RAW=raw)
     return dp[0] if NS == 1 else dp.sum(0)
 
 
-__all__ = ["chunk_decay_prefix", "chunk_decay_prefix_torch", "chunk_local_cumsum_torch", "fla_chunk_size",
+__all__ = ["chunk_decay_prefix", "chunk_decay_prefix_torch", "chunk_local_cumsum_torch", "dS_in_reads_raw_gates",
+           "fla_chunk_size",
            "zeco_dS_in", "zeco_dS_in_torch", "zeco_fwd_o", "zeco_fwd_o_torch"]

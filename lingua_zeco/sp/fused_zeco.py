@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan, gather_scan
-from lingua_zeco.kernels.zeco_stages import chunk_decay_prefix, fla_chunk_size, zeco_dS_in, zeco_fwd_o
+from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
+                                             zeco_fwd_o)
 
 
 class FusedZeCOGLA(torch.autograd.Function):
@@ -62,9 +63,12 @@ class FusedZeCOGLA(torch.autograd.Function):
         q, k, v, g, A, S_in_BHKV, Gx_BNHK, b_end_BHK = ctx.saved_tensors
         scale, BT = ctx.scale, ctx.BT
         do = do.contiguous()
-        g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2)
-        D_BHKV = zeco_dS_in(q, g_cs, Gx_BNHK, do, scale, BT)
+        # D first, so the scan starts as early as possible: from 16-bit gates D makes its own cumsum
+        g_cs = None if dS_in_reads_raw_gates(q, g) else chunk_local_cumsum(g, BT, scale=RCP_LN2)
+        D_BHKV = zeco_dS_in(q, g_cs, Gx_BNHK, do, scale, BT, g=g)
         work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
+        if g_cs is None:
+            g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2)
         h, _ = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
                            states_in_fp32=True)
         dA = chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)

@@ -62,7 +62,7 @@ def variants(q, k, v, g, do, scale):
     return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "zeco_fused": zeco}
 
 
-def _graph(fn):
+def cuda_graph(fn):
     """Capture fn in a CUDA graph (after warm-up on a side stream, as torch asks); returns replay."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -113,7 +113,7 @@ def main(argv=None):
         row["extra_vs_h0_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_h0_ms"] - 1), 2)
         if args.graphs:
             try:
-                graphed = {n: _graph(fn) for n, fn in fns.items()}
+                graphed = {n: cuda_graph(fn) for n, fn in fns.items()}
             except Exception as e:  # report, keep the eager numbers
                 row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
             else:

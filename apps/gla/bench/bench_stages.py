@@ -1,0 +1,98 @@
+"""The ZeCO stages of our own alone: time and effective bandwidth of `zeco_dS_in` (the backward's
+local ∂L/∂S_in, memory-bound: it reads q, the gates and dO once) at several `runs` (programs per
+call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw 16-bit gates.
+
+    python -m apps.gla.bench.bench_stages          # writes docs/results/raw/<date>-<gpu>/bench_stages.json
+
+Each call is replayed from a CUDA graph (a ~150 µs kernel timed eagerly would include its launch),
+CUDA events after warm-up, medians, the variants interleaved (bench_fused.time_interleaved).
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .bench_fused import cuda_graph, time_interleaved
+from .common import gla_inputs, parse_dataclass
+
+
+@dataclass
+class BenchStagesArgs:
+    out: str = ""  # empty: docs/results/raw/<date>-<gpu>
+    t_local: tuple = (16384, 32768)
+    heads: int = 16
+    head_dim: int = 128
+    runs: tuple = (132, 264, 528)
+    warmup: int = 5
+    iters: int = 50
+    per_config: bool = True
+
+
+def _time_configs(Z, q, g, Gx, do, BT, args) -> dict:
+    """{config: median µs} of `_dS_in_kernel` on the raw gates for each of its autotune configs
+    (the partial sums only)."""
+    import triton
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    NT = triton.cdiv(T, BT)
+    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(264, B * H))))
+    NS = triton.cdiv(NT, CPS)
+    dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
+    fns = {}
+    for cfg in Z._dS_in_kernel.configs:
+        kw = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        tiles = triton.cdiv(K, kw["BK"]) * triton.cdiv(V, kw["BV"])
+        grid = (B * H, NS, tiles) if kw["HF"] else (tiles, NS, B * H)
+        fns[str(cfg)] = (lambda grid=grid, kw=kw: Z._dS_in_kernel.fn[grid](
+            q, g, Gx, do, dp, 0.1, T, NT, CPS, B, H=H, K=K, V=V, BT=BT, RAW=True, **kw))
+    timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, 2, 20)
+    return {name: round(1e3 * statistics.median(ms), 2) for name, (ms, _) in sorted(
+        timed.items(), key=lambda kv: statistics.median(kv[1][0]))}
+
+
+def main(argv=None):
+    from fla.ops.utils.constant import RCP_LN2
+    from fla.ops.utils.cumsum import chunk_local_cumsum
+
+    from lingua_zeco.kernels import zeco_stages as Z
+    args = parse_dataclass(BenchStagesArgs, argv, __doc__)
+    dev = torch.device("cuda")
+    gpu = torch.cuda.get_device_name()
+    out_dir = args.out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu.split()[-1].lower())
+    rows = []
+    for T in args.t_local:
+        q, _, v, g, do = gla_inputs(T, args.heads, args.head_dim, args.head_dim, dev)
+        BT = Z.fla_chunk_size(T)
+        g_cs = chunk_local_cumsum(g.detach(), BT, scale=RCP_LN2)  # base 2, as FusedZeCOGLA
+        Gx, _ = Z.chunk_decay_prefix(g_cs, BT)
+        q, v = q.detach(), v.detach()
+        g = g.detach()
+        fns = {f"dS_in_runs{r}": (lambda r=r: Z.zeco_dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
+        fns |= {f"dS_in_raw_runs{r}": (lambda r=r: Z.zeco_dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
+                for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
+        timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, args.warmup, args.iters)
+        row = dict(T_local=T, BT=BT, best_config=str(Z._dS_in_kernel.best_config))
+        for name, (gpu_ms, _) in timed.items():
+            nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes
+            us = 1e3 * statistics.median(gpu_ms)
+            row[f"{name}_us"] = round(us, 2)
+            row[f"{name}_TBps"] = round(nbytes / us * 1e-6, 3)
+        if args.per_config:  # every autotune candidate launched directly, at the default runs
+            row["per_config_us"] = _time_configs(Z, q, g, Gx, do, BT, args)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, "bench_stages.json")
+    with open(path, "w") as f:
+        json.dump(dict(args=asdict(args), device=gpu, torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                       rows=rows), f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
