@@ -69,9 +69,11 @@ def test_zeco_stages_match_oracles_and_fla():
         "the raw-gate path must read the gates"
 
 
-def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None):
-    """Each rank's (o, dq, dk, dv, dg) for P virtual ranks: forwards 0..P-1, backwards P-1..0."""
-    from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
+def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=None):
+    """Each rank's (o, dq, dk, dv, dg) for P virtual ranks: forwards 0..P-1, backwards P-1..0.
+    cu_seqlens: boundaries of packed documents in the whole sequence (each rank cuts its own)."""
+    from lingua_zeco.sp.fused_zeco import fused_zeco_apply
+    from lingua_zeco.sp.varlen import local_segments
     from lingua_zeco.sp.virtual_ranks import VirtualScan
     T_local = q.shape[1] // P
     scan = VirtualScan(P, side_stream=side_stream, drop=drop)
@@ -79,7 +81,8 @@ def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None):
     for p in range(P):
         sl = slice(p * T_local, (p + 1) * T_local)
         leaves.append([t[:, sl].clone().requires_grad_() for t in (q, k, v, g)])
-        outs.append(FusedZeCOGLA.apply(*leaves[p], q.shape[-1] ** -0.5, scan.scan_fn(p)))
+        seg = local_segments(cu_seqlens, p, T_local, q.device)
+        outs.append(fused_zeco_apply(*leaves[p], q.shape[-1] ** -0.5, scan.scan_fn(p), seg))
     results = [None] * P
     for p in reversed(range(P)):
         grads = torch.autograd.grad(outs[p], leaves[p], do[:, p * T_local:(p + 1) * T_local])
@@ -87,10 +90,12 @@ def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None):
     return results
 
 
-def _reference(q, k, v, g, do, P):
+def _reference(q, k, v, g, do, P, cu_seqlens=None):
     from fla.ops.gla import chunk_gla
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
-    o, _ = chunk_gla(*leaves)
+    if cu_seqlens is not None:  # fla wants no zero-length documents: they hold no token, drop them
+        cu_seqlens = torch.unique_consecutive(cu_seqlens)
+    o, _ = chunk_gla(*leaves, cu_seqlens=cu_seqlens)
     grads = torch.autograd.grad(o, leaves, do)
     T_local = q.shape[1] // P
     return [[t[:, p * T_local:(p + 1) * T_local] for t in (o.detach(), *grads)] for p in range(P)]
@@ -119,6 +124,30 @@ def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream):
         bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=drop)
         errs = {n: _rel(a[:, near], b[:, near]) for n, a, b in zip(NAMES, bad[mid], ref[mid])}
         assert all(errs[n] > 5 * tol for n in hit), f"dropping {drop} was not caught: {errs}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_packed_documents_on_virtual_ranks(dtype):
+    """Packed documents on the fused path, 4 virtual ranks of 1000 tokens, against fla's varlen
+    chunk_gla on the whole sequence: documents crossing one and two rank boundaries, one starting
+    exactly at a rank boundary (2000), a zero-length one (1500 twice), one-token ones (2600, 3999),
+    ones shorter than a chunk; rank 0 lies inside one document and takes the dense operator."""
+    P, T_local = 4, 1000
+    cu = torch.tensor([0, 1300, 1500, 1500, 1530, 2000, 2600, 2601, 2650, 3998, 3999, 4000], device="cuda")
+    q, k, v, g, do = _inputs(P * T_local, dtype=dtype)
+    ref = _reference(q, k, v, g, do, P, cu)
+    tol = 2e-3 if dtype == torch.float32 else 1.5e-2
+    got = _run_virtual_ranks(q, k, v, g, do, P, side_stream=True, cu_seqlens=cu)
+    for p in range(P):
+        errs = {n: _rel(a, b) for n, a, b in zip(NAMES, got[p], ref[p])}
+        print(f"packed P={P} {dtype} rank {p}: " + " ".join(f"{n} {e:.1e}" for n, e in errs.items()))
+        assert max(errs.values()) < tol, f"rank {p}: {errs}"
+    # rank 1 continues document [0, 1300) for 300 tokens: its S_in matters; rank 2 starts with a
+    # document and its last one [2650, 3998) goes on into rank 3: its G matters
+    for drop, p, hit, near in (("S_in", 1, ("o", "dq"), slice(0, 64)), ("G", 2, ("dk", "dv"), slice(-64, None))):
+        bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream=True, drop=drop, cu_seqlens=cu)
+        errs = {n: _rel(a[:, near], b[:, near]) for n, a, b in zip(NAMES, bad[p], ref[p])}
+        assert all(errs[n] > 5 * tol for n in hit), f"dropping {drop} was not caught on rank {p}: {errs}"
 
 
 def test_side_stream_scan_is_waited_for():

@@ -37,7 +37,9 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
         return lasp1(q, k, v, g, scale=scale, group=group, seg=seg, backend=name)
     if method == "local":  # diagnostic: no state passing at all (wrong on purpose; never a default)
         return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
-    if method in ("zeco", "lasp2") and fused and name == "fla" and cu_seqlens is None:
+    # packed documents stay on the composed path until the fused packed operator (sp/fused_packed.py)
+    # has passed its GPU test (tests/test_gpu_sp.py::test_fused_packed_documents_on_virtual_ranks)
+    if method in ("zeco", "lasp2") and fused and name == "fla" and seg.carries:
         from .fused_zeco import fused_zeco_gla  # lasp2: the same stages, the scan by all-gather
         return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan, gather=method == "lasp2")
     return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,

@@ -28,6 +28,8 @@ from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan, gather_scan
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
+from .fused_packed import FusedPackedZeCOGLA
+
 
 class FusedZeCOGLA(torch.autograd.Function):
     """scan_fn(x, a, reverse) -> handle with wait(): the All-Scan over the SP group (injectable so that
@@ -84,8 +86,8 @@ class FusedZeCOGLA(torch.autograd.Function):
 
 def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, gather: bool = False):
     """gather=False: ZeCO's All-Scan (overlapped). gather=True: LASP-2's all-gather + local scan on
-    the same stages (blocking, as LASP-2 is; its cost is the P-state collective)."""
-    assert seg.cu_seqlens is None, "the fused path takes equal-length sequences; packed ones go through compose"
+    the same stages (blocking, as LASP-2 is; its cost is the P-state collective). Packed documents:
+    a slice inside one document is the dense case; one where a document starts takes fused_packed."""
 
     def scan_fn(x, a, reverse):  # returns a handle; the caller computes until it waits
         if gather:
@@ -94,4 +96,11 @@ def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, gather: 
             return all_scan(x, a, group, reverse=reverse, args=scan, async_op=True)
         return ScanWork(all_scan(x, a, group, reverse=reverse, args=scan))
 
-    return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn)
+    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg)
+
+
+def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg):
+    """The fused operator for this slice: dense (also a slice inside one packed document) or packed."""
+    if seg.carries:
+        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn)
+    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg.cu_seqlens, seg.first_end)

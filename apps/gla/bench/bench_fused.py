@@ -8,6 +8,8 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
   fla_chunk_gla      fla's chunk_gla, no initial state (the single-device operator)
   fla_chunk_gla_h0   fla's chunk_gla from S_in with final-state gradient G (what LASP-1 computes)
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco)
+  fla_chunk_gla_packed, zeco_fused_packed: the same on packed documents of `doc_len` tokens, the slice
+                     starting mid-document (eager only; `packed_vs_dense_pct` against zeco_fused)
 Each is timed eagerly (the host enqueue time of a call, perf_counter without a sync, is reported
 too) and replayed from a CUDA graph (GPU time alone, no host in the way). `extra_pct` is the
 eager zeco_fused against fla_chunk_gla; `graph_extra_pct` the same from the graphs.
@@ -37,6 +39,7 @@ class BenchFusedArgs:
     warmup: int = 5
     iters: int = 50
     graphs: bool = True
+    doc_len: int = 4096  # packed variants: documents of this many tokens (0: none)
 
 
 def variants(q, k, v, g, do, scale):
@@ -60,6 +63,31 @@ def variants(q, k, v, g, do, scale):
     def zeco():
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G)), leaves, do)
     return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "zeco_fused": zeco}
+
+
+def packed_variants(q, k, v, g, do, scale, doc_len):
+    """Packed documents of doc_len tokens, the slice starting in the middle of one (a middle rank that
+    continues a document and ends inside another): fla's varlen chunk_gla and the fused packed path."""
+    from fla.ops.gla import chunk_gla
+
+    from lingua_zeco.sp.fused_zeco import fused_zeco_apply
+    from lingua_zeco.sp.varlen import LocalSegments
+    B, T, H, K = q.shape
+    first = doc_len // 2
+    bounds = [0, *range(first, T, doc_len), T]
+    cu = torch.tensor(bounds, device=q.device)
+    seg = LocalSegments(cu, first, len(bounds) - 1)
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    S_in = torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
+    G = 0.1 * torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
+    leaves = (q, k, v, g)
+
+    def fla_packed():
+        return torch.autograd.grad(chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu)[0], leaves, do)
+
+    def zeco_packed():
+        return torch.autograd.grad(fused_zeco_apply(q, k, v, g, scale, middle_rank_scan(S_in, G), seg), leaves, do)
+    return {"fla_chunk_gla_packed": fla_packed, "zeco_fused_packed": zeco_packed}
 
 
 def cuda_graph(fn):
@@ -104,13 +132,17 @@ def main(argv=None):
     for T in args.t_local:
         q, k, v, g, do = gla_inputs(T, args.heads, args.head_k, args.head_v, dev)
         fns = variants(q, k, v, g, do, args.head_k ** -0.5)
-        timed = time_interleaved(fns, args.warmup, args.iters)
+        packed = packed_variants(q, k, v, g, do, args.head_k ** -0.5, args.doc_len) if args.doc_len else {}
+        timed = time_interleaved(fns | packed, args.warmup, args.iters)
         row = dict(T_local=T)
         for name, (gpu_ms, host_ms) in timed.items():
             row[f"{name}_ms"] = round(statistics.median(gpu_ms), 4)
             row[f"{name}_host_ms"] = round(statistics.median(host_ms), 4)
         row["extra_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_ms"] - 1), 2)
         row["extra_vs_h0_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_h0_ms"] - 1), 2)
+        if packed:  # eager only: fla's varlen stages read sizes back to the host (no graph capture)
+            row["packed_vs_dense_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["zeco_fused_ms"] - 1), 2)
+            row["packed_extra_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["fla_chunk_gla_packed_ms"] - 1), 2)
         if args.graphs:
             try:
                 graphed = {n: cuda_graph(fn) for n, fn in fns.items()}

@@ -1,0 +1,87 @@
+"""ZeCO on fla's varlen stages for a slice of packed documents in which a document starts (CUDA, B = 1).
+
+Rules (DESIGN §3, packed documents): a document starting inside the slice resets the state, so the
+slice's outgoing state is its last document's final state alone (b_end = 0, the scan pair is
+(0, S_last)), and the incoming state S_in reaches only the prefix [0, t0) that continues the previous
+rank's document (t0 = seg.first_end, 0 when a document starts at the slice's first token).
+The prefix is fla's first varlen segment, so its chunks are aligned as in the dense layout and the
+dense ZeCO stages apply to it unchanged (prefix views of a B = 1 tensor are contiguous).
+
+Forward:  g_cs, h (zero initial states), S_last → scan starts; A and fla's output stage for the whole
+          slice meanwhile; after the wait the prefix's outputs are redone with S_in folded in.
+Backward: D from the prefix → reverse scan starts; h recomputed with S_in as the first segment's
+          initial state, dA, intra dq/dk meanwhile; then fla's dh with G as the last segment's
+          final-state gradient, dv, dq/dk/dg — fla's varlen backward from (S_in, G).
+A slice inside one document (no boundary in it) takes the dense FusedZeCOGLA instead.
+"""
+from __future__ import annotations
+
+import torch
+
+from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
+                                             zeco_fwd_o)
+
+
+class FusedPackedZeCOGLA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, scale, scan_fn, cu_seqlens, t0):
+        from fla.ops.common.chunk_h import chunk_fwd_h
+        from fla.ops.gla.chunk import chunk_gla_fwd_intra_gk, chunk_gla_fwd_o_gk
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.cumsum import chunk_local_cumsum
+
+        q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+        BT = fla_chunk_size(q.shape[1])
+        cu = cu_seqlens
+        g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu)
+        h, ht_NHKV = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=True, cu_seqlens=cu, chunk_size=BT)
+        b_end_BHK = ht_NHKV.new_zeros(ht_NHKV[-1:].shape[:-1])  # a document starts here: S_in stops
+        work = scan_fn(ht_NHKV[-1:].contiguous(), b_end_BHK, False)
+        A = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, cu_seqlens=cu, chunk_size=BT)
+        o = chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT)
+        S_in_BHKV = work.wait()
+        Gx0_BNHK = None
+        if t0 > 0:  # the prefix again, now with S_in folded into its chunk states
+            n0 = -(-t0 // BT)
+            Gx0_BNHK, _ = chunk_decay_prefix(g_cs[:, :t0], BT)
+            o[:, :t0] = zeco_fwd_o(q[:, :t0], v[:, :t0], g_cs[:, :t0], A[:, :t0], h[:, :n0],
+                                   S_in_BHKV.to(h.dtype), Gx0_BNHK, scale, BT)
+        ctx.save_for_backward(q, k, v, g, A, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu)
+        ctx.scale, ctx.scan_fn, ctx.BT, ctx.t0 = scale, scan_fn, BT, t0
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
+        from fla.ops.gla.chunk import chunk_gla_bwd_dA, chunk_gla_bwd_dqk_intra, chunk_gla_bwd_dqkg, chunk_gla_bwd_dv
+        from fla.ops.utils.constant import RCP_LN2
+        from fla.ops.utils.cumsum import chunk_local_cumsum
+
+        q, k, v, g, A, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu = ctx.saved_tensors
+        scale, BT, t0 = ctx.scale, ctx.BT, ctx.t0
+        do = do.contiguous()
+        if t0 > 0:  # D of the prefix first, so that the reverse scan starts early
+            g0 = g[:, :t0]
+            g_cs0 = None if dS_in_reads_raw_gates(q, g0) else chunk_local_cumsum(g0, BT, scale=RCP_LN2)
+            D_BHKV = zeco_dS_in(q[:, :t0], g_cs0, Gx0_BNHK, do[:, :t0], scale, BT, g=g0)
+        else:
+            D_BHKV = torch.zeros_like(S_in_BHKV)
+        work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
+        g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu)
+        N = cu.numel() - 1
+        h0_NHKV = S_in_BHKV.new_zeros(N, *S_in_BHKV.shape[1:])
+        if t0 > 0:
+            h0_NHKV[0] = S_in_BHKV[0]
+        h, _ = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0_NHKV, output_final_state=False, cu_seqlens=cu, chunk_size=BT,
+                           states_in_fp32=True)
+        dA = chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT)
+        dq, dk = chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, cu_seqlens=cu, chunk_size=BT)
+        G_BHKV = work.wait()
+        dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
+        dht_NHKV[-1] = G_BHKV[0]
+        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht_NHKV, scale=scale, gk=g_cs, cu_seqlens=cu,
+                             chunk_size=BT, states_in_fp32=True)
+        dv = chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, cu_seqlens=cu, chunk_size=BT)
+        dq, dk, dg = chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale,
+                                        cu_seqlens=cu, chunk_size=BT)
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None, None
