@@ -122,12 +122,21 @@ def time_interleaved(fns: dict, warmup: int, iters: int):
     return out
 
 
+def save_rows(out: str, stem: str, args, rows: list[dict]) -> None:
+    """<out or docs/results/raw/<date>-<gpu>>/<stem>.json: the args, the device, the rows."""
+    gpu = torch.cuda.get_device_name()
+    out_dir = out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu.split()[-1].lower())
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, stem + ".json")
+    with open(path, "w") as f:
+        json.dump(dict(args=asdict(args), device=gpu, torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"),
+                       rows=rows), f, indent=1)
+    print(f"wrote {path}")
+
+
 def main(argv=None):
     args = parse_dataclass(BenchFusedArgs, argv, __doc__)
     dev = torch.device("cuda")
-    gpu = torch.cuda.get_device_name()
-    out_dir = args.out or os.path.join("docs", "results", "raw",
-                                       time.strftime("%Y-%m-%d-") + gpu.split()[-1].lower())
     rows = []
     for T in args.t_local:
         q, k, v, g, do = gla_inputs(T, args.heads, args.head_k, args.head_v, dev)
@@ -157,12 +166,7 @@ def main(argv=None):
         print(json.dumps(row), flush=True)
         del q, k, v, g, do, fns
         torch.cuda.empty_cache()
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "bench_fused.json")
-    with open(path, "w") as f:
-        json.dump(dict(args=asdict(args), device=gpu, torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                       rows=rows), f, indent=1)
-    print(f"wrote {path}")
+    save_rows(args.out, "bench_fused", args, rows)
 
 
 if __name__ == "__main__":

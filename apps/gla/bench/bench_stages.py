@@ -10,14 +10,12 @@ CUDA events after warm-up, medians, the variants interleaved (bench_fused.time_i
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
-from .bench_fused import cuda_graph, time_interleaved
+from .bench_fused import cuda_graph, save_rows, time_interleaved
 from .common import gla_inputs, parse_dataclass
 
 
@@ -62,8 +60,6 @@ def main(argv=None):
     from lingua_zeco.kernels import zeco_stages as Z
     args = parse_dataclass(BenchStagesArgs, argv, __doc__)
     dev = torch.device("cuda")
-    gpu = torch.cuda.get_device_name()
-    out_dir = args.out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu.split()[-1].lower())
     rows = []
     for T in args.t_local:
         q, _, v, g, do = gla_inputs(T, args.heads, args.head_dim, args.head_dim, dev)
@@ -86,12 +82,7 @@ def main(argv=None):
             row["per_config_us"] = _time_configs(Z, q, g, Gx, do, BT, args)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "bench_stages.json")
-    with open(path, "w") as f:
-        json.dump(dict(args=asdict(args), device=gpu, torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                       rows=rows), f, indent=1)
-    print(f"wrote {path}")
+    save_rows(args.out, "bench_stages", args, rows)
 
 
 if __name__ == "__main__":
