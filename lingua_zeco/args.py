@@ -2,7 +2,12 @@
 
     args = parse_args(TrainArgs, ["config=debug.yaml", "steps=10", "distributed.sp_size=2"])
 
-* `config=NAME` is a path if such a file exists, else `configs/NAME` (".yaml" may be left off).
+* `config=NAME` is a path if such a file exists, else `configs/NAME` (".yaml" may be left off);
+  a dataclass with its own `config` field takes `config=` as that key instead (eval, generate: the
+  run's config.yaml).
+* A list key takes `key=[a,b]` or `key=a,b` (one value: a one-element list).
+* `--help` (or `-h`) prints the keys with their types, defaults and descriptions, and exits 0. A
+  key's description is the comment on its line, else the comment lines right above it.
 * A key that the dataclass does not have is an error that lists the valid keys at that level
   (OmegaConf's own message names only the bad key, which is little help for a typo).
 * Types are strict: OmegaConf validates every value against the dataclass annotations.
@@ -10,8 +15,15 @@
 """
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import io
 import os
+import sys
+import textwrap
+import tokenize
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 T = TypeVar("T")
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+HELP_FLAGS = ("-h", "--help")
 
 
 class ConfigError(ValueError):
@@ -64,26 +77,59 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
             check_keys(sub, val, path)
 
 
-def split_cli(argv: list[str]) -> tuple[str | None, list[str]]:
-    """Separate `config=NAME` from the `key=value` overrides; reject anything else."""
+def split_cli(argv: list[str], yaml_key: str | None = "config") -> tuple[str | None, list[str]]:
+    """Separate `config=NAME` (the YAML to load) from the `key=value` overrides; reject anything else."""
     config, overrides = None, []
     for arg in argv:
         if "=" not in arg:
-            raise ConfigError(f"command-line argument {arg!r} is not of the form key=value")
+            raise ConfigError(f"command-line argument {arg!r} is not of the form key=value (--help lists the keys)")
         key, value = arg.split("=", 1)
-        if key == "config":
+        if key == yaml_key:
             config = value
         else:
             overrides.append(arg)
     return config, overrides
 
 
+def _yaml_key(cls: type) -> str | None:
+    """`config` names a YAML to load, unless `cls` has a field of that name (then it is that key)."""
+    return None if "config" in {f.name for f in dataclasses.fields(cls)} else "config"
+
+
+def _hint(cls: type, dotted: str) -> Any:
+    """The annotation of a dotted key (`data.seq_len`), or None when there is no such key."""
+    tp: Any = cls
+    for part in dotted.split("."):
+        sub = _dataclass_of(tp)
+        hints = typing.get_type_hints(sub) if sub is not None else {}
+        if part not in hints:
+            return None
+        tp = hints[part]
+    return tp
+
+
+def _is_list(tp: Any) -> bool:
+    return any(typing.get_origin(t) in (list, tuple) or t in (list, tuple) for t in (tp, *typing.get_args(tp)))
+
+
+def _bracket_lists(cls: type, overrides: list[str]) -> list[str]:
+    """`key=a,b` or `key=a` for a list key -> `key=[a,b]` (OmegaConf only parses the bracketed form)."""
+    out = []
+    for arg in overrides:
+        key, value = arg.split("=", 1)
+        if _is_list(_hint(cls, key)) and not value.startswith("["):
+            arg = f"{key}=[{value}]"
+        out.append(arg)
+    return out
+
+
 def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     """Build `cls` from its defaults, the YAML named by `config=...`, then the other CLI overrides."""
-    import sys
-
     argv = sys.argv[1:] if argv is None else list(argv)
-    config, overrides = split_cli(argv)
+    if any(a in HELP_FLAGS for a in argv):
+        exit_with_help(cls)
+    config, overrides = split_cli(argv, yaml_key=_yaml_key(cls))
+    overrides = _bracket_lists(cls, overrides)
     layers = []
     if config is not None:
         yaml_cfg = OmegaConf.load(resolve_config_path(config))
@@ -98,6 +144,8 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
 
 def build(cls: type[T], *layers: Any) -> T:
     """Merge dict/DictConfig layers onto the defaults of `cls`, type-checked, into a `cls` instance."""
+    if any(isinstance(layer, (dict, DictConfig)) and any(k in HELP_FLAGS for k in layer) for layer in layers):
+        exit_with_help(cls)  # a layer made by OmegaConf.from_dotlist(sys.argv[1:])
     for layer in layers:
         check_keys(cls, OmegaConf.to_container(layer) if isinstance(layer, DictConfig) else layer)
     base = OmegaConf.structured(cls)
@@ -119,3 +167,84 @@ def dump_config(args: Any, dump_dir: str | os.PathLike, name: str = "config.yaml
     tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(args)))
     os.replace(tmp, path)  # atomic: a reader never sees half a config
     return path
+
+
+# -- --help ----------------------------------------------------------------------------------------
+def exit_with_help(cls: type) -> typing.NoReturn:
+    print(help_text(cls))
+    sys.exit(0)
+
+
+def help_text(cls: type) -> str:
+    """Usage, the docstring of the module that defines `cls`, then one line per key (nested keys
+    dotted): `key: type = default` and its description."""
+    rows = list(_help_rows(cls, _instance(cls), ""))
+    width = min(max((len(left) for left, _ in rows), default=0), 60)
+    yaml = " [config=NAME]" if _yaml_key(cls) else ""
+    doc = inspect.getdoc(sys.modules.get(cls.__module__))
+    lines = [f"usage: {_prog()}{yaml} [key=value ...]", ""] + ([doc, ""] if doc else []) + ["keys:"]
+    lines += [f"  {left:<{width}}  {desc}".rstrip() for left, desc in rows]
+    return "\n".join(lines)
+
+
+def _prog() -> str:
+    """How this process was started: `python -m pkg.mod` or `python path/to/script.py`."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return f"python -m {spec.name.removesuffix('.__main__')}"
+    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv else "")
+    return f"python {os.path.relpath(path) if path else '...'}"
+
+
+def _instance(cls: type) -> Any:
+    try:
+        return cls()  # the defaults, default_factory included
+    except TypeError:  # a required field: fall back to the declared defaults
+        return None
+
+
+def _help_rows(cls: type, obj: Any, prefix: str):
+    hints = typing.get_type_hints(cls)
+    notes = field_comments(cls)
+    for f in dataclasses.fields(cls):
+        value = getattr(obj, f.name) if obj is not None else f.default
+        key = prefix + f.name
+        sub = _dataclass_of(hints[f.name])
+        if sub is not None and (value is None or dataclasses.is_dataclass(value)):
+            if value is None:  # an optional section: its keys, with the defaults they get when set
+                yield f"{key}: {_type_name(f.type)} = None", notes.get(f.name, "")
+            yield from _help_rows(sub, value if value is not None else _instance(sub), key + ".")
+            continue
+        shown = "(required)" if value is dataclasses.MISSING else repr(value)
+        yield f"{key}: {_type_name(f.type)} = {shown}", notes.get(f.name, "")
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, str):  # `from __future__ import annotations`: the annotation as written
+        return tp
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
+
+
+@functools.lru_cache(maxsize=None)
+def field_comments(cls: type) -> dict[str, str]:
+    """Field name -> its description: the comment on the field's line(s), else the comment lines
+    right above it, joined into one line. Empty when the source is not available."""
+    try:
+        src = textwrap.dedent("".join(inspect.getsourcelines(cls)[0]))
+    except (OSError, TypeError):
+        return {}
+    comments = {tok.start[0]: tok.string.lstrip("#").strip()
+                for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
+    lines = src.splitlines()
+    out = {}
+    for node in ast.parse(src).body[0].body:
+        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
+            continue
+        own = [comments[r] for r in range(node.lineno, node.end_lineno + 1) if r in comments]
+        above, r = [], node.lineno - 1
+        while r in comments and lines[r - 1].lstrip().startswith("#"):
+            above.insert(0, comments[r])
+            r -= 1
+        out[node.target.id] = " ".join(own or above)
+    return out

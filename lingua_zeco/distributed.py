@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lingua_zeco.comm import AllScanArgs
+from lingua_zeco.comm import AllScanArgs, hier_groups_needed, init_node_groups
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +147,10 @@ def setup(args: DistributedArgs) -> DistEnv:
     else:
         fsdp_mesh = shard_sp
     sp_mesh = mesh["sp"]
+    # hier's sub-groups of every SP group, made here by every rank in one order: dist.new_group is
+    # collective over the world, and made lazily inside one SP group they cross-wire the SP groups
+    if G := hier_groups_needed(args.all_scan, dims.sp):
+        init_node_groups(mesh.mesh.reshape(-1, dims.sp).tolist(), G)
     return DistEnv(
         dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh,
         sp_group=sp_mesh.get_group(),

@@ -1,8 +1,9 @@
 """What the trainer does when things go wrong: stop signals, non-finite steps, bad input, dead peers.
 
-* SIGTERM / SIGUSR2 only set a flag. At the next step boundary every rank learns whether *any* rank
-  got one (the flag rides on the step's small all-reduce), so all ranks finish the same step, save a
-  checkpoint together and exit 0. A second signal of the same kind kills the process at once.
+* SIGTERM / SIGUSR2 / SIGINT (Ctrl-C) only set a flag. At the next step boundary every rank learns
+  whether *any* rank got one (the flag rides on the step's small all-reduce), so all ranks finish the
+  same step, save a checkpoint together and exit 0. A second signal of the same kind kills the
+  process at once (default action), even when the signal was inherited as ignored.
 * Non-finite loss or gradient norm (checked on every rank after the gradient reduction, agreed by the
   same all-reduce): `reliability.nonfinite=skip` drops the update (weights and optimizer state stay
   as they were; the step counter and the lr schedule move on), logs a warning and counts it; more
@@ -14,13 +15,15 @@
   data.on_bad_line=error, ranks started with different configs) is one line on stderr.
 
 Exit codes of `python -m apps.gla.train` (each rank under torchrun):
-    0  finished, or stopped by SIGTERM/SIGUSR2 after saving a checkpoint (run the same command again)
-    1  training failed: non-finite loss/gradients beyond the policy, a collective failed or timed out,
-       or an unexpected error (with its traceback)
+    0  finished, or stopped by SIGTERM/SIGUSR2/SIGINT after saving a checkpoint (run the same command again)
+    1  training failed: non-finite loss/gradients beyond the policy, non-finite weights at a save, a
+       collective failed or timed out, a checkpoint could not be written (e.g. no space left), or an
+       unexpected error (with its traceback)
     2  bad input, found before or during training (the message says what to change)
 
 Test hook: LINGUA_ZECO_FAULT="SIGNAME@STEP" (or "SIGNAME@STEP:RANK") makes the process send itself
-that signal after STEP (after that step's checkpoint, if any), e.g. SIGKILL@12 or SIGSTOP@3:1.
+that signal after STEP (after that step's checkpoint, if any), e.g. SIGKILL@12 or SIGSTOP@3:1; several,
+comma-separated, are sent in order (SIGUSR2@2,SIGUSR2@2: a second signal).
 """
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ from lingua_zeco.args import ConfigError
 log = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("skip", "stop")
-STOP_SIGNALS = ("SIGTERM", "SIGUSR2")
+STOP_SIGNALS = ("SIGTERM", "SIGUSR2", "SIGINT")
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
 
@@ -48,7 +51,7 @@ EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 class ReliabilityArgs:
     nonfinite: str = "skip"  # skip | stop: what a step with a non-finite loss or gradient norm does
     max_skips: int = 10  # skip: stop once more than this many steps of the run were skipped
-    handle_signals: bool = True  # SIGTERM/SIGUSR2 -> checkpoint at the step boundary, exit 0
+    handle_signals: bool = True  # SIGTERM/SIGUSR2/SIGINT -> checkpoint at the step boundary, exit 0
 
 
 class NonFiniteError(RuntimeError):
@@ -59,9 +62,13 @@ class CollectiveError(RuntimeError):
     pass
 
 
+class StorageError(RuntimeError):
+    """A checkpoint could not be written (full disk, quota, read-only...); the message names the cause."""
+
+
 # -- stop signals ------------------------------------------------------------------------------
 class StopSignals:
-    """Context manager that turns SIGTERM/SIGUSR2 into a flag (main thread only; elsewhere a no-op)."""
+    """Context manager that turns SIGTERM/SIGUSR2/SIGINT into a flag (main thread only; elsewhere a no-op)."""
 
     def __init__(self, enabled: bool = True, names: tuple[str, ...] = STOP_SIGNALS):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
@@ -71,8 +78,10 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         self.received = signum
-        # a second one of the same kind takes the previous (default: terminate) action
-        signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+        # A second one of the same kind terminates: the default action, not the previous handler, which
+        # may be SIG_IGN inherited from the launcher (the second would then be lost) or, for SIGINT,
+        # Python's KeyboardInterrupt (not delivered while a collective blocks in C++).
+        signal.signal(signum, signal.SIG_DFL)
 
     @property
     def name(self) -> str | None:
@@ -199,7 +208,7 @@ def check_same_config(config: dict) -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, _flatten(config))
+    dist.all_gather_object(every, flatten_config(config))
     diffs = []
     for r, other in enumerate(every[1:], start=1):
         keys = sorted(k for k in set(every[0]) | set(other) if every[0].get(k) != other.get(k))
@@ -208,12 +217,13 @@ def check_same_config(config: dict) -> None:
         raise ConfigError("the ranks were started with different configs:\n  " + "\n  ".join(diffs[:20]))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten_config(d: dict, prefix: str = "") -> dict:
+    """{"a": {"b": 1}} -> {"a.b": 1} (empty dicts stay as values)."""
     out = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
+            out.update(flatten_config(v, key + "."))
         else:
             out[key] = v
     return out
@@ -244,10 +254,10 @@ def clean_exit():
     LINGUA_ZECO_DEBUG=1 prints the traceback as well."""
     try:
         yield
-    except (ConfigError, FileNotFoundError, ValueError, NonFiniteError, CollectiveError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, NonFiniteError, CollectiveError, StorageError) as e:
         if os.environ.get("LINGUA_ZECO_DEBUG") == "1":
             log.exception("traceback")
-        code = EXIT_FAILED if isinstance(e, (NonFiniteError, CollectiveError)) else EXIT_BAD_INPUT
+        code = EXIT_FAILED if isinstance(e, (NonFiniteError, CollectiveError, StorageError)) else EXIT_BAD_INPUT
         rank = os.environ.get("RANK")
         print(f"error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
@@ -258,25 +268,26 @@ def clean_exit():
 
 # -- test hook -----------------------------------------------------------------------------------
 class FaultInjection:
-    """LINGUA_ZECO_FAULT="SIGKILL@12" or "SIGSTOP@3:1": signal this process after that step (on that rank)."""
+    """LINGUA_ZECO_FAULT="SIGKILL@12" or "SIGSTOP@3:1": signal this process after that step (on that rank).
+    Several comma-separated faults are sent in order, e.g. "SIGUSR2@2,SIGUSR2@2" (a second signal)."""
 
     def __init__(self, rank: int, spec: str | None = None):
         spec = os.environ.get("LINGUA_ZECO_FAULT", "") if spec is None else spec
-        self.signum = self.step = None
-        if not spec:
-            return
-        try:
-            name, rest = spec.split("@")
-            step, _, only_rank = rest.partition(":")
-            if only_rank and int(only_rank) != rank:
-                return
-            self.signum, self.step = getattr(signal, name), int(step)
-        except (ValueError, AttributeError) as e:
-            raise ConfigError(f"LINGUA_ZECO_FAULT={spec!r}: expected SIGNAME@STEP or SIGNAME@STEP:RANK") from e
+        self.faults: list[tuple[int, int]] = []  # (step, signum)
+        for one in filter(None, spec.split(",")):
+            try:
+                name, rest = one.split("@")
+                step, _, only_rank = rest.partition(":")
+                if not only_rank or int(only_rank) == rank:
+                    self.faults.append((int(step), getattr(signal, name)))
+            except (ValueError, AttributeError) as e:
+                raise ConfigError(f"LINGUA_ZECO_FAULT={spec!r}: expected SIGNAME@STEP or SIGNAME@STEP:RANK, "
+                                  f"comma-separated") from e
 
     def after_step(self, step: int) -> None:
-        if self.step is not None and step == self.step:
-            log.warning("LINGUA_ZECO_FAULT: sending %s to myself after step %d", signal.Signals(self.signum).name, step)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.kill(os.getpid(), self.signum)
+        for at, signum in self.faults:
+            if at == step:
+                log.warning("LINGUA_ZECO_FAULT: sending %s to myself after step %d", signal.Signals(signum).name, step)
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.kill(os.getpid(), signum)

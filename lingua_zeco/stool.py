@@ -22,9 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from lingua_zeco.args import ConfigError, build, dump_config, parse_args
+from lingua_zeco.args import ConfigError, dump_config, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = ROOT / "slurm"
@@ -36,11 +34,11 @@ LAUNCHERS = ("sbatch", "bash")
 class StoolArgs:
     script: str = "apps.gla.train"  # python module run by torchrun on every node
     config: str = ""  # the script's config (path or name in configs/)
-    nodes: int = 1
+    nodes: int = 1  # Slurm nodes; torchrun runs ngpus workers on each
     ngpus: int = 8  # GPUs (= torchrun workers) per node
-    partition: str = ""
-    qos: str = ""
-    account: str = ""
+    partition: str = ""  # #SBATCH --partition (empty: left out)
+    qos: str = ""  # #SBATCH --qos (empty: left out)
+    account: str = ""  # #SBATCH --account (empty: left out)
     time: str = "24:00:00"  # Slurm time limit; SIGUSR2 comes 120 s before it
     mem: str = "0"  # per node; "0" = all of the node's memory
     cpus: int = 0  # CPUs per task (= per node); 0 = 8 per GPU
@@ -49,20 +47,18 @@ class StoolArgs:
     job_name: str = ""  # empty: the config's name
     launcher: str = "sbatch"  # sbatch | bash (one node, no Slurm: runs the rendered script directly)
     dry_run: bool = False  # write everything, submit nothing
-    master_port: int = 29500
+    master_port: int = 29500  # torchrun rendezvous port on the first node
     grace_s: int = 110  # after SIGUSR2, how long node.sh waits for the trainer's checkpoint before requeueing
-    copy_code: bool = True
+    copy_code: bool = True  # run a copy of apps/, lingua_zeco/, configs/ in dump_dir/code (false: this checkout)
 
 
 def split_argv(argv: list[str]) -> tuple[StoolArgs, list[str]]:
     """The stool's own keys -> StoolArgs; the rest are overrides for the script."""
     mine = {f.name for f in dataclasses.fields(StoolArgs)}
     own, rest = [], []
-    for arg in argv:
-        if "=" not in arg:
-            raise ConfigError(f"argument {arg!r} is not of the form key=value")
-        (own if arg.split("=", 1)[0] in mine else rest).append(arg)
-    args = build(StoolArgs, OmegaConf.from_dotlist(own))  # not parse_args: `config=` is ours, not a YAML
+    for arg in argv:  # anything without "=" (--help, a typo) goes to parse_args, which explains it
+        (own if "=" not in arg or arg.split("=", 1)[0] in mine else rest).append(arg)
+    args = parse_args(StoolArgs, own)  # `config=` is a StoolArgs key here, passed on to the script
     if args.launcher not in LAUNCHERS:
         raise ConfigError(f"launcher={args.launcher!r}; choose from {', '.join(LAUNCHERS)}")
     if args.nodes < 1 or args.ngpus < 1:
@@ -146,7 +142,7 @@ def submit(args: StoolArgs, sbatch_file: Path) -> str:
         print("dry run; would run: " + " ".join(cmd))
         return ""
     if args.launcher == "sbatch" and shutil.which("sbatch") is None:
-        raise RuntimeError("sbatch not found on this machine; use launcher=bash for one node, or dry_run=true")
+        raise ConfigError("sbatch not found on this machine; use launcher=bash for one node, or dry_run=true")
     res = subprocess.run(cmd, check=True, text=True, capture_output=args.launcher == "sbatch")
     return (res.stdout or "").strip()
 
@@ -162,4 +158,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lingua_zeco.reliability import clean_exit
+
+    with clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -1,14 +1,14 @@
 """Raw documents -> shuffled jsonl shards + a validation split, ready for `data.root_dir`.
 
-    python setup/prepare_data.py --input corpus/*.jsonl books/ --out /data/prepared
-    python setup/prepare_data.py --hf-dataset roneneldan/TinyStories --out /data/tinystories  # needs network
+    python setup/prepare_data.py input=corpus/*.jsonl,books/ out=/data/prepared
+    python setup/prepare_data.py hf_dataset=roneneldan/TinyStories out=/data/tinystories  # needs network
 
-Inputs: .jsonl (field --text-key), .parquet (column --text-key), .txt (one document per file, per
-line or per blank-line-separated paragraph: --txt-doc), or a Hugging Face dataset name (downloaded
+Inputs: .jsonl (field text_key), .parquet (column text_key), .txt (one document per file, per
+line or per blank-line-separated paragraph: txt_doc), or a Hugging Face dataset name (downloaded
 by `datasets` here, in this preparation step; training never downloads). Output:
 
     OUT/train/shard_00000.jsonl ...   {"text": ...} per line, documents shuffled across and within shards
-    OUT/valid/shard_00000.jsonl       a held-out share (--valid-fraction, decided per document, seeded)
+    OUT/valid/shard_00000.jsonl       a held-out share (valid_fraction, decided per document, seeded)
     OUT/meta.json                     counts, inputs, seed
 
 Train with `data.root_dir=OUT data.sources='{train: 1.0}'`; the trainer's evaluation reads OUT/valid.
@@ -17,15 +17,34 @@ then each shard is shuffled on its own.
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 import random
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # lingua_zeco, when run as a script
+from lingua_zeco.args import ConfigError, parse_args  # noqa: E402
+
 SUFFIXES = (".jsonl", ".parquet", ".txt")
+TXT_DOCS = ("file", "line", "paragraph")
+
+
+@dataclass
+class PrepareArgs:
+    input: list[str] = field(default_factory=list)  # jsonl / parquet / txt files, folders or globs
+    hf_dataset: str = ""  # instead of input: a Hugging Face dataset name (network needed, here only)
+    hf_config: str = ""  # the dataset's config name (empty: its default)
+    hf_split: str = "train"  # the dataset's split
+    out: str = ""  # output folder: train/, valid/, meta.json
+    text_key: str = "text"  # jsonl field / parquet column / dataset column holding the text
+    txt_doc: str = "file"  # a .txt file holds one document per: file | line | paragraph (blank-line separated)
+    shards: int = 8  # train shards
+    valid_fraction: float = 0.005  # share of documents held out for validation (seeded, per document)
+    seed: int = 0  # split and shuffle seed
+    max_docs: int = 0  # stop after this many documents (0 = all)
 
 
 class Progress:
@@ -151,37 +170,33 @@ def prepare(docs, out: str, *, n_shards: int, valid_fraction: float, seed: int, 
     return counts
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", nargs="+", help="jsonl / parquet / txt files, folders or globs")
-    src.add_argument("--hf-dataset", help="Hugging Face dataset name (network needed, here only)")
-    ap.add_argument("--hf-config", default=None)
-    ap.add_argument("--hf-split", default="train")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--text-key", default="text")
-    ap.add_argument("--txt-doc", choices=("file", "line", "paragraph"), default="file")
-    ap.add_argument("--shards", type=int, default=8)
-    ap.add_argument("--valid-fraction", type=float, default=0.005)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-docs", type=int, default=0, help="stop after this many documents (0 = all)")
-    a = ap.parse_args(argv)
-    if a.shards < 1 or not 0 <= a.valid_fraction < 1:
-        ap.error("--shards must be >= 1 and 0 <= --valid-fraction < 1")
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(PrepareArgs, sys.argv[1:] if argv is None else argv)
+    if bool(a.input) == bool(a.hf_dataset):
+        raise ConfigError("give either input=<files, folders or globs> or hf_dataset=<name>")
+    if not a.out:
+        raise ConfigError("give out=<folder>")
+    if a.txt_doc not in TXT_DOCS or a.shards < 1 or not 0 <= a.valid_fraction < 1:
+        raise ConfigError(f"txt_doc must be one of {', '.join(TXT_DOCS)}, shards >= 1 and 0 <= valid_fraction < 1; "
+                          f"got {a.txt_doc!r}, {a.shards}, {a.valid_fraction}")
     if a.input:
         files = expand_inputs(a.input)
         docs = (d for f in files for d in read_local(f, a.text_key, a.txt_doc))
         inputs = files
     else:
-        docs, inputs = read_hf(a.hf_dataset, a.hf_config, a.hf_split, a.text_key), [f"hf:{a.hf_dataset}"]
+        docs = read_hf(a.hf_dataset, a.hf_config or None, a.hf_split, a.text_key)
+        inputs = [f"hf:{a.hf_dataset}"]
     counts = prepare(docs, a.out, n_shards=a.shards, valid_fraction=a.valid_fraction, seed=a.seed,
                      max_docs=a.max_docs)
     meta = {"inputs": inputs, "seed": a.seed, "shards": a.shards, "valid_fraction": a.valid_fraction, **counts}
     Path(a.out, "meta.json").write_text(json.dumps(meta, indent=1))
     print(f"{counts['train']} train / {counts['valid']} valid documents in {a.out}")
     if counts["valid"] == 0:
-        print("warning: no validation documents; raise --valid-fraction", file=sys.stderr)
+        print("warning: no validation documents; raise valid_fraction", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main()
+    from lingua_zeco.reliability import clean_exit
+
+    with clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -1,17 +1,33 @@
 """Train a SentencePiece tokenizer on prepared jsonl (the output of setup/prepare_data.py).
 
-    python setup/train_tokenizer.py --data /data/prepared/train --vocab-size 32000 --out /data/tok
+    python setup/train_tokenizer.py data=/data/prepared/train vocab_size=32000 out=/data/tok
 
 Writes OUT/tokenizer.model (+ .vocab); use it with `data.tokenizer.name=sp
 data.tokenizer.path=OUT/tokenizer.model`. BPE with byte fallback (no unknown characters), ids
-unk=0, bos=1, eos=2 (the packer needs bos/eos), no pad. --max-docs caps the documents read.
+unk=0, bos=1, eos=2 (the packer needs bos/eos), no pad. max_docs caps the documents read.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # lingua_zeco, when run as a script
+from lingua_zeco.args import ConfigError, parse_args  # noqa: E402
+
+MODEL_TYPES = ("bpe", "unigram")
+
+
+@dataclass
+class TokenizerTrainArgs:
+    data: list[str] = field(default_factory=list)  # jsonl files or folders of them (prepare_data.py's train/)
+    out: str = ""  # output folder: tokenizer.model + tokenizer.vocab
+    vocab_size: int = 32000  # pieces (a soft limit: fewer when the data is small)
+    model_type: str = "bpe"  # bpe | unigram
+    text_key: str = "text"  # jsonl field holding the text
+    max_docs: int = 0  # read at most this many documents (0 = all)
+    threads: int = 4  # SentencePiece trainer threads
 
 
 def iter_texts(paths: list[str], text_key: str, max_docs: int):
@@ -51,16 +67,12 @@ def train(paths: list[str], out: str, *, vocab_size: int, model_type: str = "bpe
     return out_p / "tokenizer.model"
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", nargs="+", required=True, help="jsonl files or folders of them")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--vocab-size", type=int, default=32000)
-    ap.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")
-    ap.add_argument("--text-key", default="text")
-    ap.add_argument("--max-docs", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=4)
-    a = ap.parse_args(argv)
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(TokenizerTrainArgs, sys.argv[1:] if argv is None else argv)
+    if not a.data or not a.out:
+        raise ConfigError("give data=<jsonl files or folders> and out=<folder>")
+    if a.model_type not in MODEL_TYPES:
+        raise ConfigError(f"model_type={a.model_type!r}; choose from {', '.join(MODEL_TYPES)}")
     path = train(a.data, a.out, vocab_size=a.vocab_size, model_type=a.model_type, text_key=a.text_key,
                  max_docs=a.max_docs, threads=a.threads)
     import sentencepiece as spm
@@ -69,4 +81,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from lingua_zeco.reliability import clean_exit
+
+    with clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -136,3 +136,62 @@ def test_auto_across_nodes_uses_inter_node_costs():
     # the chain pays the inter-node hop once per node boundary: 31 of them at P = 256
     flat = estimate(256, 1 << 20, AllScanArgs(node_size=256))
     assert est["chain"] > flat["chain"]
+
+
+def _sp_groups_worker(rank, world, sp, node_size):
+    """Several SP groups x DP, as the trainer builds them: every algorithm on every SP group at once."""
+    from lingua_zeco.distributed import DistributedArgs, setup
+
+    scan = AllScanArgs(algorithm="hier", node_size=node_size, n_blocks=2)
+    env = setup(DistributedArgs(sp_size=sp, all_scan=scan))
+    members = dist.get_process_group_ranks(env.sp_group)
+    xs, as_ = contributions(world, seed=5)  # indexed by global rank: each SP group scans its own data
+    sub_x, sub_a = [xs[r] for r in members], [as_[r] for r in members]
+    p = env.sp_rank
+    errors = {}
+    for algo in ("chain", "tree", "hier", "auto"):
+        for reverse in (False, True):
+            args = AllScanArgs(algorithm=algo, node_size=node_size, n_blocks=2)
+            y = all_scan(xs[rank], as_[rank], env.sp_group, reverse=reverse, args=args)
+            errors[(algo, reverse)] = (y.double() - reference(sub_x, sub_a, p, reverse)).abs().max().item()
+    for reverse in (False, True):
+        y = gather_scan(xs[rank], as_[rank], env.sp_group, reverse=reverse)
+        errors[("gather", reverse)] = (y.double() - reference(sub_x, sub_a, p, reverse)).abs().max().item()
+    return errors
+
+
+@pytest.mark.parametrize("world,sp,node_size", [(4, 2, 1), pytest.param(8, 4, 2, marks=pytest.mark.slow)])
+def test_every_algorithm_on_several_sp_groups(world, sp, node_size):
+    """Issue 17: hier made its sub-groups lazily inside one SP group; new_group is collective over the
+    world, so SP groups that built different sub-groups mixed up their gloo connections."""
+    results = run_on_ranks(_sp_groups_worker, world, sp, node_size, timeout_s=180)
+    for rank, errs in enumerate(results):
+        assert len(errs) == 10
+        bad = {k: e for k, e in errs.items() if e > 1e-5}
+        assert not bad, f"rank {rank} of {world} (SP groups of {sp}, node_size={node_size}): {bad}"
+
+
+def _library_groups_worker(rank, world):
+    """A library user's own SP groups [0, 1] and [2, 3]: hier refuses sub-groups not made up front
+    (instead of cross-wiring), and is exact once init_node_groups has made them on every rank."""
+    from lingua_zeco.comm import init_node_groups
+
+    lists = [[0, 1], [2, 3]]
+    groups = [dist.new_group(r) for r in lists]
+    members = lists[rank // 2]
+    args = AllScanArgs(algorithm="hier", node_size=1)
+    xs, as_ = contributions(world, seed=7)
+    try:
+        all_scan(xs[rank], as_[rank], groups[rank // 2], args=args)
+        refusal = "no error"
+    except RuntimeError as e:
+        refusal = str(e)
+    init_node_groups(lists, 1)
+    y = all_scan(xs[rank], as_[rank], groups[rank // 2], args=args)
+    ref = reference([xs[r] for r in members], [as_[r] for r in members], members.index(rank), False)
+    return refusal, (y.double() - ref).abs().max().item()
+
+
+def test_hier_sub_groups_must_be_made_up_front():
+    for refusal, err in run_on_ranks(_library_groups_worker, 4):
+        assert "init_node_groups" in refusal and err < 1e-5, (refusal, err)

@@ -7,7 +7,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from apps.gla.train import TrainArgs
-from lingua_zeco.args import CONFIG_DIR, ConfigError, build, dump_config, parse_args, resolve_config_path
+from lingua_zeco.args import CONFIG_DIR, ConfigError, build, dump_config, help_text, parse_args, resolve_config_path
 
 
 @dataclass
@@ -95,3 +95,43 @@ def test_contract_keys_and_dump(tmp_path):
     path = dump_config(args, tmp_path)
     again = build(TrainArgs, OmegaConf.load(path))  # the dump alone reproduces the config
     assert again == args
+
+
+@dataclass
+class Documented:
+    steps: int = 10  # optimizer steps
+    # a description on the lines above,
+    # in two parts
+    mode: str = "a"
+    paths: list[str] = field(default_factory=list)
+    inner: Inner = field(default_factory=lambda: Inner(size=5))  # nested keys get dots
+
+
+def test_help_lists_keys_types_defaults_and_comments(capsys):
+    text = help_text(Documented)
+    lines = {line.split(":")[0].strip(): line for line in text.splitlines() if line.startswith("  ")}
+    assert "int = 10" in lines["steps"] and lines["steps"].endswith("optimizer steps")
+    assert "str = 'a'" in lines["mode"] and lines["mode"].endswith("a description on the lines above, in two parts")
+    assert "list[str] = []" in lines["paths"]
+    assert "int = 5" in lines["inner.size"] and "str = 'a'" in lines["inner.name"]  # the factory's defaults
+    assert text.startswith("usage: ") and "Config system" in text  # the defining module's docstring
+    for argv in (["--help"], ["steps=3", "-h"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(Documented, argv)
+        assert e.value.code == 0 and capsys.readouterr().out.strip() == text.strip()
+    with pytest.raises(SystemExit) as e:  # entry points that build from OmegaConf.from_dotlist(argv)
+        build(Documented, OmegaConf.from_dotlist(["--help"]))
+    assert e.value.code == 0 and "inner.size" in capsys.readouterr().out
+
+
+def test_list_keys_take_commas_and_own_config_key():
+    assert parse_args(Documented, ["paths=a/*.jsonl,b"]).paths == ["a/*.jsonl", "b"]
+    assert parse_args(Documented, ["paths=/data/raw"]).paths == ["/data/raw"]
+    assert parse_args(Documented, ["paths=[x,y]"]).paths == ["x", "y"]
+
+    @dataclass
+    class WithConfig:  # a `config` field is the entry point's own key, not a YAML to merge
+        config: str = ""
+        steps: int = 1
+
+    assert parse_args(WithConfig, ["config=run/config.yaml", "steps=2"]) == WithConfig("run/config.yaml", 2)

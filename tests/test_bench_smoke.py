@@ -88,8 +88,8 @@ def test_perf_model_reads_bench_calibration(outputs):
     path = os.path.join(comm, "comm_P2.json")
     link = json.load(open(path))["calibration"]["links"]["gloo"]
     out_json = os.path.join(os.path.dirname(comm), "pm.json")
-    run(["-m", "lingua_zeco.perf_model", "comm", "--P", "2", "--H", "2", "--topology", "gloo", "--calib", path,
-         "--blocks", "1", "--json", out_json, "--set", "dev.launch_s=0", "--set", "dev.hbm_Bps=inf"])
+    run(["-m", "lingua_zeco.perf_model", "what=comm", "P=2", "H=2", "topology=gloo", f"calib={path}",
+         "blocks=1", f"json={out_json}", "dev.launch_s=0", "dev.hbm_Bps=inf"])
     rows = json.load(open(out_json))["tables"]["comm"]
     chain = next(r for r in rows if r["method"] == "chain1")
     # the model's state is [H, 128, 128] + decays; one hop = measured alpha + bytes / measured beta

@@ -178,3 +178,78 @@ def test_two_gloo_ranks_plain_and_fsdp2(tmp_path):
     _train(m, o, 1, seed=1)
     _train(m, o, 1, seed=2)
     assert all(torch.allclose(v, single.state_dict()[k], rtol=0, atol=1e-6) for k, v in m.state_dict().items())
+
+
+# -- integrity: checksums, non-finite state (issue 17, item 8) -------------------------------------------
+def _scribble(folder: str, values: torch.Tensor):
+    """Overwrite a tensor's bytes inside its .distcp shard with 0xFF (a NaN pattern), keeping the file
+    size: what a bad disk or a stray write does, invisible to the file format."""
+    raw = values.detach().contiguous().numpy().tobytes()
+    for name in os.listdir(folder):
+        if name.endswith(".distcp"):
+            with open(os.path.join(folder, name), "r+b") as f:
+                blob = f.read()
+                at = blob.find(raw)
+                if at >= 0:
+                    f.seek(at + 8)
+                    f.write(b"\xff" * 8)
+                    return
+    raise AssertionError("tensor bytes not found in any shard")
+
+
+@pytest.mark.parametrize("checksums", [True, False])
+def test_garbage_inside_a_shard_fails_its_checksum_and_falls_back(tmp_path, caplog, checksums):
+    """checksums=False: a marker without them (written before they existed): the NaNs must still not
+    be resumed from."""
+    import json
+
+    m = _model(0)
+    o = _opt(m)
+    mgr = _mgr(tmp_path, keep=0)
+    for step in (1, 2):
+        _train(m, o, 1, seed=step)
+        mgr.save(step, m, o, extra={"step": step}, per_rank={})
+        if step == 1:
+            good = {k: v.clone() for k, v in m.state_dict().items()}
+    folder = os.path.join(mgr.path, "step_0000000002")
+    _scribble(folder, m[2].weight)
+    if not checksums:
+        marker = os.path.join(folder, "COMPLETE")
+        with open(marker) as f:
+            info = json.load(f)
+        info.pop("files", None)
+        with open(marker, "w") as f:
+            json.dump(info, f)
+    m2 = _model(5)
+    o2 = _opt(m2)
+    with caplog.at_level(logging.WARNING):
+        step, extra, _ = mgr.maybe_resume(m2, o2)
+    assert step == 1 and extra == {"step": 1}, "the damaged checkpoint was loaded"
+    assert ("checksum" if checksums else "non-finite") in caplog.text
+    assert "step_0000000002" in caplog.text and "falling back" in caplog.text
+    assert all(torch.equal(v, good[k]) for k, v in m2.state_dict().items())
+
+
+@pytest.mark.parametrize("where, async_save", [("param", False), ("optim", False), ("param", True)])
+def test_nonfinite_state_is_not_saved_and_the_last_finite_checkpoint_survives(tmp_path, where, async_save):
+    """keep=1: a state with a NaN weight (or an inf Adam moment) must not become a COMPLETE checkpoint,
+    and so must not make retention delete the last good one. async_save: checked before staging."""
+    from lingua_zeco.reliability import NonFiniteError
+
+    m = _model(0)
+    o = _opt(m)
+    _train(m, o, 1)
+    mgr = _mgr(tmp_path, keep=1, async_save=async_save)
+    mgr.save(1, m, o, extra={"step": 1}, per_rank={})
+    with torch.no_grad():
+        if where == "param":
+            m[2].weight[1, 3] = float("nan")
+        else:
+            o.state[m[0].weight]["exp_avg_sq"][0, 0] = float("inf")
+    name = "2.weight" if where == "param" else "0.weight"
+    with pytest.raises(NonFiniteError, match=rf"step 2: .*non-finite.*{name}.*step_0000000001"):
+        mgr.save(2, m, o, extra={"step": 2}, per_rank={})
+    assert [s for s, _ in mgr.complete_checkpoints()] == [1]
+    assert os.listdir(mgr.path) == ["step_0000000001"]  # nothing of step 2, not even a .tmp folder
+    m3 = _model(3)
+    assert mgr.maybe_resume(m3, _opt(m3))[0] == 1

@@ -161,6 +161,44 @@ def test_bad_lines_skip_and_error(tmp_path):
         _take(loader, 3)
 
 
+@pytest.mark.parametrize("bad", [b'{"text": "caf\xe9 latin-1"}', b'\xff\xfe{"text": "x"}', b'{"text": "\xed\xa0\x80"}',
+                                 b'{"text": "lone \\ud800 escape"}'])
+def test_line_that_is_not_utf8_is_a_bad_line(tmp_path, caplog, bad):
+    """Invalid UTF-8 (latin-1 text, a UTF-16 byte-order mark, an encoded surrogate) or a JSON escape of a
+    lone surrogate (no UTF-8 form, so no tokenizer can take it): skipped and counted, or one ValueError
+    line naming file:line, like any other bad record."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "f.jsonl").write_bytes(b'{"text": "good one"}\n' + bad + b'\n{"text": "good two"}\n')
+    args = DataArgs(root_dir=str(tmp_path), sources={"s": 1.0}, seq_len=8, prefetch=0)
+    loader = build_data_loader(args, dp_rank=0, dp_size=1, sp_rank=0, sp_size=1, seed=0)
+    with caplog.at_level("WARNING"):
+        text = bytes(t for t in torch.cat([next(loader)["input_ids"][0] for _ in range(3)]).tolist() if t < 256)
+    assert text.startswith(b"good onegood two") and loader.stats["bad_lines"] == 1
+    assert "f.jsonl:2" in caplog.text and "UTF-8" in caplog.text
+    args.on_bad_line = "error"
+    loader = build_data_loader(args, dp_rank=0, dp_size=1, sp_rank=0, sp_size=1, seed=0)
+    with pytest.raises(ValueError, match=r"f\.jsonl:2: bad record: not valid UTF-8") as e:
+        _take(loader, 3)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("bad", [b'{"text": "x", "n": ' + b"1" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000])
+def test_json_failures_other_than_syntax_are_bad_lines(tmp_path, bad):
+    """json.loads also fails with errors that are no JSONDecodeError (an int over Python's digit limit,
+    nesting deeper than the recursion limit): the same bad-record handling, not a crash."""
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "f.jsonl").write_bytes(b'{"text": "good one"}\n' + bad + b'\n{"text": "good two"}\n')
+    args = DataArgs(root_dir=str(tmp_path), sources={"s": 1.0}, seq_len=8, prefetch=0)
+    loader = build_data_loader(args, dp_rank=0, dp_size=1, sp_rank=0, sp_size=1, seed=0)
+    text = bytes(t for t in torch.cat([next(loader)["input_ids"][0] for _ in range(3)]).tolist() if t < 256)
+    assert text.startswith(b"good onegood two") and loader.stats["bad_lines"] == 1
+    args.on_bad_line = "error"
+    loader = build_data_loader(args, dp_rank=0, dp_size=1, sp_rank=0, sp_size=1, seed=0)
+    with pytest.raises(ValueError, match=r"f\.jsonl:2: bad record: invalid JSON") as e:
+        _take(loader, 3)
+    assert "\n" not in str(e.value)
+
+
 def test_missing_data_is_one_clear_error(root):
     with pytest.raises(FileNotFoundError) as e:
         build_data_loader(_args(root, sources={"a": 1.0, "nope": 1.0, "zzz": 1.0}),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from apps.gla.generate import forward_with_state, generate, sample_next
@@ -11,19 +12,29 @@ from apps.gla.model import GLAArgs, GLAForCausalLM
 TINY = GLAArgs(dim=64, n_layers=2, n_heads=4, ffn_hidden=128, vocab_size=97)
 
 
-def _model(seed=0):
-    m = GLAForCausalLM(TINY)
+def _model(seed=0, variant="gla"):
+    m = GLAForCausalLM(dataclasses.replace(TINY, attn_variant=variant))
     m.init_weights(seed)
-    with torch.no_grad():  # larger gate biases than the init's zeros: slower decay, so old tokens matter
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # slower decay than the init's, so old tokens matter
         for layer in m.model.layers:
-            layer.attn.gk_proj[1].bias.normal_(0, 2.0)
+            if variant == "gla":
+                layer.attn.gk_proj[1].bias.normal_(0, 2.0, generator=gen)
+            elif variant == "simple_gla":
+                layer.attn.gk_proj.bias.normal_(0, 2.0, generator=gen)
+            else:
+                layer.attn.reset_gate_parameters(gen)  # fla's ranges: A in (0, 16), dt in [1e-3, 0.1]
     return m.eval()
 
 
-def test_stepwise_equals_full_forward():
+VARIANTS = ["gla", "simple_gla", "gated_deltanet"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stepwise_equals_full_forward(variant, device="cpu", tol=1e-4):
     torch.manual_seed(0)
-    m = _model()
-    x = torch.randint(0, 97, (2, 70))
+    m = _model(variant=variant).to(device)
+    x = torch.randint(0, 97, (2, 70), device=device)
     with torch.no_grad():
         full = m(x)
     logits, states = forward_with_state(m, x[:, :9])  # a prompt of 9 through the chunked kernel
@@ -31,19 +42,28 @@ def test_stepwise_equals_full_forward():
     for t in range(9, 70):  # then one token at a time from the state
         logits, states = forward_with_state(m, x[:, t:t + 1], states)
         steps.append(logits)
-    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=tol, atol=tol)
     assert states[0].shape == (2, 4, 16, 16) and states[0].dtype == torch.float32
     # Chunks after the prompt (kernel from a carried state) agree too.
     a, s = forward_with_state(m, x[:, :33])
     b, _ = forward_with_state(m, x[:, 33:], s)
-    torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([a, b], 1), full, rtol=tol, atol=tol)
     # Sensitivity: dropping the state of the prefix changes the next logits.
     lost, _ = forward_with_state(m, x[:, 9:10])
     assert (lost - full[:, 9:10]).abs().max() > 1e-3
 
 
-def test_generate_greedy_matches_argmax_of_full_forward():
-    m = _model(1)
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_stepwise_equals_full_forward_on_gpu(variant):
+    """The same with fla's kernels: chunked from a carried state, fused norms (fp32, TF32 inside)."""
+    test_stepwise_equals_full_forward(variant, device="cuda", tol=2e-3)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_generate_greedy_matches_argmax_of_full_forward(variant):
+    m = _model(1, variant)
     prompt = [5, 17, 3, 88]
     out = generate(m, prompt, max_tokens=12, temperature=0.0)
     ids = list(prompt)

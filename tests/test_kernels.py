@@ -79,3 +79,47 @@ def test_fla_matches_torch_backend_on_gpu(varlen):
     for name, a, b in zip("o ht dq dk dv dg".split(), res["fla"], res["torch"]):
         rel = (a.float() - b.float()).norm() / b.float().norm()
         assert rel < 2e-2, f"{name}: relative error {rel:.3e}"
+
+
+def test_torch_chunk_ignores_bf16_autocast():
+    """The torch backend stands in for fla's kernels, which accumulate in fp32 whatever autocast says;
+    under CPU bf16 autocast its matmuls were cast to bf16 (issue 17: errors of ~1e-2)."""
+    q, k, v, g = (t.requires_grad_() for t in inputs(T=21))
+    h0 = torch.randn(2, 2, 8, 6)
+    do = torch.randn(2, 21, 2, 6, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, ht = torch_chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
+    assert o.dtype == ht.dtype == torch.float32
+    got = [o, ht, *torch.autograd.grad((o.double() * do).sum(), (q, k, v, g))]
+    ins64 = [t.detach().double().requires_grad_() for t in (q, k, v, g)]
+    o64, ht64 = naive_gla(*ins64, initial_state=h0, output_final_state=True)
+    ref = [o64, ht64, *torch.autograd.grad((o64 * do).sum(), ins64)]
+    for name, a, b in zip("o ht dq dk dv dg".split(), got, ref):
+        rel = ((a.double() - b).abs().max() / b.abs().max()).item()
+        assert rel < 1e-5, f"{name}: {rel:.2e}"
+
+
+def test_torch_chunk_zero_length_documents():
+    """Empty documents (equal consecutive boundaries: at the start, inside, at the end) change nothing:
+    the output and every gradient equal those of the same sequence without them, and an empty
+    document's final state is its initial state (issue 17: they crashed in a reshape)."""
+    q, k, v, g = inputs(B=1, T=33)
+    cu_empty, cu_plain = torch.tensor([0, 0, 7, 7, 7, 20, 33, 33]), torch.tensor([0, 7, 20, 33])
+    real, empty = [1, 4, 5], [0, 2, 3, 6]  # cu_empty's documents by length
+    h0 = torch.randn(7, 2, 8, 6)
+    do, dht = torch.randn(1, 33, 2, 6), torch.randn(3, 2, 8, 6)
+    res = []
+    for cu, h in ((cu_empty, h0), (cu_plain, h0[real])):
+        ins = [t.clone().requires_grad_() for t in (q, k, v, g, h)]
+        o, ht = torch_chunk_gla(*ins[:4], initial_state=ins[4], output_final_state=True, cu_seqlens=cu)
+        ht_real = ht[real] if cu is cu_empty else ht
+        grads = torch.autograd.grad((o * do).sum() + (ht_real * dht).sum(), ins)
+        res.append((o, ht, grads))
+    (o_e, ht_e, g_e), (o_p, ht_p, g_p) = res
+    assert torch.equal(o_e, o_p) and torch.equal(ht_e[real], ht_p)
+    assert torch.equal(ht_e[empty], h0[empty])  # nothing happened to the empty ones
+    for name, a, b in zip("q k v g".split(), g_e, g_p):
+        assert torch.equal(a, b), f"d{name} differs"
+    assert torch.equal(g_e[4][real], g_p[4]) and g_e[4][empty].abs().max() == 0
+    o_ref, _ = naive_gla(q, k, v, g, initial_state=h0, cu_seqlens=cu_empty)
+    assert torch.allclose(o_e.double(), o_ref.double(), atol=1e-5)

@@ -57,7 +57,7 @@ def test_plot_metrics(tmp_path):
     rows = [{"step": s, "loss": 5.0 / s, "tok_per_s_per_gpu": 1000.0 + s} for s in range(1, 11)]
     rows += [{"step": 5, "val_loss": 1.2, "val_ppl": 3.3}, {"step": 10, "val_loss": 0.9, "val_ppl": 2.5}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    plot_metrics.main([str(tmp_path)])
+    plot_metrics.main([f"dump_dir={tmp_path}"])
     png = tmp_path / "metrics.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 

@@ -2,6 +2,7 @@
 small: trained with SP = 2, the answers on rank 1 are learned only when the state crosses from rank 0."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -38,6 +39,23 @@ def test_mqar_layout_crosses_the_rank_boundary(gap):
     for (a,), (r0, r1) in zip(sp1, _batches(args, 2)):  # SP-invariant stream: the same global sequences
         assert torch.equal(a["input_ids"], torch.cat([r0["input_ids"], r1["input_ids"]], 1))
         assert torch.equal(a["labels"], torch.cat([r0["labels"], r1["labels"]], 1))
+
+
+def test_eval_layout_spans_all_ranks():
+    """eval.recall_span=4 over 4 SP ranks: every pair on rank 0, every query and answer on rank 3, ranks
+    1-2 only filler; the same global sequences at sp_size 1."""
+    from lingua_zeco.data.mqar import across_ranks
+
+    m = across_ranks(MQARArgs(n_keys=8, n_values=8, n_pairs=4, n_queries=8, gap=0), 4)
+    args = DataArgs(synthetic="mqar", seq_len=16, batch_size=3, mqar=m)
+    for ranks in _batches(args, 4):
+        x, y = [r["input_ids"] for r in ranks], [r["labels"] for r in ranks]
+        assert ((x[0] > 8).sum(1) == 4).all() and all((y[p] == IGNORE_INDEX).all() for p in range(3))
+        assert all((x[p] == 0).all() for p in (1, 2)) and ((y[3] != IGNORE_INDEX).sum(1) == 8).all()
+    for (a,), ranks in zip(_batches(dataclasses.replace(args, seq_len=64), 1), _batches(args, 4)):
+        assert torch.equal(a["labels"], torch.cat([r["labels"] for r in ranks], 1))
+    with pytest.raises(ValueError, match="recall_span"):
+        across_ranks(m, 1)
 
 
 def test_mqar_resume_and_errors():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -305,3 +307,119 @@ def test_retention_and_resume_ignore_a_torn_newer_checkpoint(tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert mgr.maybe_resume(model, opt)[0] == 2
     assert "torn" in caplog.text
+
+
+# -- issue 17: resume and checkpoints --------------------------------------------------------------------
+def test_ctrl_c_checkpoints_like_sigterm(tmp_path):
+    """SIGINT (Ctrl-C) after step 3: step 4 is saved and the run exits 0, as with SIGTERM."""
+    rc, out, err = _finish(_popen(tmp_path, "steps=1000", "checkpoint.dump.every=1000",
+                                  env={"LINGUA_ZECO_FAULT": "SIGINT@3"}))
+    assert rc == 0 and "KeyboardInterrupt" not in err, err[-2000:]
+    assert (_ckpt(tmp_path, 4) / MARKER).is_file() and "stop signal (SIGINT" in out
+
+
+def test_second_sigusr2_kills_even_when_inherited_as_ignored(tmp_path):
+    """A launcher may start the trainer with SIGUSR2 ignored (SIG_IGN is inherited through exec). The
+    first SIGUSR2 still asks for a checkpoint; the second must kill at once, not be ignored."""
+    def ignore_usr2():
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+    base = {k: v for k, v in os.environ.items() if k != "LINGUA_ZECO_FAULT"}
+    env = {**base, "OMP_NUM_THREADS": "1", "LINGUA_ZECO_FAULT": "SIGUSR2@2,SIGUSR2@2"}
+    p = subprocess.Popen([sys.executable, "-m", "apps.gla.train", *_argv(tmp_path, "steps=1000",
+                          "checkpoint.dump.every=1000")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, preexec_fn=ignore_usr2)
+    rc, out, err = _finish(p)
+    assert rc == -signal.SIGUSR2, (rc, err[-2000:])
+    assert not _ckpt(tmp_path, 3).exists()  # killed before the step boundary that would have saved
+
+
+def _scribble(folder: Path, fqn: str = "model.model.embeddings.weight"):
+    """0xFF over the middle of one tensor's bytes inside its .distcp shard (file size unchanged)."""
+    import torch.distributed.checkpoint as dcp
+
+    info = next(v for k, v in dcp.FileSystemReader(str(folder)).read_metadata().storage_data.items() if k.fqn == fqn)
+    with open(folder / info.relative_path, "r+b") as f:
+        f.seek(info.offset + info.length // 2)
+        f.write(b"\xff" * 64)
+
+
+def test_garbage_in_a_shard_falls_back_to_the_previous_checkpoint(tmp_path, caplog):
+    """Bytes scribbled inside the newest checkpoint's shard: the rerun must notice (checksum), resume from
+    the previous checkpoint, and end with finite weights; before, it loaded the NaNs silently, trained on,
+    and saved them as COMPLETE while retention deleted the good one."""
+    common = ["checkpoint.dump.every=2", "checkpoint.dump.keep=2", "optim.decay_steps=6"]
+    train(parse_args(TrainArgs, _argv(tmp_path, *common, "steps=4")))
+    _scribble(_ckpt(tmp_path, 4))
+    with caplog.at_level("WARNING"):
+        res = train(parse_args(TrainArgs, _argv(tmp_path, *common, "steps=6")))
+    assert sorted(res["losses"]) == [3, 4, 5, 6], "did not fall back to step 2"
+    assert "checksum" in caplog.text and "step_0000000004" in caplog.text
+    assert all(math.isfinite(v) for v in res["losses"].values())
+    final = dict(_tensors(_state(_ckpt(tmp_path, 6), tmp_path)))
+    assert all(torch.isfinite(t).all() for t in final.values() if t.is_floating_point())
+
+
+def test_second_run_on_the_same_dump_dir_is_refused_while_the_first_lives(tmp_path, capsys):
+    """A run holds dump_dir's lock for its lifetime: a second one (a rerun while orphaned workers
+    still train) stops at once with one error line and exit 2, touching nothing; once the first is
+    dead (kill -9: the kernel drops the lock), the same command runs."""
+    first = _popen(tmp_path, "steps=100000", "checkpoint.dump.every=100000")
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "metrics.jsonl").exists() or not read_metrics(tmp_path / "metrics.jsonl"):
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-2000:]
+            time.sleep(0.2)
+        config = (tmp_path / "config.yaml").read_text()
+        with pytest.raises(SystemExit) as e:
+            T.main(_argv(tmp_path, "steps=2", "seed=7"))
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        assert "in use" in err[0] and str(tmp_path) in err[0] and f"pid {first.pid}" in err[0], err
+        assert (tmp_path / "config.yaml").read_text() == config and first.poll() is None
+    finally:
+        first.kill()
+        first.communicate()
+    assert first.returncode == -signal.SIGKILL
+    T.main(_argv(tmp_path, "steps=2", "checkpoint.dump.every=100000"))
+
+
+def _in_mount_namespace(mount_opts: str, mnt: Path, dump_dir: Path, *extra) -> tuple[int, str, str]:
+    """The trainer CLI with a fresh tmpfs (mount_opts: ro, or a tiny size) at mnt for its checkpoints,
+    in a private mount namespace: a real read-only or full disk, visible to this process only."""
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        pytest.skip("needs Linux unshare")
+    mnt.mkdir()
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt}"],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
+    cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "apps.gla.train",
+                                            *_argv(dump_dir, f"checkpoint.path={mnt / 'ckpt'}", *extra)])
+    script = f"mount -t tmpfs -o {mount_opts} tmpfs {mnt} && exec {cmd}"
+    env = {**{k: v for k, v in os.environ.items() if k != "LINGUA_ZECO_FAULT"}, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=180)
+    return res.returncode, res.stdout, res.stderr
+
+
+def test_read_only_checkpoint_folder_is_refused_before_training(tmp_path):
+    rc, out, err = _in_mount_namespace("ro,size=1m", tmp_path / "mnt", tmp_path / "run", "steps=2",
+                                       "checkpoint.dump.every=2")
+    lines = err.strip().splitlines()
+    assert rc == 2 and lines and lines[-1].startswith("error: ") and "not writable" in lines[-1], err[-3000:]
+    assert "read-only file system" in lines[-1].lower() and str(tmp_path / "mnt" / "ckpt") in lines[-1]
+    assert "step 1/2" not in out  # found at start, not at the first save
+
+
+@pytest.mark.parametrize("size", ["160k", "200k"])
+def test_full_disk_at_save_is_named_no_space_left(tmp_path, size):
+    """A tiny tmpfs: the start probe fits, the first checkpoint (~0.8 MB) does not. The failure must say
+    "no space left on device" in one line. (With torch 2.13, 160k fails in DCP's open, errno 28; 200k in
+    torch.save's zip writer, whose "unexpected pos" message has lost the errno.)"""
+    rc, out, err = _in_mount_namespace(f"size={size}", tmp_path / "mnt", tmp_path / "run", "steps=3",
+                                       "checkpoint.dump.every=2")
+    lines = err.strip().splitlines()
+    assert rc == 1 and lines and lines[-1].startswith("error: "), err[-3000:]
+    assert "no space left on device" in lines[-1].lower() and "unexpected pos" not in err, err[-3000:]
+    assert "step 2/3" in out and "step 3/3" not in out

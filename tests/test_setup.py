@@ -37,8 +37,8 @@ def _read(folder: Path) -> list[str]:
 def test_prepare_local_files(tmp_path, capsys):
     docs = _corpus(tmp_path / "raw")
     out = tmp_path / "prepared"
-    prepare_data.main(["--input", str(tmp_path / "raw"), "--out", str(out), "--shards", "3",
-                       "--valid-fraction", "0.1", "--txt-doc", "paragraph", "--seed", "1"])
+    prepare_data.main([f"input={tmp_path / 'raw'}", f"out={out}", "shards=3", "valid_fraction=0.1",
+                       "txt_doc=paragraph", "seed=1"])
     train, valid = _read(out / "train"), _read(out / "valid")
     assert len(list((out / "train").glob("shard_*.jsonl"))) == 3 and not list(out.rglob(".part_*"))
     assert sorted(train + valid) == sorted(docs)  # every document exactly once, in one split
@@ -49,8 +49,8 @@ def test_prepare_local_files(tmp_path, capsys):
     assert "reading" in capsys.readouterr().err  # progress reported
     # Seeded: the same command gives the same shards.
     again = tmp_path / "again"
-    prepare_data.main(["--input", str(tmp_path / "raw"), "--out", str(again), "--shards", "3",
-                       "--valid-fraction", "0.1", "--txt-doc", "paragraph", "--seed", "1"])
+    prepare_data.main([f"input={tmp_path / 'raw'}", f"out={again}", "shards=3", "valid_fraction=0.1",
+                       "txt_doc=paragraph", "seed=1"])
     assert _read(again / "train") == train
     # The trainer's loader reads the result.
     from lingua_zeco.data import DataArgs, build_data_loader
@@ -62,7 +62,7 @@ def test_prepare_local_files(tmp_path, capsys):
 
 def test_prepare_rejects_missing_input(tmp_path):
     with pytest.raises(FileNotFoundError):
-        prepare_data.main(["--input", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")])
+        prepare_data.main([f"input={tmp_path / 'nope.jsonl'}", f"out={tmp_path / 'o'}"])
 
 
 def test_progress_without_tqdm(monkeypatch, capsys):
@@ -77,7 +77,7 @@ def test_progress_without_tqdm(monkeypatch, capsys):
 
 def test_train_tokenizer_tiny(tmp_path):
     _corpus(tmp_path / "raw")
-    prepare_data.main(["--input", str(tmp_path / "raw"), "--out", str(tmp_path / "p"), "--shards", "2"])
+    prepare_data.main([f"input={tmp_path / 'raw'}", f"out={tmp_path / 'p'}", "shards=2"])
     model = train_tokenizer.train([str(tmp_path / "p" / "train")], str(tmp_path / "tok"), vocab_size=320, threads=1)
     from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 

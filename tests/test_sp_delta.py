@@ -337,3 +337,76 @@ def test_fla_widened_pass_two_virtual_ranks_on_gpu():
     ref = [ref_o, *_grads_or_skip(lambda: torch.autograd.grad((ref_o.float() * do.float()).sum(), ins))]
     got = [results[True], *torch.autograd.grad((results[True] * do.float()).sum(), ins)]
     _close(got, ref, NAMES)
+
+
+# ----------------------------------------------------------------------------- bf16 autocast (issue 17)
+
+# Under the trainer's bf16 autocast, the scan's matrix products and the correction S_inᵀ q̃ ran in bf16
+# (autocast casts matmul/bmm). fp32 inputs must still give fp32-level results: bf16 misses this by far.
+AUTOCAST_VARIANTS = [("zeco", "chain", False), ("zeco", "tree", False), ("zeco", "chain", True),
+                     ("lasp1", "chain", True), ("lasp2", "chain", False), ("lasp2", "chain", True)]
+AUTOCAST_TOL = 2e-5
+
+
+def _autocast_worker(rank, P):
+    out = {}
+    for method, algo, varlen in AUTOCAST_VARIANTS:
+        b = 1 if varlen else B
+        ins = [t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL].clone().requires_grad_()
+               for t in global_inputs(P, B=b)[:5]]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o = sp_gated_delta(*ins, method=method, cu_seqlens=docs_for(P) if varlen else None,
+                               scan=AllScanArgs(algorithm=algo, n_blocks=2))
+        (o * global_inputs(P, B=b)[5][:, rank * T_LOCAL:(rank + 1) * T_LOCAL]).sum().backward()
+        out[(method, algo, varlen)] = [o.detach()] + [t.grad for t in ins]
+    return out
+
+
+def test_sp_gated_delta_under_bf16_autocast_stays_fp32():
+    P = 3
+    per_rank = run_on_ranks(_autocast_worker, P, timeout_s=180)
+    oracles = {}
+    for varlen in (False, True):
+        q, k, v, g, beta, do = (t.double() for t in global_inputs(P, B=1 if varlen else B))
+        ins64 = [t.requires_grad_() for t in (q, k, v, g, beta)]
+        o64 = naive_gated_delta(*ins64, cu_seqlens=docs_for(P) if varlen else None)[0]
+        oracles[varlen] = [o64.detach(), *torch.autograd.grad((o64 * do).sum(), ins64)]
+    for method, algo, varlen in AUTOCAST_VARIANTS:
+        got = [torch.cat([r[(method, algo, varlen)][i] for r in per_rank], dim=1) for i in range(6)]
+        assert got[0].dtype == torch.float32
+        errs = {n: max_rel(a, b) for n, a, b in zip(NAMES, got, oracles[varlen])}
+        bad = {n: e for n, e in errs.items() if e > AUTOCAST_TOL}
+        assert not bad, f"gated delta {method}/{algo}/varlen={varlen} under bf16 autocast: {bad}"
+
+
+# ----------------------------------------------------------------------------- empty documents (issue 17)
+
+def docs_with_empty(P):
+    """Zero-length documents at the start, inside rank 0, at the rank boundary T_LOCAL and at the end."""
+    T = P * T_LOCAL
+    return torch.tensor(sorted([0, 0, 7, 7, T_LOCAL, T_LOCAL, min(T_LOCAL + 5, T), T - 3, T, T]))
+
+
+def _empty_docs_worker(rank, P):
+    q, k, v, g, beta, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=1))
+    out = {}
+    for method in ("zeco", "lasp1", "lasp2") if P > 1 else ("none",):
+        for cu in (docs_with_empty(P), docs_with_empty(P).unique()):
+            ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+            o = sp_gated_delta(*ins, method=method, cu_seqlens=cu)
+            (o * do).sum().backward()
+            out.setdefault(method, []).append([o.detach()] + [t.grad for t in ins])
+    return out
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_zero_length_documents_change_nothing(P):
+    per_rank = run_on_ranks(_empty_docs_worker, P, timeout_s=180) if P > 1 else [_empty_docs_worker(0, 1)]
+    q, k, v, g, beta, _ = global_inputs(P, B=1)
+    oracle = naive_gated_delta(q, k, v, g, beta, cu_seqlens=docs_with_empty(P))[0]
+    for method in per_rank[0]:
+        with_empty, without = ([torch.cat([r[method][j][i] for r in per_rank], dim=1) for i in range(6)]
+                               for j in (0, 1))
+        for name, a, b in zip(NAMES, with_empty, without):
+            assert torch.equal(a, b), f"{method} at P={P}: {name} changes with empty documents"
+        assert max_rel(with_empty[0], oracle) < 2e-5, f"{method} at P={P} differs from the oracle"

@@ -115,3 +115,81 @@ def test_local_input_errors():
         sp_gla(q, q, q, q.clamp(max=0), method="ring")
     with pytest.raises(ValueError, match="cu_seqlens must be"):
         sp_gla(q[:1], q[:1], q[:1], q[:1].clamp(max=0), cu_seqlens=torch.tensor([0, 3, 9]))
+
+
+# Issue 17: under the trainer's bf16 autocast the state correction ran in bf16 (its einsum is a bmm,
+# which autocast casts). fp32 inputs under autocast must still give fp32-level results: a bf16
+# correction misses this tolerance by orders of magnitude (bf16 carries 8 bits).
+AUTOCAST_VARIANTS = [("zeco", "chain", False), ("zeco", "tree", True), ("zeco", "hier", False),
+                     ("lasp1", "chain", True), ("lasp2", "chain", False), ("lasp2", "chain", True)]
+AUTOCAST_TOL = 1e-5
+
+
+def _autocast_worker(rank, P):
+    out = {}
+    for method, algo, varlen in AUTOCAST_VARIANTS:
+        b = 1 if varlen else B
+        q, k, v, g, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=b, seed=1))
+        q, k, v, g = (t.clone().requires_grad_() for t in (q, k, v, g))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            o = sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None, fused=False,
+                       scan=AllScanArgs(algorithm=algo, n_blocks=2, node_size=1))
+        (o * do).sum().backward()  # outside autocast, as the trainer does
+        out[(method, algo, varlen)] = [o.detach(), q.grad, k.grad, v.grad, g.grad]
+    return out
+
+
+def oracle_with_grads(P, varlen, seed):
+    q, k, v, g, do = (t.double() for t in global_inputs(P, B=1 if varlen else B, seed=seed))
+    q, k, v, g = (t.requires_grad_() for t in (q, k, v, g))
+    o, _ = naive_gla(q, k, v, g, cu_seqlens=docs_for(P) if varlen else None)
+    (o * do).sum().backward()
+    return [o.detach(), q.grad, k.grad, v.grad, g.grad]
+
+
+def test_sp_gla_under_bf16_autocast_keeps_fp32_state_and_correction():
+    P = 3
+    per_rank = run_on_ranks(_autocast_worker, P, timeout_s=180)
+    oracles = {vl: oracle_with_grads(P, vl, seed=1) for vl in (False, True)}
+    for method, algo, varlen in AUTOCAST_VARIANTS:
+        got = [torch.cat([r[(method, algo, varlen)][i] for r in per_rank], dim=1) for i in range(5)]
+        assert got[0].dtype == torch.float32
+        errs = {n: max_rel(a, b) for n, a, b in zip("o dq dk dv dg".split(), got, oracles[varlen])}
+        bad = {n: e for n, e in errs.items() if e > AUTOCAST_TOL}
+        assert not bad, f"{method}/{algo}/varlen={varlen} under bf16 autocast is not fp32-exact: {bad}"
+
+
+# Issue 17: zero-length documents (equal consecutive boundaries) crashed the torch backend. They must
+# change nothing: the result equals that of the same sequence with them removed, gradients too.
+def docs_with_empty(P):
+    """Empty documents at the start, inside rank 0, at the rank boundary T_LOCAL, and at the end."""
+    T = P * T_LOCAL
+    return torch.tensor(sorted([0, 0, 5, 5, T_LOCAL, T_LOCAL, min(T_LOCAL + 3, T), T - 2, T, T]))
+
+
+EMPTY_DOC_VARIANTS = [("zeco", "chain"), ("zeco", "tree"), ("lasp1", "chain"), ("lasp2", "chain")]
+
+
+def _empty_docs_worker(rank, P):
+    q, k, v, g, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=1, seed=2))
+    out = {}
+    for method, algo in EMPTY_DOC_VARIANTS if P > 1 else [("none", "chain")]:
+        for cu in (docs_with_empty(P), docs_with_empty(P).unique()):
+            ins = [t.clone().requires_grad_() for t in (q, k, v, g)]
+            o = sp_gla(*ins, method=method, cu_seqlens=cu, scan=AllScanArgs(algorithm=algo, n_blocks=2))
+            (o * do).sum().backward()
+            out.setdefault((method, algo), []).append([o.detach()] + [t.grad for t in ins])
+    return out
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_zero_length_documents_change_nothing(P):
+    per_rank = run_on_ranks(_empty_docs_worker, P, timeout_s=180) if P > 1 else [_empty_docs_worker(0, 1)]
+    q, k, v, g, _ = global_inputs(P, B=1, seed=2)
+    oracle, _ = naive_gla(q, k, v, g, cu_seqlens=docs_with_empty(P))
+    for key in per_rank[0]:
+        with_empty, without = ([torch.cat([r[key][j][i] for r in per_rank], dim=1) for i in range(5)]
+                               for j in (0, 1))
+        for name, a, b in zip("o dq dk dv dg".split(), with_empty, without):
+            assert torch.equal(a, b), f"{key} at P={P}: {name} changes with empty documents"
+        assert max_rel(with_empty[0], oracle) < 2e-5, f"{key} at P={P} differs from the oracle"

@@ -123,10 +123,12 @@ def test_grad_accumulation_matches_bigger_batch(tmp_path):
     torch.testing.assert_close(torch.tensor(acc), torch.tensor(big), rtol=1e-5, atol=0)
 
 
-def test_resume_continues_exactly(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_resume_continues_exactly(tmp_path, async_save):
     """6 steps in one go vs 3 steps, stop, rerun to 6: the rerun resumes at 3 and the losses of
-    steps 4-6 are the same (model, optimizer, scheduler, data position and RNG all restored)."""
-    common = ["data.seq_len=64", "checkpoint.dump.every=3", "optim.decay_steps=6"]
+    steps 4-6 are the same (model, optimizer, scheduler, data position and RNG all restored).
+    async_save: the checkpoints are written in the background (gloo groups of one process)."""
+    common = ["data.seq_len=64", "checkpoint.dump.every=3", "optim.decay_steps=6", f"checkpoint.async_save={async_save}"]
     full = train(_args(tmp_path / "full", *common, "steps=6"))["losses"]
     first = train(_args(tmp_path / "cut", *common, "steps=3"))["losses"]
     second = train(_args(tmp_path / "cut", *common, "steps=6"))["losses"]
@@ -137,3 +139,60 @@ def test_resume_continues_exactly(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     done = train(_args(tmp_path / "cut", *common, "steps=6"))  # nothing left to do
     assert done == {"losses": {}, "step": 6}
+
+
+# -- issue 17: resume and checkpoints --------------------------------------------------------------------
+def _main_error(capsys, argv) -> str:
+    """Run the CLI in-process; it must stop with exit 2 and exactly one `error:` line: return it."""
+    from apps.gla.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), (e.value.code, err)
+    return err[0]
+
+
+@pytest.mark.slow
+def test_resume_on_another_world_size_reshards_sp_or_refuses(tmp_path, capsys):
+    """A checkpoint of 2 ranks (SP=2, 2 x 32 tokens) resumed by one process: with the same global
+    sequence (seq_len 64) the data position and RNG come from SP rank 0 of the same DP rank and the run
+    continues as an uninterrupted SP=1 run would (SP=2 and SP=1 agree to ~1e-7); with another sequence
+    length the data position has no equivalent: one error line naming both layouts, exit 2."""
+    common = ["checkpoint.dump.every=2", "optim.decay_steps=4", "data.batch_size=1"]
+    ref = train(_args(tmp_path / "ref", *common, "steps=4", "data.seq_len=64"))["losses"]
+    argv = [*TINY, f"dump_dir={tmp_path / 'cut'}", *common, "steps=2", "data.seq_len=32", "distributed.sp_size=2"]
+    run_on_ranks(_train_on_rank, 2, argv)
+    refused = _main_error(capsys, [*TINY, f"dump_dir={tmp_path / 'cut'}", *common, "steps=4", "data.seq_len=32"])
+    assert "world size 2" in refused and "dp 1, sp 2" in refused and "world size 1" in refused \
+        and "dp 1, sp 1" in refused, refused
+    got = train(_args(tmp_path / "cut", *common, "steps=4", "data.seq_len=64"))["losses"]
+    assert sorted(got) == [3, 4]
+    torch.testing.assert_close(torch.tensor([got[3], got[4]]), torch.tensor([ref[3], ref[4]]), rtol=SP_RTOL, atol=0)
+
+
+def test_changed_model_shape_names_the_config_keys(tmp_path, capsys, caplog):
+    """model.dim changed on an existing dump_dir: not "corrupt checkpoints" and fallbacks, but one line
+    naming the key with its saved and new values."""
+    train(_args(tmp_path, "steps=2", "data.seq_len=32", "checkpoint.dump.every=1"))
+    with caplog.at_level("WARNING"):
+        line = _main_error(capsys, [*TINY, f"dump_dir={tmp_path}", "steps=4", "data.seq_len=32", "model.dim=48"])
+    assert "model.dim" in line and "32" in line and "48" in line and "config.yaml" in line, line
+    assert "falling back" not in caplog.text and "could be loaded" not in line
+
+
+def test_failed_start_keeps_config_yaml_and_eval_works(tmp_path, capsys):
+    """A rerun that cannot start (here: 3 layers on a 2-layer run's checkpoints) must leave the run's
+    config.yaml as it was, so apps.gla.eval still evaluates the intact checkpoints."""
+    from apps.gla.eval import EvalCLIArgs, run
+    from apps.gla.train import main
+    from lingua_zeco.evaluation import EvalArgs
+
+    held_out = ["eval.every=100", "eval.steps=1"]  # training reads builtin:train, eval the held-out split
+    train(_args(tmp_path, "steps=2", "data.seq_len=32", "checkpoint.dump.every=2", *held_out))
+    saved = (tmp_path / "config.yaml").read_text()
+    with pytest.raises((SystemExit, RuntimeError)):  # how it fails is the previous test's business
+        main([*TINY, f"dump_dir={tmp_path}", "steps=4", "data.seq_len=32", "model.n_layers=3", *held_out])
+    assert (tmp_path / "config.yaml").read_text() == saved
+    res = run(EvalCLIArgs(dump_dir=str(tmp_path), eval=EvalArgs(every=1, steps=1), device="cpu"))
+    assert res["step"] == 2 and res["val_loss"] > 0

@@ -2,18 +2,30 @@
 
     python -m apps.gla.eval dump_dir=dumps/debug                       # newest complete checkpoint
     python -m apps.gla.eval ckpt=dumps/debug/checkpoints/step_0000000050 eval.steps=50
-    torchrun --nproc_per_node=4 -m apps.gla.eval dump_dir=...         # data-parallel evaluation
+    torchrun --nproc_per_node=8 -m apps.gla.eval dump_dir=...         # the run's SP size, DP over the rest
+    torchrun --nproc_per_node=2 -m apps.gla.eval dump_dir=... sp_size=2   # any SP size: same context
 
 The run's own `config.yaml` (in dump_dir, or `config=...`) gives the model, tokenizer and data;
-`eval.*` keys choose the validation data (lingua_zeco/evaluation.py). The checkpoint is loaded
-through DCP into an unsharded model on each rank (no FSDP, no sequence parallelism). Prints one
-JSON line and appends it to `out` when set.
+`eval.*` keys choose the validation data (lingua_zeco/evaluation.py). The ranks form the training
+mesh through lingua_zeco/distributed.py: SP groups of `sp_size` ranks (default: the run's) with the
+run's sp_method and All-Scan, data parallel over the rest. Each sequence is the training context
+(sp x seq_len as the checkpoint records it), split into sp_size slices; so a model trained on one
+long sequence over several GPUs is evaluated at its own length, on as many ranks as that needs.
+The checkpoint is loaded through DCP into an unsharded model on each rank (no FSDP). Prints one
+JSON line (with the loss by token position, also as a table on stderr) and appends it to `out`
+through the trainer's metrics writer when set.
+
+Validation data that the run trained on (the run's own config says what its training stream read)
+is refused with one `error:` line, exit 2; `eval.allow_train_overlap=true` reports it as
+`train_set_loss` instead. More `eval.steps` than the validation data holds is warned about.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import pickle
 import sys
 from dataclasses import dataclass, field
 
@@ -23,9 +35,12 @@ from omegaconf import OmegaConf
 from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
 from lingua_zeco import distributed as D
-from lingua_zeco.args import build
+from lingua_zeco import reliability as R
+from lingua_zeco.args import ConfigError, build
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
-from lingua_zeco.evaluation import EvalArgs, evaluate
+from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
+from lingua_zeco.metrics import LoggingArgs, MetricLogger
+from lingua_zeco.resume_layout import Layout
 
 
 @dataclass
@@ -36,6 +51,8 @@ class EvalCLIArgs:
     eval: EvalArgs = field(default_factory=lambda: EvalArgs(every=1))
     out: str = ""  # append the result as a json line here
     device: str = ""  # empty: cuda when available
+    sp_size: int = 0  # ranks per SP group (DP over the other ranks); 0 = the run's distributed.sp_size
+    context: int = 0  # tokens per sequence; 0 = the training context (the checkpoint's sp x seq_len)
 
 
 def load_run_config(dump_dir: str, config: str = "") -> TrainArgs:
@@ -45,39 +62,80 @@ def load_run_config(dump_dir: str, config: str = "") -> TrainArgs:
     return build(TrainArgs, OmegaConf.load(path))
 
 
-def load_model(cfg: TrainArgs, ckpt: str, device: torch.device) -> tuple[GLAForCausalLM, str]:
-    """An unsharded fp32 model (torch kernels on CPU, fla on CUDA) with the checkpoint's weights."""
-    model = GLAForCausalLM(cfg.model)
+def load_model(cfg: TrainArgs, ckpt: str, device: torch.device, sp_group=None,
+               sp_method: str = "none") -> tuple[GLAForCausalLM, str]:
+    """An unsharded fp32 model (torch kernels on CPU, fla on CUDA) with the checkpoint's weights;
+    with an SP group, its attention runs sequence-parallel like the run's training."""
+    model = GLAForCausalLM(cfg.model, sp_group=sp_group, sp_method=sp_method, sp_scan=cfg.distributed.all_scan)
     path = CheckpointManager(CheckpointArgs(), cfg.dump_dir).load_model_only(ckpt, model)
     return model.to(device).eval(), path
 
 
+def mesh_args(cfg: TrainArgs, sp_size: int) -> D.DistributedArgs:
+    """The run's SP layout (size, method, All-Scan) with plain data parallelism over the other ranks."""
+    method = cfg.distributed.sp_method if cfg.distributed.sp_method != "none" else "zeco"  # any sp_size
+    return D.DistributedArgs(sp_size=sp_size or cfg.distributed.sp_size, sp_method=method, fsdp=False,
+                             timeout_s=cfg.distributed.timeout_s, all_scan=cfg.distributed.all_scan)
+
+
+def training_context(cfg: TrainArgs, ckpt_path: str) -> int:
+    """Tokens per training sequence: the layout the trainer saved with the checkpoint, else the config's
+    sp_size x seq_len (a run with sp_size=auto and no recorded layout needs context=)."""
+    try:
+        extra = torch.load(os.path.join(ckpt_path, "extra.pt"), map_location="cpu", weights_only=False)
+        return Layout(**extra["layout"]).tokens
+    except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError, RuntimeError):
+        pass  # no readable layout: the config's
+    if isinstance(cfg.distributed.sp_size, int):
+        return cfg.distributed.sp_size * cfg.data.seq_len
+    raise ConfigError(f"{ckpt_path} records no layout and the run's distributed.sp_size is "
+                      f"{cfg.distributed.sp_size!r}: give context=<tokens per training sequence>")
+
+
 def run(args: EvalCLIArgs) -> dict:
     cfg = load_run_config(args.dump_dir, args.config)
+    # What the run trained on follows from its own eval settings (eval.every=0 on the built-in corpus
+    # reads all of it, held-out split included); refused here, before any checkpoint is loaded.
+    trained_on = training_data_args(cfg.data, cfg.eval)
+    validation_data_args(cfg.data, args.eval, trained_on)
     ckpt = args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints")
-    env = D.setup(D.DistributedArgs(sp_size=1, sp_method="none", fsdp=False))
+    try:
+        env = D.setup(mesh_args(cfg, args.sp_size))
+    except ValueError as e:
+        raise ConfigError(f"{e}; for evaluation set sp_size=<ranks per sequence>, a divisor of the ranks "
+                          f"launched (the context stays the training one)") from e
     try:
         device = torch.device(args.device) if args.device else env.device
-        model, path = load_model(cfg, ckpt, device)
+        model, path = load_model(cfg, ckpt, device, env.sp_group, env.sp_method)
+        context = args.context or training_context(cfg, path)
+        if context % env.dims.sp:
+            raise ConfigError(f"a context of {context} tokens does not split into sp_size={env.dims.sp} equal slices")
+        data = dataclasses.replace(cfg.data, seq_len=context // env.dims.sp)  # this rank's slice of each sequence
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-        result = evaluate(model, cfg.data, args.eval, device=device, dp_rank=env.rank, dp_size=env.dims.world,
-                          autocast=autocast)
+        result = evaluate(model, data, args.eval, device=device, dp_rank=env.dp_rank, dp_size=env.dims.dp,
+                          sp_rank=env.sp_rank, sp_size=env.dims.sp, autocast=autocast, trained_on=trained_on)
     finally:
         D.teardown(env)
     step = int(os.path.basename(path).split("_")[-1]) if os.path.basename(path).startswith("step_") else None
-    result = {"ckpt": path, "step": step, **result}
+    result = {"ckpt": path, "step": step, "sp_size": env.dims.sp, "dp_size": env.dims.dp, **result}
     if env.is_master:
         print(json.dumps(result))
-        if args.out:
-            with open(args.out, "a") as f:
-                f.write(json.dumps(result) + "\n")
+    if args.out:  # the trainer's writer: one whole line appended per evaluation (rank 0 only)
+        out = os.path.abspath(args.out)
+        writer = MetricLogger(os.path.dirname(out), LoggingArgs(metrics_file=os.path.basename(out)),
+                              active=env.is_master)
+        writer.log(result)
+        writer.close()
     return result
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     argv = sys.argv[1:] if argv is None else argv
-    run(build(EvalCLIArgs, OmegaConf.from_dotlist(argv)))  # `config=` is the run's config file, kept as a key
+    if int(os.environ.get("RANK", "0")) != 0:  # one rank's info lines are enough (as in training)
+        logging.getLogger().setLevel(logging.WARNING)
+    with R.clean_exit():  # bad input: one `error: ...` line on stderr, exit 2 (lingua_zeco/reliability.py)
+        run(build(EvalCLIArgs, OmegaConf.from_dotlist(argv)))  # `config=` is the run's config file, kept as a key
 
 
 if __name__ == "__main__":

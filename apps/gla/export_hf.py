@@ -2,17 +2,29 @@
 
     python -m apps.gla.export_hf dump_dir=dumps/gla_1b_zeco out=exports/gla_1b [ckpt=...step_0000010000] [dtype=bf16]
 
-    import fla  # registers model_type "gla" with transformers
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained("exports/gla_1b")
+On a CUDA machine, with fla's Triton kernels:
 
-Writes config.json (fla's GLAConfig, model_type "gla", default fused config whose parameter names
-are ours: attn.g_norm_swish_gate), model.safetensors, and the tokenizer file when the run used
-one (SentencePiece: tokenizer.model; tiktoken: tokenizer.tiktoken). Weights are renamed by
-nothing: our parameter names are fla's (tests/test_model.py, tests/test_export_hf.py).
+    import fla  # registers model_type "gla" and "gated_deltanet" with transformers
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained("exports/gla_1b").cuda()
+
+Triton has no CPU driver, so on a CPU-only machine fla's first kernel fails ("0 active drivers").
+There, run the same folder with this repository's model, whose kernels are plain torch off CUDA:
+`python -m apps.gla.generate export=exports/gla_1b prompt="Once"`, or
+`model, tokenizer = apps.gla.export_hf.load_export("exports/gla_1b")`.
+
+Writes config.json (fla's config, default fused layout, whose parameter names are ours), model.safetensors,
+the run's tokenizer file (SentencePiece: tokenizer.model; tiktoken: tokenizer.tiktoken; bytes: none
+needed) and lingua_zeco.json (our model args and tokenizer, for load_export). Per model.attn_variant:
+* gla: fla's GLAForCausalLM, weights as they are;
+* gated_deltanet: fla's GatedDeltaNetForCausalLM (use_short_conv=False, as ours), weights as they are;
+* simple_gla: fla has no simple-GLA model, so it is written as an exactly equivalent GLA: the per-head
+  gate (dim -> n_heads) becomes GLA's low-rank gate (dim -> 16 -> key_dim) with each head's gate
+  repeated over its key channels. Needs n_heads <= 16 (gate_low_rank_dim).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,82 +32,145 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from omegaconf import OmegaConf
 
-from apps.gla.model import GLAArgs
-from lingua_zeco.args import build
+from apps.gla.model import GLAArgs, GLAForCausalLM
+from lingua_zeco.args import ConfigError, build, parse_args
 
 FLA_FIXED = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}  # fla's GLA layer hard-codes these
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+META = "lingua_zeco.json"
+TOKENIZER_FILES = {"sp": "tokenizer.model", "tiktoken": "tokenizer.tiktoken"}
 
 
 @dataclass
 class ExportArgs:
-    dump_dir: str = ""
+    dump_dir: str = ""  # the run's folder (config.yaml, checkpoints/)
     ckpt: str = ""  # step_* folder or checkpoints root; empty = <dump_dir>/checkpoints
-    config: str = ""  # empty = <dump_dir>/config.yaml
-    out: str = ""
-    dtype: str = "bf16"  # bf16 | fp16 | fp32
+    config: str = ""  # the run's config; empty = <dump_dir>/config.yaml
+    out: str = ""  # the folder to write (created)
+    dtype: str = "bf16"  # bf16 | fp16 | fp32: dtype of the written weights
 
 
 def fla_config(args: GLAArgs, tokenizer=None):
-    """fla's GLAConfig for our GLAArgs; refuses what fla's model cannot express."""
+    """fla's config for our GLAArgs (GLAConfig or GatedDeltaNetConfig); refuses what fla cannot express."""
+    common = dict(hidden_size=args.dim, intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers,
+                  num_heads=args.n_heads, vocab_size=args.vocab_size, norm_eps=args.norm_eps,
+                  tie_word_embeddings=args.tie_embeddings, initializer_range=args.init_std, attn_mode="chunk",
+                  use_short_conv=False, hidden_act="swish", fuse_norm=True)
+    if tokenizer is not None:
+        common.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    if args.attn_variant == "gated_deltanet":
+        from fla.models import GatedDeltaNetConfig
+
+        head_k, head_v = args.key_dim // args.n_heads, args.value_dim // args.n_heads
+        if int(head_k * (head_v / head_k)) != head_v:  # fla derives its value head dim that way
+            raise ValueError(f"gated_deltanet: value head dim {head_v} is not head_k * expand_v in fla's "
+                             f"floating point (head_k={head_k}); cannot export")
+        cfg = GatedDeltaNetConfig(head_dim=head_k, expand_v=head_v / head_k, use_gate=True, allow_neg_eigval=False,
+                                  **common)
+        cfg.architectures = ["GatedDeltaNetForCausalLM"]
+        return cfg
     from fla.models import GLAConfig
 
     for key, want in FLA_FIXED.items():
         if getattr(args, key) != want:
             raise ValueError(f"model.{key}={getattr(args, key)}: fla's GLA layer fixes it to {want}; cannot export")
-    extra = {}
-    if tokenizer is not None:
-        extra = dict(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
-    cfg = GLAConfig(hidden_size=args.dim, expand_k=args.expand_k, expand_v=args.expand_v,
-                    intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers, num_heads=args.n_heads,
-                    vocab_size=args.vocab_size, norm_eps=args.norm_eps, tie_word_embeddings=args.tie_embeddings,
-                    initializer_range=args.init_std, attn_mode="chunk", use_short_conv=False,
-                    use_output_gate=True, hidden_act="swish", fuse_norm=True, **extra)
+    if args.attn_variant == "simple_gla" and args.n_heads > args.gate_low_rank_dim:
+        raise ValueError(f"model.attn_variant=simple_gla with n_heads={args.n_heads}: fla has no simple-GLA "
+                         f"model, and its GLA gate (rank {args.gate_low_rank_dim}) holds at most "
+                         f"{args.gate_low_rank_dim} per-head gates; cannot export. Run the checkpoint with "
+                         f"python -m apps.gla.generate dump_dir=... instead")
+    cfg = GLAConfig(expand_k=args.expand_k, expand_v=args.expand_v, use_output_gate=True, **common)
     cfg.architectures = ["GLAForCausalLM"]
     return cfg
 
 
-def export(model, out: str, *, dtype: str = "bf16", tokenizer_args=None) -> str:
-    """Write config.json + model.safetensors (+ tokenizer file) for an unsharded GLAForCausalLM."""
+def fla_weights(model: GLAForCausalLM) -> tuple[GLAArgs, dict[str, torch.Tensor]]:
+    """The model args and state dict fla's model takes: ours, except simple_gla's gate as a GLA gate."""
+    args, state = model.args, dict(model.state_dict())
+    if args.attn_variant != "simple_gla":
+        return args, state
+    H, K, r = args.n_heads, args.key_dim // args.n_heads, args.gate_low_rank_dim
+    for i in range(args.n_layers):
+        pre = f"model.layers.{i}.attn.gk_proj."
+        w, b = state.pop(pre + "weight"), state.pop(pre + "bias")  # [H, dim], [H]
+        down = w.new_zeros(r, w.shape[1])
+        down[:H] = w  # rank-r projection: the H head gates, then zero rows
+        up = w.new_zeros(H * K, r)
+        up[torch.arange(H * K), torch.arange(H).repeat_interleave(K)] = 1  # key channel (h, k) reads head h
+        state.update({pre + "0.weight": down, pre + "1.weight": up, pre + "1.bias": b.repeat_interleave(K)})
+    return dataclasses.replace(args, attn_variant="gla"), state
+
+
+def export(model: GLAForCausalLM, out: str, *, dtype: str = "bf16", tokenizer_args=None, source: str = "") -> str:
+    """Write config.json + model.safetensors + tokenizer file + lingua_zeco.json for an unsharded model."""
     from safetensors.torch import save_file
 
-    from lingua_zeco.tokenizer import build_tokenizer
+    from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
+    tokenizer_args = tokenizer_args or TokenizerArgs()
+    tok = build_tokenizer(tokenizer_args)  # before writing anything: a missing tokenizer file fails here
+    cfg = fla_config(model.args, tok)  # refuses before anything is written
+    args, state = fla_weights(model)
     os.makedirs(out, exist_ok=True)
-    tok = build_tokenizer(tokenizer_args) if tokenizer_args is not None else None
-    cfg = fla_config(model.args, tok)
     cfg.torch_dtype = str(DTYPES[dtype]).replace("torch.", "")
     cfg.save_pretrained(out)
-    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:
+    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in state.items()}
+    if args.tie_embeddings:
         state.pop("lm_head.weight")  # shared with the embeddings; transformers re-ties it
     save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer_args is not None and tokenizer_args.name in ("sp", "tiktoken"):
-        name = "tokenizer.model" if tokenizer_args.name == "sp" else "tokenizer.tiktoken"
-        shutil.copyfile(tokenizer_args.path, os.path.join(out, name))
-    if tok is not None:
-        with open(os.path.join(out, "lingua_zeco_tokenizer.json"), "w") as f:
-            json.dump({"name": tokenizer_args.name, "n_words": tok.n_words, "bos_id": tok.bos_id,
-                       "eos_id": tok.eos_id}, f, indent=1)
+    tok_file = TOKENIZER_FILES.get(tokenizer_args.name)
+    if tok_file is not None:
+        shutil.copyfile(tokenizer_args.path, os.path.join(out, tok_file))
+    meta = {"model": dataclasses.asdict(args), "trained_as": model.args.attn_variant, "source": source,
+            "tokenizer": {"name": tokenizer_args.name, "file": tok_file, "n_words": tok.n_words,
+                          "bos_id": tok.bos_id, "eos_id": tok.eos_id}}
+    with open(os.path.join(out, META), "w") as f:
+        json.dump(meta, f, indent=1)
     return out
+
+
+def load_export(folder: str, device: str | torch.device = "cpu"):
+    """(model, tokenizer) from an export folder, as this repository's model: plain torch kernels off
+    CUDA (any CPU), fla's on CUDA."""
+    from safetensors.torch import load_file
+
+    from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
+
+    meta_path = os.path.join(folder, META)
+    if not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{meta_path} not found: {folder!r} is not a folder written by apps.gla.export_hf")
+    with open(meta_path) as f:
+        meta = json.load(f)
+    model = GLAForCausalLM(build(GLAArgs, meta["model"]))
+    state = load_file(os.path.join(folder, "model.safetensors"))
+    if model.args.tie_embeddings:
+        state["lm_head.weight"] = state["model.embeddings.weight"]
+    model.load_state_dict(state)  # strict; copies into the model's dtype
+    t = meta["tokenizer"]
+    tok = build_tokenizer(TokenizerArgs(name=t["name"], path=os.path.join(folder, t["file"]) if t["file"] else None))
+    return model.to(device).eval(), tok
 
 
 def main(argv: list[str] | None = None) -> None:
     from apps.gla.eval import load_model, load_run_config
 
-    args = build(ExportArgs, OmegaConf.from_dotlist(sys.argv[1:] if argv is None else argv))
+    args = parse_args(ExportArgs, sys.argv[1:] if argv is None else argv)
     if not args.out:
-        raise SystemExit("give out=<folder>")
+        raise ConfigError("give out=<folder> (the export folder to write)")
     if args.dtype not in DTYPES:
-        raise SystemExit(f"dtype={args.dtype!r}; choose from {', '.join(DTYPES)}")
+        raise ConfigError(f"dtype={args.dtype!r}; choose from {', '.join(DTYPES)}")
+    if not (args.dump_dir or args.config):
+        raise ConfigError("give dump_dir=<run folder> (with config.yaml and checkpoints/), or config= and ckpt=")
     cfg = load_run_config(args.dump_dir, args.config)
     model, path = load_model(cfg, args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints"),
                              torch.device("cpu"))
-    export(model, args.out, dtype=args.dtype, tokenizer_args=cfg.data.tokenizer)
+    export(model, args.out, dtype=args.dtype, tokenizer_args=cfg.data.tokenizer, source=path)
     print(f"exported {path} -> {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    from lingua_zeco.reliability import clean_exit
+
+    with clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -25,6 +25,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from apps.gla.model import GatedRMSNorm, GLAArgs
+from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm
 from lingua_zeco.sp import sp_gated_delta
 
 
@@ -58,7 +59,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log.copy_(A.log().to(self.A_log))
         self.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt))).to(self.dt_bias))
 
-    def forward(self, x, cu_seqlens=None):
+    def _inputs(self, x):
+        """q, k [B, T, H, K], v [B, T, H, V]; the log decay g and write strength beta [B, T, H]."""
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k, self.head_v
         q = F.silu(self.q_proj(x)).view(B, T, H, K)
@@ -67,7 +69,34 @@ class GatedDeltaNet(nn.Module):
         acc = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 at least (fp64 stays fp64)
         beta = self.b_proj(x).to(acc).sigmoid()
         g = -self.A_log.to(acc).exp() * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))
+        return q, k, v, g, beta
+
+    def _output(self, o, x):
+        B, T, _ = x.shape
+        o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, self.n_heads, self.head_v))
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def forward(self, x, cu_seqlens=None):
+        q, k, v, g, beta = self._inputs(x)
         o = sp_gated_delta(q, k, v, g, beta, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
                            use_qk_l2norm=True, scan=self.sp_scan)
-        o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, H, V))
-        return self.o_proj(o.reshape(B, T, H * V))
+        return self._output(o, x)
+
+    @torch.no_grad()
+    def forward_with_state(self, x, state=None):
+        """Generation: x [B, T, D] continuing from `state` [B, H, K, V] (None = zeros), one device, no SP.
+        Returns (output, new state in fp32 at least). One token: S <- exp(g) S, then S += beta k (v - S^T k)^T
+        (the delta rule's write of the prediction error), o = scale S^T q; a prompt: the chunked kernel."""
+        q, k, v, g, beta = self._inputs(x)
+        q, k = l2norm(q), l2norm(k)
+        if x.shape[1] == 1 and state is not None:
+            q1, k1, v1 = (t[:, 0].to(state.dtype) for t in (q, k, v))
+            g1, b1 = g[:, 0].to(state.dtype), beta[:, 0].to(state.dtype)
+            state = g1.exp()[..., None, None] * state
+            err = v1 - torch.einsum("bhk,bhkv->bhv", k1, state)
+            state = state + b1[..., None, None] * k1[..., None] * err[..., None, :]
+            o = (self.head_k ** -0.5) * torch.einsum("bhk,bhkv->bhv", q1, state)[:, None]
+        else:
+            o, state = chunk_gated_delta(q, k, v, g, beta, initial_state=state, output_final_state=True)
+            state = state.to(torch.promote_types(q.dtype, torch.float32))
+        return self._output(o, x), state

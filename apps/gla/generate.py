@@ -1,8 +1,10 @@
-"""Sampling from a checkpoint with GLA's recurrent state: the prompt is processed once (chunked
-kernel, fla on CUDA / torch elsewhere), then each new token costs one state update per layer,
-S <- diag(exp(g)) S + k v^T, with S [B, H, K, V] in fp32. The prefix is never re-encoded.
+"""Sampling from a checkpoint (or an export_hf folder) with the model's recurrent state: the prompt is
+processed once (chunked kernel, fla on CUDA / torch elsewhere), then each new token costs one state
+update per layer, S [B, H, K, V] in fp32: GLA / simple GLA S <- diag(exp(g)) S + k v^T, Gated
+DeltaNet S <- exp(g) S + beta k (v - exp(g) S^T k)^T. The prefix is never re-encoded.
 
     python -m apps.gla.generate dump_dir=dumps/debug prompt="def main" max_tokens=200 temperature=0.8 top_p=0.9
+    python -m apps.gla.generate export=exports/gla_1b prompt="Once"       # a folder from apps.gla.export_hf
 """
 from __future__ import annotations
 
@@ -12,12 +14,9 @@ import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from omegaconf import OmegaConf
 
-from apps.gla.model import GatedLinearAttention, GLAForCausalLM
-from lingua_zeco import kernels
-from lingua_zeco.args import build
+from apps.gla.model import GLAForCausalLM
+from lingua_zeco.args import ConfigError, parse_args
 from lingua_zeco.tokenizer import build_tokenizer
 
 
@@ -25,43 +24,26 @@ from lingua_zeco.tokenizer import build_tokenizer
 class GenerateArgs:
     dump_dir: str = ""  # the run's folder (config.yaml, checkpoints/)
     ckpt: str = ""  # step_* folder or checkpoints root; empty = <dump_dir>/checkpoints
-    config: str = ""  # empty = <dump_dir>/config.yaml
-    prompt: str = ""
-    max_tokens: int = 128
+    config: str = ""  # the run's config; empty = <dump_dir>/config.yaml
+    export: str = ""  # instead of a run: a folder written by apps.gla.export_hf (model + tokenizer)
+    prompt: str = ""  # text to continue (the tokenizer's bos is put before it)
+    max_tokens: int = 128  # new tokens at most (generation also stops at eos)
     temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
+    top_k: int = 0  # sample among the k likeliest tokens; 0 = off
     top_p: float = 1.0  # nucleus sampling; 1 = off
-    seed: int = 0
+    seed: int = 0  # sampling seed
     device: str = ""  # empty: cuda when available
-
-
-def _attention(attn: GatedLinearAttention, x, state):
-    """One attention layer over x [B, T, D] from `state` [B, H, K, V] (None = zeros); returns (out, state)."""
-    B, T, _ = x.shape
-    H, K, V = attn.n_heads, attn.head_k, attn.head_v
-    q = attn.q_proj(x).view(B, T, H, K)
-    k = attn.k_proj(x).view(B, T, H, K)
-    v = attn.v_proj(x).view(B, T, H, V)
-    g = F.logsigmoid(attn.gk_proj(x).view(B, T, H, K).float()) / attn.gate_logit_normalizer
-    if T == 1 and state is not None:  # the recurrent step: O(H*K*V) per token
-        q1, k1, v1, g1 = q[:, 0].float(), k[:, 0].float(), v[:, 0].float(), g[:, 0]
-        state = g1.exp()[..., None] * state + k1[..., None] * v1[..., None, :]
-        o = (K ** -0.5) * torch.einsum("bhk,bhkv->bhv", q1, state)[:, None]
-    else:  # a prompt (or a chunk of one): the chunked kernel, started from the carried state
-        o, state = kernels.chunk_gla(q, k, v, g.to(q.dtype), initial_state=state, output_final_state=True)
-        state = state.float()
-    o = attn.g_norm_swish_gate(o.to(x.dtype), attn.g_proj(x).view(B, T, H, V))
-    return attn.o_proj(o.reshape(B, T, H * V)), state
 
 
 @torch.no_grad()
 def forward_with_state(model: GLAForCausalLM, input_ids, states=None):
-    """Logits [B, T, vocab] of `input_ids` continuing from `states` (one [B,H,K,V] per layer, or None)."""
+    """Logits [B, T, vocab] of `input_ids` continuing from `states` (one [B, H, K, V] per layer, or None).
+    Each attention layer (GLA, simple GLA, Gated DeltaNet) carries its own recurrent state."""
     layers = model.model.layers
     states = list(states) if states is not None else [None] * len(layers)
     h = model.model.embeddings(input_ids)
     for i, block in enumerate(layers):
-        a, states[i] = _attention(block.attn, block.attn_norm(h), states[i])
+        a, states[i] = block.attn.forward_with_state(block.attn_norm(h), states[i])
         h = h + a
         h = h + block.mlp(block.mlp_norm(h))
     return model.lm_head(model.model.norm(h)), states
@@ -106,15 +88,26 @@ def generate(model: GLAForCausalLM, prompt_ids: list[int], *, max_tokens: int, t
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
+def load(args: GenerateArgs, device: torch.device):
+    """(model, tokenizer) from the export folder or from the run's checkpoint."""
+    if args.export:
+        from apps.gla.export_hf import load_export
+
+        return load_export(args.export, device)
+    if not (args.dump_dir or args.config):
+        raise ConfigError("give dump_dir=<run folder> (with config.yaml and checkpoints/) or export=<export_hf folder>")
     from apps.gla.eval import load_model, load_run_config
 
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    args = build(GenerateArgs, OmegaConf.from_dotlist(sys.argv[1:] if argv is None else argv))
     cfg = load_run_config(args.dump_dir, args.config)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, _ = load_model(cfg, args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints"), device)
-    tok = build_tokenizer(cfg.data.tokenizer)
+    return model, build_tokenizer(cfg.data.tokenizer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    args = parse_args(GenerateArgs, sys.argv[1:] if argv is None else argv)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tok = load(args, device)
     prompt = tok.encode(args.prompt, add_bos=True, add_eos=False)
     new = generate(model, prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, eos_id=tok.eos_id, seed=args.seed, device=device)
@@ -122,4 +115,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from lingua_zeco.reliability import clean_exit
+
+    with clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lingua_zeco import kernels
 from lingua_zeco.sp import sp_gla, sp_simple_gla
 
 AC_MODES = ("none", "full", "selective")
@@ -26,23 +27,24 @@ ATTN_VARIANTS = ("gla", "simple_gla", "gated_deltanet")  # gated_deltanet: apps/
 
 @dataclass
 class GLAArgs:
-    dim: int = 2048
-    n_layers: int = 20
-    n_heads: int = 16
+    dim: int = 2048  # hidden size
+    n_layers: int = 20  # blocks of attention + SwiGLU MLP
+    n_heads: int = 16  # attention heads (each with a head_k x head_v state)
     expand_k: float = 1.0  # key dim = dim * expand_k (fla's convention)
-    expand_v: float = 1.0
+    expand_v: float = 1.0  # value dim = dim * expand_v
     ffn_hidden: int = 5632  # 0 = fla's rule: 8/3 * dim rounded up to a multiple of 256
     vocab_size: int = 32000  # 0 = the tokenizer's n_words
-    norm_eps: float = 1e-6
-    gate_low_rank_dim: int = 16
-    gate_logit_normalizer: int = 16
-    tie_embeddings: bool = False
-    init_std: float = 0.02
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    gate_low_rank_dim: int = 16  # gla: rank of the forget-gate projection (fla: 16)
+    gate_logit_normalizer: int = 16  # log forget gate = logsigmoid(.) / this (fla: 16)
+    tie_embeddings: bool = False  # the LM head shares the embedding matrix
+    init_std: float = 0.02  # std of the normal init of every matrix
     fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
     # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
-    # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads)
+    # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads);
+    # gated_deltanet: the gated delta rule (apps/gla/gated_deltanet.py)
     attn_variant: str = "gla"
     # parameter / compute dtype off CUDA: fp32 | fp64 (exactness checks such as SP-size parity; the
     # norms and the loss compute in at least fp32, so fp64 stays fp64). CUDA runs keep fp32 + bf16 autocast.
@@ -135,17 +137,43 @@ class GatedLinearAttention(nn.Module):
         self.o_proj = nn.Linear(vd, d, bias=False)
         self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
 
-    def forward(self, x, cu_seqlens=None):
+    def _inputs(self, x):
+        """q, k [B, T, H, K], v [B, T, H, V] and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
         B, T, _ = x.shape
         H, K, V = self.n_heads, self.head_k, self.head_v
         q = self.q_proj(x).view(B, T, H, K)
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
-        attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
         gk = F.logsigmoid(self.gk_proj(x).view(B, T, H, -1).squeeze(-1)) / self.gate_logit_normalizer
+        return q, k, v, gk
+
+    def _output(self, o, x):
+        B, T, _ = x.shape
+        o = self.g_norm_swish_gate(o.to(x.dtype), self.g_proj(x).view(B, T, self.n_heads, self.head_v))
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def forward(self, x, cu_seqlens=None):
+        q, k, v, gk = self._inputs(x)
+        attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
         o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens, scan=self.sp_scan)
-        o = self.g_norm_swish_gate(o.to(x.dtype), self.g_proj(x).view(B, T, H, V))
-        return self.o_proj(o.reshape(B, T, H * V))
+        return self._output(o, x)
+
+    @torch.no_grad()
+    def forward_with_state(self, x, state=None):
+        """Generation: x [B, T, D] continuing from `state` [B, H, K, V] (None = zeros), one device, no SP.
+        Returns (output, new state in fp32 at least). One token costs one state update; a prompt, the
+        chunked kernel started from the state."""
+        q, k, v, g = self._inputs(x)
+        if self.variant == "simple_gla":
+            g = g[..., None].expand_as(q)  # a per-head decay is a per-key decay that is constant over K
+        if x.shape[1] == 1 and state is not None:  # S <- diag(exp(g)) S + k v^T, o = scale q^T S
+            q1, k1, v1, g1 = (t[:, 0].to(state.dtype) for t in (q, k, v, g))
+            state = g1.exp()[..., None] * state + k1[..., None] * v1[..., None, :]
+            o = (self.head_k ** -0.5) * torch.einsum("bhk,bhkv->bhv", q1, state)[:, None]
+        else:
+            o, state = kernels.chunk_gla(q, k, v, g.to(q.dtype), initial_state=state, output_final_state=True)
+            state = state.to(_acc(q.dtype))
+        return self._output(o, x), state
 
 
 class SwiGLU(nn.Module):

@@ -1,18 +1,31 @@
 """Loss (train and validation) and tokens/s/GPU of a run, from its metrics.jsonl, to a PNG.
 
-    python -m apps.gla.plot_metrics dumps/debug                 # -> dumps/debug/metrics.png
-    python -m apps.gla.plot_metrics dumps/a/metrics.jsonl dumps/b --out compare.png
+    python -m apps.gla.plot_metrics dump_dir=dumps/debug                       # -> dumps/debug/metrics.png
+    python -m apps.gla.plot_metrics dump_dir=dumps/a compare=dumps/b,dumps/c out=compare.png
 """
 from __future__ import annotations
 
-import argparse
 import os
+import sys
+from dataclasses import dataclass, field
 
+from lingua_zeco.args import ConfigError, parse_args
 from lingua_zeco.metrics import read_metrics
 
 
+@dataclass
+class PlotArgs:
+    dump_dir: str = ""  # the run's folder (or its metrics.jsonl)
+    compare: list[str] = field(default_factory=list)  # other runs drawn beside it (folders or metrics.jsonl files)
+    out: str = ""  # the PNG to write; empty = <dump_dir>/metrics.png
+
+
 def _metrics_path(p: str) -> str:
-    return os.path.join(p, "metrics.jsonl") if os.path.isdir(p) else p
+    path = os.path.join(p, "metrics.jsonl") if os.path.isdir(p) else p
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no metrics at {path!r}: give a run folder (dump_dir) or its metrics.jsonl; "
+                                f"a run writes it from its first logged step on")
+    return path
 
 
 def plot(runs: list[str], out: str) -> str:
@@ -45,14 +58,17 @@ def plot(runs: list[str], out: str) -> str:
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("runs", nargs="+", help="run folders (dump_dir) or metrics.jsonl files")
-    ap.add_argument("--out", default="", help="PNG path; default <first run>/metrics.png")
-    a = ap.parse_args(argv)
-    out = a.out or os.path.join(os.path.dirname(os.path.abspath(_metrics_path(a.runs[0]))), "metrics.png")
-    print(plot(a.runs, out))
+def main(argv: list[str] | None = None) -> str:
+    args = parse_args(PlotArgs, sys.argv[1:] if argv is None else argv)
+    if not args.dump_dir:
+        raise ConfigError("give dump_dir=<run folder> (the one holding metrics.jsonl)")
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(_metrics_path(args.dump_dir))), "metrics.png")
+    print(plot([args.dump_dir, *args.compare], out))
+    return out
 
 
 if __name__ == "__main__":
-    main()
+    from lingua_zeco.reliability import clean_exit
+
+    with clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

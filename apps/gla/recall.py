@@ -5,7 +5,9 @@ Hooks read the labels the trainer passes to the model and the final hidden state
 the answer positions (a few rows of the LM head, never the full [tokens, vocab] logits), so the
 trainer's step is unchanged. Counts stay on the device until `reduce()`, a collective over the world
 that every rank calls at logging time: each answer is held by exactly one rank (its SP slice), so
-the sums count every answer of the step once. Only training-mode forwards are counted.
+the sums count every answer of the step once. Only training-mode forwards are counted; evaluation
+scores recall itself (`val_recall_acc`, lingua_zeco/evaluation.py), and `eval.recall_span=P` lays the
+pairs on the first and the queries on the last of P SP ranks.
 """
 from __future__ import annotations
 

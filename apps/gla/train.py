@@ -25,9 +25,12 @@ from apps.gla.recall import RecallMeter
 from lingua_zeco import distributed as D
 from lingua_zeco import evaluation as E
 from lingua_zeco import reliability as R
-from lingua_zeco.args import dump_config, parse_args, to_dict
-from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
+from lingua_zeco import resume_layout as RL
+from lingua_zeco import run_dir as RD
+from lingua_zeco.args import ConfigError, dump_config, parse_args, to_dict
+from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError
 from lingua_zeco.data import DataArgs, build_data_loader
+from lingua_zeco.data.mqar import IGNORE_INDEX
 from lingua_zeco.metrics import LoggingArgs, MetricLogger, StepTimer, memory_stats, peak_flops, throughput
 from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm
 from lingua_zeco.profiling import ProfilerArgs, maybe_profile
@@ -89,30 +92,31 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
-    """All micro-batches of one step. Returns (local loss sum, global token count, data wait s)."""
-    data_wait = 0.0
+    """All micro-batches of one step. Returns (local loss sum, global token count, data wait s).
+
+    The gradient is that of the step's global token mean: every micro-batch's loss sum is divided by
+    the count of counted tokens (labels != IGNORE_INDEX) of the whole step, i.e. all micro-batches of
+    all DP and SP ranks. So the step's batches are read and that count all-reduced before the first
+    backward (a per-micro-batch count would weight a sparse micro-batch's tokens more)."""
+    td = time.perf_counter()  # host-side wait only: no device sync inside the step
+    batches = [next(data) for _ in range(args.grad_acc_steps)]
+    data_wait = time.perf_counter() - td
+    batches = [{k: _to_device(b[k], env.device) for k in ("input_ids", "labels", "cu_seqlens") if k in b}
+               for b in batches]
+    n_global = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum().to(torch.float64)
+    dist.all_reduce(n_global)  # one scalar per step, on the device (no host sync)
+    # FSDP's reduce-scatter (and allreduce_grads) average over the world (dp x sp ranks): x world
+    # undoes that division, so the reduced gradient is sum over ranks of d(loss_sum) / n_global.
+    scale = env.dims.world / n_global.clamp_min(1.0)
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
-    n_sum = torch.zeros((), device=env.device, dtype=torch.float64)
-    for micro in range(args.grad_acc_steps):
-        td = time.perf_counter()  # host-side wait only: no device sync inside the step
-        batch = next(data)
-        data_wait += time.perf_counter() - td
-        input_ids, labels = _to_device(batch["input_ids"], env.device), _to_device(batch["labels"], env.device)
-        cu = batch.get("cu_seqlens")
-        cu = _to_device(cu, env.device) if cu is not None else None
+    for micro, b in enumerate(batches):
         if args.distributed.fsdp:
             model.set_requires_gradient_sync(micro == args.grad_acc_steps - 1)  # reduce once per step
         with autocast:
-            tok_loss, n_tok = model(input_ids, labels=labels, cu_seqlens=cu)
-        # Global token count of this micro-batch (scalar all-reduce, no host sync): each rank
-        # scales its loss sum so that the world-average of gradients is the global mean.
-        n_global = n_tok.detach().to(torch.float64)
-        dist.all_reduce(n_global)
-        scale = env.dims.world / (n_global.clamp_min(1.0) * args.grad_acc_steps)
+            tok_loss, _ = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
         (tok_loss * scale.to(tok_loss.dtype)).backward()
         loss_sum += tok_loss.detach().to(torch.float64)
-        n_sum += n_global
-    return loss_sum, n_sum, data_wait
+    return loss_sum, n_global, data_wait
 
 
 def train_step(model, optimizer, scheduler, data, env: D.DistEnv, args: TrainArgs, autocast, guard: R.StepGuard,
@@ -138,21 +142,41 @@ def _saves_or_evaluates(args: TrainArgs, step: int) -> bool:
     return (every > 0 and step % every == 0) or E.due(args.eval, step, args.steps)
 
 
+def _dump_dir(args: TrainArgs) -> str:
+    return args.dump_dir or os.path.join("dumps", args.name)
+
+
+def _layout(args: TrainArgs, env: D.DistEnv) -> dict:
+    return RL.layout(env.dims.world, env.dims.dp, env.dims.sp, args.data.seq_len)
+
+
+def _model_changed(args: TrainArgs, dump_dir: str, ckpt_path: str, e: ModelMismatchError) -> ConfigError:
+    """Checkpoints of another model shape are a config change, not damage: name the differing keys."""
+    saved, changes = RD.config_changes(dump_dir, to_dict(args), ("model.", "data.tokenizer."))
+    what = "; ".join(changes) or f"no model key differs, but tensors do ({'; '.join(e.mismatches[:3])})"
+    return ConfigError(f"the checkpoints in {ckpt_path} hold another model than this run: {what} (saved config: "
+                       f"{saved}). Rerun with the saved values, or use another dump_dir")
+
+
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
     env = D.setup(args.distributed)
+    lock = None
     try:
+        lock = RD.lock_dump_dir(_dump_dir(args), env.is_master)  # one run per dump_dir, before any write
         return _train(args, env)
     except RuntimeError as e:
         if R.is_collective_failure(e):  # a peer died or hangs: name this rank, do not wait on the group
             raise R.collective_error(e, env.rank, env.dims.world, args.distributed.timeout_s) from e
         raise
     finally:
+        if lock is not None:
+            lock.release()
         D.teardown(env)
 
 
 def _train(args: TrainArgs, env: D.DistEnv) -> dict:
-    dump_dir = args.dump_dir or os.path.join("dumps", args.name)
+    dump_dir = _dump_dir(args)
     if args.model.vocab_size <= 0:
         args = dataclasses.replace(args, model=dataclasses.replace(
             args.model, vocab_size=build_tokenizer(args.data.tokenizer).n_words))
@@ -160,8 +184,8 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
     R.check_config(args)
     R.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
-    if env.is_master:
-        dump_config(args, dump_dir)
+    ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s)
+    RD.check_writable(ckpt.path)  # a read-only or full disk fails now, not at the first save
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
@@ -173,14 +197,20 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
     data = build_data_loader(E.training_data_args(args.data, args.eval),
                              dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
                              sp_size=env.dims.sp, seed=args.seed)
-    ckpt = CheckpointManager(args.checkpoint, dump_dir)
     step = 0
-    resumed = ckpt.maybe_resume(model, optimizer)
+    source = RL.RankStateSource(_layout(args, env), env.dp_rank, env.sp_rank, env.rank)  # another world size
+    try:
+        resumed = ckpt.maybe_resume(model, optimizer, source_rank=source)
+    except ModelMismatchError as e:
+        raise _model_changed(args, dump_dir, ckpt.path, e) from e
     if resumed is not None:
         step, extra, per_rank = resumed
+        per_rank = source.adapt(per_rank)
         scheduler.load_state_dict(extra["scheduler"])
         data.load_state_dict(per_rank["data"])
         _set_rng_state(per_rank["rng"])
+    if env.is_master:  # only once started from a compatible state: a failed start keeps the run's config
+        dump_config(args, dump_dir)
     guard = R.StepGuard(args.reliability, skipped=resumed[1].get("skipped_steps", 0) if resumed else 0)
     fault = R.FaultInjection(env.rank)
     metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name, config=to_dict(args))
@@ -246,11 +276,13 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     metrics.log({"step": step, **E.evaluate(model, args.data, args.eval, device=env.device, autocast=autocast,
                                 dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
 
+                ckpt.poll()  # a background save written on every rank is marked complete now
                 every = args.checkpoint.dump.every
                 if (every > 0 and step % every == 0) or step == args.steps or verdict.stop:
                     guard.settle()  # a stop found one step late: read this step's verdict before saving
                     ckpt.save(step, model, optimizer,
-                              extra={"step": step, "scheduler": scheduler.state_dict(), "skipped_steps": guard.skipped},
+                              extra={"step": step, "scheduler": scheduler.state_dict(), "skipped_steps": guard.skipped,
+                                     "layout": _layout(args, env)},
                               per_rank={"data": data.state_dict(), "rng": _rng_state()})
                 timer.resume()
                 fault.after_step(step)
@@ -258,6 +290,7 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     logger.warning("stop signal (%s here): checkpoint of step %d saved; rerun the same command to "
                                    "resume", signals.name or "none", step)
                     break
+            ckpt.close()  # the last save (end of run, stop signal) is complete before we leave
     finally:  # stop the prefetch thread and flush the metrics file even when a step fails
         data.close()
         metrics.close()

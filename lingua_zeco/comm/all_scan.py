@@ -95,6 +95,20 @@ def node_size_of(args: AllScanArgs, P: int) -> int:
     return G if 0 < G <= P and P % G == 0 else P
 
 
+def hier_node_size(args: AllScanArgs, P: int) -> int:
+    """The node size hier runs with (an explicit one that does not divide P is refused there)."""
+    return args.node_size or node_size_of(args, P)
+
+
+def hier_groups_needed(args: AllScanArgs, P: int) -> int:
+    """The node size whose sub-groups all_scan may use on groups of P ranks with these args, 0 if none:
+    hier, or auto where the groups span more than one node (callers make them up front)."""
+    G = hier_node_size(args, P)
+    if P <= 1 or P % G or args.algorithm not in ("hier", "auto") or (args.algorithm == "auto" and G == P):
+        return 0
+    return G
+
+
 def estimate(P: int, nbytes: int, args: AllScanArgs) -> dict[str, float]:
     """Modelled seconds of each algorithm; hops that cross a node boundary pay the inter-node cost."""
     G = node_size_of(args, P)
@@ -238,7 +252,7 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
         if algo == "tree":
             return _tree(x, a, group, pos, P, peer)
         if algo == "hier":
-            return hierarchical_scan(x, a, group, reverse, args.node_size or node_size_of(args, P),
+            return hierarchical_scan(x, a, group, reverse, hier_node_size(args, P),
                                      args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps))
         n_blocks = args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps)
         return _chain(x, a, group, pos, P, peer, n_blocks)

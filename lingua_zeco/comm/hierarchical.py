@@ -8,6 +8,7 @@ With N nodes of G ranks (in scan order), rank (n, l):
   3. Y_n is broadcast inside the node;  y = y_loc + A_excl ⊙ Y_n.
 One state crosses each inter-node link ceil(log2 N) times instead of the chain's N-1 sequential
 hops; inside a node the chain keeps the volume at one state per rank.
+The sub-groups are made up front by every rank (init_node_groups; distributed.setup calls it).
 """
 from __future__ import annotations
 
@@ -16,18 +17,43 @@ import math
 import torch
 import torch.distributed as dist
 
+# (group's global ranks in group-rank order, node size) -> (world it was made in, intra, cross)
 _GROUPS: dict = {}
 
 
-def _node_groups(group, P: int, G: int):
-    """(intra-node groups by node, cross-node groups by local index), cached; built by all ranks."""
-    key = (id(group), P, G)
-    if key not in _GROUPS:
-        ranks = dist.get_process_group_ranks(group)
-        intra = [dist.new_group(ranks[n * G:(n + 1) * G]) for n in range(P // G)]
+def init_node_groups(groups: list[list[int]], node_size: int) -> None:
+    """Make hier's sub-groups for every group in `groups` (lists of global ranks, e.g. every SP group).
+
+    dist.new_group is collective over the whole world and names a group by a per-process counter, so
+    every rank must call this with the same lists in the same order, member or not (made lazily
+    inside one SP group, the SP groups' sub-groups took the same names and cross-wired their gloo
+    connections). A rank keeps the sub-groups of the groups it belongs to."""
+    me, G = dist.get_rank(), node_size
+    for ranks in groups:
+        ranks = sorted(int(r) for r in ranks)  # a torch group's ranks are its sorted global ranks
+        if G <= 0 or len(ranks) % G:
+            raise ValueError(f"init_node_groups: node_size={G} must divide the group size {len(ranks)}")
+        intra = [dist.new_group(ranks[n * G:(n + 1) * G]) for n in range(len(ranks) // G)]
         cross = [dist.new_group(ranks[l::G]) for l in range(G)]
-        _GROUPS[key] = (intra, cross)
-    return _GROUPS[key]
+        if me in ranks:
+            _GROUPS[(tuple(ranks), G)] = (dist.group.WORLD, intra, cross)
+
+
+def _node_groups(group, P: int, G: int):
+    """(intra-node groups by node, cross-node groups by local index), made by init_node_groups.
+    A group spanning the world gets them here: all ranks are in the scan, so all take part."""
+    ranks = tuple(dist.get_process_group_ranks(group))
+    hit = _GROUPS.get((ranks, G))
+    if hit is None or hit[0] is not dist.group.WORLD:  # none yet, or made in a destroyed world
+        if P != dist.get_world_size():
+            raise RuntimeError(
+                f"all_scan(algorithm='hier') on a group of {P} of the world's {dist.get_world_size()} ranks: "
+                f"its sub-groups must be made up front by every rank, in one order. Call "
+                f"lingua_zeco.comm.init_node_groups(<every such group's ranks>, node_size={G}) on all ranks "
+                f"(lingua_zeco.distributed.setup does it for the SP groups).")
+        init_node_groups([list(ranks)], G)
+        hit = _GROUPS[(ranks, G)]
+    return hit[1], hit[2]
 
 
 def hierarchical_time(P: int, G: int, nbytes: int, alpha_s: float, beta_Bps: float,

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 
 from lingua_zeco.data.mqar import MQARArgs, MQARLoader
-from lingua_zeco.data.sources import DocumentSource, resolve_sources
+from lingua_zeco.data.hf_sources import build_hf_source
+from lingua_zeco.data.source_spec import SourceSpec
+from lingua_zeco.data.sources import DocumentSource, resolve_specs
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
 STATE_VERSION = 1
@@ -25,8 +27,10 @@ STATE_VERSION = 1
 @dataclass
 class DataArgs:
     root_dir: str | None = None  # folder with data files
-    # subfolder (or file) name -> sampling weight; empty + root_dir None => built-in corpus;
-    # empty + root_dir set => every data file under root_dir as one source
+    # source name -> sampling weight. A name is a subfolder or file of root_dir (jsonl / parquet, or a
+    # Dataset.save_to_disk folder), "stream:PATH" (files read by `datasets` streaming) or "hf:ID" (a Hub
+    # dataset from the local cache), optionally followed by ?text_key=..&split=..&config=.. (docs/data.md).
+    # Empty + root_dir None => built-in corpus; empty + root_dir set => every data file under root_dir
     sources: dict[str, float] = field(default_factory=dict)
     seq_len: int = 2048  # tokens per GPU (per SP rank)
     batch_size: int = 1  # sequences per data-parallel rank
@@ -35,8 +39,8 @@ class DataArgs:
     on_bad_line: str = "skip"  # "skip" (count them) | "error"
     add_bos: bool = True
     add_eos: bool = True
-    text_key: str = "text"  # jsonl field / parquet column holding the document text
-    shuffle_files: bool = True  # seeded per-epoch file order within each source
+    text_key: str = "text"  # jsonl field / parquet column / dataset column holding the text (per source: ?text_key=)
+    shuffle_files: bool = True  # seeded per-epoch file order within each source (row order of a map-style HF dataset)
     prefetch: int = 2  # batches prepared ahead on a background thread (0 = build batches inline)
     synthetic: str = ""  # "" = documents as above | "mqar": multi-query associative recall (data/mqar.py)
     mqar: MQARArgs = field(default_factory=MQARArgs)
@@ -50,23 +54,26 @@ class _Packer:
         self.dp_rank, self.dp_size, self.sp_rank, self.sp_size = dp_rank, dp_size, sp_rank, sp_size
         self.tokenizer = build_tokenizer(args.tokenizer)
         self.stats = {"bad_lines": 0, "documents": 0, "sequences": 0}
-        files = resolve_sources(args.root_dir, args.sources)
-        weights = args.sources or {name: 1.0 for name in files}
-        self.names = sorted(files)
+        specs = resolve_specs(args.root_dir, args.sources, args.text_key)
+        weights = args.sources or {name: 1.0 for name in specs}
+        self.names = sorted(specs)
         total = float(sum(weights[n] for n in self.names))
         self.cum_weights, acc = [], 0.0
         for n in self.names:
             acc += weights[n] / total
             self.cum_weights.append(acc)
-        self.sources = {
-            n: DocumentSource(n, files[n], dp_rank=dp_rank, dp_size=dp_size, seed=seed,
-                              text_key=args.text_key, shuffle_files=args.shuffle_files,
-                              on_bad_line=args.on_bad_line, stats=self.stats)
-            for n in self.names
-        }
+        self.sources = {n: self._source(specs[n]) for n in self.names}
         self.doc_count = 0  # documents drawn by this DP rank: indexes the stateless source choice
         self.buffer: list[int] = []  # tokens not yet emitted (starts with the overlap token)
         self.starts: list[int] = []  # buffer positions where a document begins
+
+    def _source(self, spec: SourceSpec):
+        kw = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed, on_bad_line=self.args.on_bad_line,
+                  stats=self.stats)
+        if spec.kind in ("builtin", "files"):
+            files = None if spec.files is None else list(spec.files)
+            return DocumentSource(spec.name, files, text_key=spec.text_key, shuffle_files=self.args.shuffle_files, **kw)
+        return build_hf_source(spec, shuffle=self.args.shuffle_files, **kw)
 
     def _pick_source(self) -> str:
         if len(self.names) == 1:
@@ -185,6 +192,13 @@ class PackedDataLoader:
         if self._thread is not None and self._consumed_state is not None:
             return dict(self._consumed_state["stats"])
         return self._packer.stats
+
+    @property
+    def epoch(self) -> int:
+        """The furthest epoch of any source in the batches handed out: > 0 once a document repeats."""
+        if self._thread is not None and self._consumed_state is not None:
+            return max(s["epoch"] for s in self._consumed_state["sources"].values())
+        return max(s.state["epoch"] for s in self._packer.sources.values())
 
     def __iter__(self):
         return self

@@ -13,11 +13,14 @@ of the sequence; its label (the token to predict at that position) is the key's 
 position has the label IGNORE_INDEX, so only answers are scored. With sp_size = 2 and
 query_start = 0.5 the pairs lie in rank 0's half and every query in rank 1's: the answer can only
 come from the recurrent state handed across the rank boundary. Chance accuracy is 1 / n_values.
+For evaluation, `across_ranks(args, P)` (eval.recall_span) puts the queries in the last 1/P of the
+sequence and the pairs at its start: over P SP ranks, every answer needs the state of all of them.
 
 The stream is a pure function of (seed, dp_rank, sequence index): the state is one counter.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass
@@ -75,6 +78,15 @@ def mqar_sequence(args: MQARArgs, n_tokens: int, rng: random.Random) -> tuple[li
     for pos, i in zip(spots, asked):
         x[pos], y[pos] = keys[i], values[i]
     return x, y
+
+
+def across_ranks(args: MQARArgs, parts: int) -> MQARArgs:
+    """Evaluation layout over `parts` SP ranks: the pairs at the sequence start (the first rank) and the
+    queries in the last 1/parts of it (the last rank), so every answer needs the state carried across
+    all ranks in between. The same sequences for any sp_size (parts fixes the layout, not the mesh)."""
+    if parts < 2:
+        raise ValueError(f"eval.recall_span={parts}: give the number of ranks to span (>= 2), or 0 for the training layout")
+    return dataclasses.replace(args, query_start=(parts - 1) / parts, gap=-1)
 
 
 def check_mqar(args: MQARArgs, n_tokens: int) -> None:

@@ -4,7 +4,8 @@ A source is an ordered stream of records (jsonl lines, parquet rows, built-in do
 in epochs. Record number k of the stream (counted over files and epochs) belongs to data-parallel rank
 k % dp_size, so DP ranks read disjoint documents of each epoch. Every rank walks the whole stream but
 parses only its own records. The position (epoch, file, offset, record count) is the whole state, so a
-resume re-opens the file at the saved offset and continues exactly.
+resume re-opens the file at the saved offset and continues exactly. Sources read through Hugging Face
+`datasets` follow the same rules (hf_sources.py); source_spec.py decides which kind a name is.
 """
 from __future__ import annotations
 
@@ -12,22 +13,15 @@ import json
 import logging
 import os
 import random
-from pathlib import Path
+
+from lingua_zeco.data.source_spec import DATA_SUFFIXES, HUB_PREFIX, SourceSpec, list_files, parse_source
 
 log = logging.getLogger(__name__)
 
-DATA_SUFFIXES = (".jsonl", ".parquet")
-
 
 def list_data_files(path: str) -> list[str]:
-    """A data file, or every data file under a folder, sorted by relative path (stable everywhere)."""
-    p = Path(path)
-    if p.is_file():
-        return [str(p)] if p.name.endswith(DATA_SUFFIXES) else []
-    if not p.is_dir():
-        return []
-    found = [q for q in p.rglob("*") if q.is_file() and q.name.endswith(DATA_SUFFIXES)]
-    return [str(q) for q in sorted(found, key=lambda q: q.relative_to(p).as_posix())]
+    """A jsonl / parquet file, or every one under a folder, sorted by relative path (stable everywhere)."""
+    return list_files(path, DATA_SUFFIXES)
 
 
 BUILTIN_SPLITS = {"builtin": "all", "builtin:train": "train", "builtin:valid": "valid"}
@@ -75,6 +69,37 @@ def _parquet_records(path: str, row: int, text_key: str):
         start += n
 
 
+def _jsonl_text(raw: bytes, key: str) -> tuple[str | None, str | None]:
+    """(text, None) for a good jsonl line, else (None, what is wrong on one line)."""
+    try:
+        # Strict UTF-8 (a leading BOM allowed) before parsing: json.loads(bytes) guesses UTF-16/32 from
+        # the first bytes and lets encoded surrogates through, and raises UnicodeDecodeError otherwise.
+        line = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        return None, f"not valid UTF-8 (byte {e.start}: {e.reason})"
+    try:
+        obj = json.loads(line)
+    except (ValueError, RecursionError) as e:  # not only JSONDecodeError: int digit limit, deep nesting
+        return None, f"invalid JSON ({getattr(e, 'msg', None) or e})"
+    if not isinstance(obj, dict) or not isinstance(obj.get(key), str):
+        return None, f"no string field {key!r}"
+    text = obj[key]
+    try:
+        text.encode("utf-8")  # a "\\ud800" escape gives a lone surrogate, which no tokenizer can encode
+    except UnicodeEncodeError as e:
+        return None, f"not valid UTF-8 text: {key!r} holds a lone surrogate (\\u{ord(text[e.start]):04x})"
+    return text, None
+
+
+def bad_record(where: str, problem: str, on_bad_line: str, stats: dict) -> None:
+    """on_bad_line=error: raise; skip: count it in stats["bad_lines"] (logging the first). Returns None."""
+    if on_bad_line == "error":
+        raise ValueError(f"{where}: bad record: {problem} (set data.on_bad_line=skip to skip and count)")
+    if stats["bad_lines"] == 0:
+        log.warning("%s: skipping bad record (%s); further ones are only counted", where, problem)
+    stats["bad_lines"] += 1
+
+
 class DocumentSource:
     """One named source: a list of files (or the built-in documents), read in epochs, strided by DP rank."""
 
@@ -119,26 +144,13 @@ class DocumentSource:
     def _parse(self, payload, line_no: int) -> str | None:
         if isinstance(payload, str):
             return payload
-        problem = None
         if isinstance(payload, bytes):  # a jsonl line
-            try:
-                obj = json.loads(payload)
-            except ValueError as e:
-                obj, problem = None, f"invalid JSON ({e.msg})"
+            text, problem = _jsonl_text(payload, self.text_key)
             if problem is None:
-                if not isinstance(obj, dict) or not isinstance(obj.get(self.text_key), str):
-                    problem = f"no string field {self.text_key!r}"
-                else:
-                    return obj[self.text_key]
+                return text
         else:
             problem = f"{self.text_key!r} is {type(payload).__name__}, not a string"
-        where = f"{self._current_path()}:{line_no}"
-        if self.on_bad_line == "error":
-            raise ValueError(f"{where}: bad record: {problem} (set data.on_bad_line=skip to skip and count)")
-        if self.stats["bad_lines"] == 0:
-            log.warning("%s: skipping bad record (%s); further ones are only counted", where, problem)
-        self.stats["bad_lines"] += 1
-        return None
+        return bad_record(f"{self._current_path()}:{line_no}", problem, self.on_bad_line, self.stats)
 
     def next_doc(self) -> str:
         s = self.state
@@ -182,25 +194,27 @@ class DocumentSource:
         self._fresh_epoch, self._mine_this_epoch = False, 0
 
 
-def resolve_sources(root_dir: str | None, sources: dict[str, float]) -> dict[str, list[str] | None]:
-    """Map source name -> sorted data files (None = built-in corpus); one error listing all that is missing."""
-    if root_dir is None and not sources:
-        return {"builtin": None}
-    if root_dir is None and sources and set(sources) <= set(BUILTIN_SPLITS):
-        return {name: None for name in sources}  # built-in corpus, or its train / valid split
-    if root_dir is None:
-        raise FileNotFoundError(f"data.sources={sorted(sources)} given but data.root_dir is not set")
-    if not os.path.isdir(root_dir):
+def resolve_specs(root_dir: str | None, sources: dict[str, float], text_key: str = "text") -> dict[str, SourceSpec]:
+    """Map source name -> what it reads (source_spec.py); one error listing all that is missing."""
+    builtin = {n: SourceSpec(n, "builtin", None, text_key, files=None) for n in sources or ("builtin",)}
+    if root_dir is None and (not sources or set(sources) <= set(BUILTIN_SPLITS)):
+        return builtin  # the built-in corpus, or its train / valid split
+    paths = [n for n in sources if not n.startswith(HUB_PREFIX)]
+    if root_dir is None and paths:
+        raise FileNotFoundError(f"data.sources={sorted(paths)} given but data.root_dir is not set")
+    if root_dir is not None and not os.path.isdir(root_dir):
         raise FileNotFoundError(f"data.root_dir={root_dir!r} is not a folder")
-    names = sources or {".": 1.0}
     out, missing = {}, []
-    for name in sorted(names):
-        path = os.path.join(root_dir, name)
-        files = list_data_files(path)
-        if not files:
-            missing.append(f"{path} ({'exists but has no' if os.path.exists(path) else 'missing; no'} "
-                           f"{'/'.join(DATA_SUFFIXES)} files)")
-        out[name] = files
+    for name in sorted(sources or {".": 1.0}):
+        spec, why = parse_source(name, root_dir, text_key)
+        if spec is None:
+            missing.append(why)
+        out[name] = spec
     if missing:
         raise FileNotFoundError("data sources not found:\n  " + "\n  ".join(missing))
     return out
+
+
+def resolve_sources(root_dir: str | None, sources: dict[str, float]) -> dict[str, list[str] | None]:
+    """Map source name -> the local files it reads (None = built-in corpus; [] = a Hub dataset)."""
+    return {n: None if s.files is None else list(s.files) for n, s in resolve_specs(root_dir, sources).items()}

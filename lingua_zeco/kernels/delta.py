@@ -75,6 +75,10 @@ def _delta_fixed(q, k, v, g, beta, scale, h0, chunk):
     Every exponent is ≤ 0; only the hand-over of S between chunks is sequential."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    if T == 0:  # an empty document (equal boundaries): no output, the state passes through
+        acc = torch.promote_types(q.dtype, torch.float32)
+        S = q.new_zeros(B, H, K, V, dtype=acc) if h0 is None else h0.to(acc)
+        return v.new_zeros(B, 0, H, V, dtype=acc), S
     pad = (-T) % chunk
     if pad:  # β = 0 and g = 0 make the padded tokens identity transitions that write nothing
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
@@ -107,7 +111,13 @@ def _delta_fixed(q, k, v, g, beta, scale, h0, chunk):
 def torch_chunk_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                             cu_seqlens=None, chunk: int = CHUNK):
     """Same contract as fla's chunk_gated_delta_rule (use_qk_l2norm_in_kernel=False: normalise
-    q, k before, e.g. with l2norm above); returns (o in q's dtype, final state fp32/fp64 or None)."""
+    q, k before, e.g. with l2norm above); returns (o in q's dtype, final state fp32/fp64 or None).
+    fp32 inside whatever the autocast state, as fla's kernel accumulates (autocast would cast the matmuls)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk)
+
+
+def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu_seqlens is None:
         o, ht = _delta_fixed(q, k, v, g, beta, scale, initial_state, chunk)

@@ -18,11 +18,14 @@ def _gla_fixed(q, k, v, g, scale, h0, chunk):
     """One batch of equal-length sequences. q, k, g [B, T, H, K], v [B, T, H, V], h0 [B, H, K, V] or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
+    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (gradient checks)
+    h = q.new_zeros(B, H, K, V, dtype=acc) if h0 is None else h0.to(acc)
+    if T == 0:  # an empty document (equal boundaries): no output, the state passes through
+        return v.new_zeros(B, 0, H, V, dtype=acc), h
     pad = (-T) % chunk
     if pad:  # zero keys/values and zero gates leave the state untouched
         q, k, v, g = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
     N = q.shape[1] // chunk
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (gradient checks)
     q, k, v, g = (t.to(acc).reshape(B, N, chunk, H, -1).transpose(2, 3) for t in (q, k, v, g))  # [B, N, H, C, *]
     G = g.cumsum(-2)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
@@ -31,7 +34,6 @@ def _gla_fixed(q, k, v, g, scale, h0, chunk):
     o = A @ v
     k_to_end = k * (G[..., -1:, :] - G).exp()
     q_from_start = q * G.exp()
-    h = q.new_zeros(B, H, K, V) if h0 is None else h0.to(acc)
     outs = []
     for n in range(N):
         outs.append(scale * q_from_start[:, n] @ h)
@@ -43,7 +45,13 @@ def _gla_fixed(q, k, v, g, scale, h0, chunk):
 
 def torch_chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
                     cu_seqlens=None, chunk: int = CHUNK):
-    """Same contract as fla.ops.gla.chunk_gla; returns (o in q's dtype, final state fp32 or None)."""
+    """Same contract as fla.ops.gla.chunk_gla; returns (o in q's dtype, final state fp32 or None).
+    fp32 inside whatever the autocast state, as fla's kernels accumulate (autocast would cast the matmuls)."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunk_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, chunk)
+
+
+def _chunk_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, chunk):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if cu_seqlens is None:
         o, ht = _gla_fixed(q, k, v, g, scale, initial_state, chunk)

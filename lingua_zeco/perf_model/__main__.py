@@ -1,3 +1,6 @@
+from lingua_zeco.reliability import clean_exit
+
 from .cli import main
 
-raise SystemExit(main())
+with clean_exit():  # bad input: one `error: ...` line, exit code 2
+    raise SystemExit(main())

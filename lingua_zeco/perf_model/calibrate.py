@@ -1,7 +1,7 @@
 """Calibrate the cost model from one folder of raw benchmark outputs and compare it with them.
 
-    python -m lingua_zeco.perf_model check --raw docs/results/raw/2026-11-30-h200x2
-    python -m lingua_zeco.perf_model op --raw docs/results/raw/2026-11-30-h200x2 --P 8,64,256
+    python -m lingua_zeco.perf_model what=check raw=docs/results/raw/2026-11-30-h200x2
+    python -m lingua_zeco.perf_model what=op raw=docs/results/raw/2026-11-30-h200x2 P=8,64,256
 
 The folder holds comm_P<n>.json (bench_comm), op_P<n>.json (bench_op), optionally bench_fused.json
 and metrics_dp.jsonl (trainer). What is fitted, and from which rows:

@@ -1,19 +1,22 @@
-"""`python -m lingua_zeco.perf_model {comm,op,throughput,memory,all} [options] [--set key=value ...]`
+"""`python -m lingua_zeco.perf_model what={comm,op,throughput,memory,all,check} [key=value ...]`
 
 Examples:
-    python -m lingua_zeco.perf_model comm --P 2,8,64,256 --H 16,32
-    python -m lingua_zeco.perf_model op --P 8,16,32,64,128,256,512,1024 --T 16384,32768 \
-        --calib results/comm/comm.json --calib results/op/op.json --set op.scan=chain
-    python -m lingua_zeco.perf_model throughput --P 8,16,32,64,128,256 --T 16384
-    python -m lingua_zeco.perf_model memory --T 16384 --P 8 --set mem.fsdp=8 --set mem.act_ckpt=full
-`--set` reaches any field: op.*, tput.*, mem.*, mem.shape.*, dev.*, topo.*, link.<name>.*.
+    python -m lingua_zeco.perf_model what=comm P=2,8,64,256 H=16,32
+    python -m lingua_zeco.perf_model what=op P=8,16,32,64,128,256,512,1024 T=16384,32768 \
+        calib=results/comm/comm.json,results/op/op.json op.scan=chain
+    python -m lingua_zeco.perf_model what=throughput P=8,16,32,64,128,256 T=16384
+    python -m lingua_zeco.perf_model what=memory T=16384 P=8 mem.fsdp=8 mem.act_ckpt=full
+Besides the keys below, `prefix.field=value` sets any field of the model, after calibration:
+op.*, tput.*, mem.*, mem.shape.*, dev.*, topo.*, link.<name>.*.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
+from dataclasses import dataclass, field
+
+from lingua_zeco.args import ConfigError, parse_args
 
 from .links import Topology, TopologyArgs, apply_link_calibration, default_links, load_calibration, numeric_keys
 from .memory import MemoryArgs, peak_memory
@@ -21,27 +24,32 @@ from .op_model import OpArgs, op_rows
 from .schedules import DeviceArgs, comm_rows
 from .throughput import ThroughputArgs, throughput_rows
 
+TABLES = ("comm", "op", "throughput", "memory", "all", "check")
+MODEL_PREFIXES = ("op", "tput", "mem", "dev", "topo", "link")  # `prefix.field=value`: apply_set
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+
+@dataclass
+class PerfModelArgs:
+    what: str = "all"  # comm | op | throughput | memory | all | check (every measured point of raw= vs the model)
+    P: list[int] = field(default_factory=lambda: [8, 16, 32, 64, 128, 256, 512, 1024])  # SP sizes / GPU counts
+    T: list[int] = field(default_factory=lambda: [16384, 32768])  # local sequence lengths
+    H: list[int] = field(default_factory=lambda: [32, 16])  # heads per state (comm table)
+    blocks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # chain pipelining depths
+    topology: str = "hier"  # hier | nvlink | ib | any calibrated link name
+    gpus_per_node: int = 8  # GPUs per node of the hier topology
+    calib: list[str] = field(default_factory=list)  # JSON files from bench_comm / bench_op
+    raw: str = ""  # folder of raw bench outputs: calibrate everything from it (calibrate.py)
+    json: str = ""  # also write every table here
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m lingua_zeco.perf_model", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=["comm", "op", "throughput", "memory", "all", "check"])
-    ap.add_argument("--P", type=_ints, default=[8, 16, 32, 64, 128, 256, 512, 1024], help="SP sizes / GPU counts")
-    ap.add_argument("--T", type=_ints, default=[16384, 32768], help="local sequence lengths")
-    ap.add_argument("--H", type=_ints, default=[32, 16], help="heads per state (comm table)")
-    ap.add_argument("--blocks", type=_ints, default=[1, 2, 4, 8], help="chain pipelining depths")
-    ap.add_argument("--topology", default="hier", help="hier | nvlink | ib | any calibrated link name")
-    ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--calib", action="append", default=[], help="JSON from bench_comm / bench_op (repeatable)")
-    ap.add_argument("--raw", default=None, help="folder of raw bench outputs: calibrate everything from it "
-                    "(calibrate.py); 'check' compares every measured point with the model")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a field")
-    ap.add_argument("--json", default=None, help="also write every table here")
-    return ap.parse_args(argv)
+def parse(argv: list[str]) -> tuple[PerfModelArgs, list[str]]:
+    """Our keys -> PerfModelArgs (through the project's parser); `op.scan=chain` and the like -> the
+    list of model overrides, applied after calibration."""
+    overrides = [a for a in argv if "=" in a and a.split("=", 1)[0].split(".")[0] in MODEL_PREFIXES]
+    args = parse_args(PerfModelArgs, [a for a in argv if a not in overrides])
+    if args.what not in TABLES:
+        raise ConfigError(f"what={args.what!r}; choose from {', '.join(TABLES)}")
+    return args, overrides
 
 
 def _coerce(old, text: str):
@@ -56,22 +64,21 @@ def _coerce(old, text: str):
 
 def apply_set(targets: dict[str, object], item: str) -> None:
     """`op.intra_frac=0.3` or `link.ib.alpha_s=1.5e-5`: walk attributes / dict keys, refuse unknowns."""
-    key, sep, text = item.partition("=")
-    if not sep:
-        raise SystemExit(f"--set needs KEY=VALUE, got {item!r}")
+    key, _, text = item.partition("=")
     head, *path = key.split(".")
     if head not in targets or not path:
-        raise SystemExit(f"--set {key}: prefix must be one of {sorted(targets)}")
+        raise ConfigError(f"{key}: prefix must be one of {sorted(targets)}")
     obj = targets[head]
     for part in path[:-1]:
         obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
     name = path[-1]
     if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
-        raise SystemExit(f"--set {key}: no such field")
+        fields = sorted(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else []
+        raise ConfigError(f"{key}: no such field; valid: {', '.join(fields)}")
     setattr(obj, name, _coerce(getattr(obj, name), text))
 
 
-def build(ns: argparse.Namespace):
+def build(ns: PerfModelArgs, overrides: list[str] = ()):
     cal = load_calibration(ns.calib)
     op, tput, mem, dev = OpArgs(), ThroughputArgs(), MemoryArgs(), DeviceArgs()
     links = default_links()
@@ -84,9 +91,13 @@ def build(ns: argparse.Namespace):
     tput.tok_s.update(numeric_keys(cal["tok_s"]))
     topo_args = TopologyArgs(kind=ns.topology, gpus_per_node=ns.gpus_per_node)
     targets = dict(op=op, tput=tput, mem=mem, dev=dev, topo=topo_args, link=links)
-    for item in ns.set:
+    for item in overrides:
         apply_set(targets, item)
-    return Topology(topo_args, links), dev, op, tput, mem
+    try:
+        topo = Topology(topo_args, links)
+    except KeyError as e:  # an unknown link name
+        raise ConfigError(f"topology={ns.topology}: {e.args[0]}") from None
+    return topo, dev, op, tput, mem
 
 
 def format_table(rows: list[dict], title: str) -> str:
@@ -107,12 +118,12 @@ def format_table(rows: list[dict], title: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def run(ns: argparse.Namespace) -> dict[str, list[dict]]:
-    topo, dev, op, tput, mem = build(ns)
+def run(ns: PerfModelArgs, overrides: list[str] = ()) -> dict[str, list[dict]]:
+    topo, dev, op, tput, mem = build(ns, overrides)
     tables: dict[str, list[dict]] = {}
     if ns.what == "check":
         if not ns.raw:
-            raise SystemExit("check needs --raw FOLDER")
+            raise ConfigError("what=check needs raw=<folder of raw bench outputs>")
         from .calibrate import check_rows
         tables["check"] = check_rows(ns.raw, topo, dev, op, tput)
     if ns.what in ("comm", "all"):
@@ -144,8 +155,8 @@ def comm_pivot(rows: list[dict]) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ns = parse_args(argv)
-    tables = run(ns)
+    ns, overrides = parse(sys.argv[1:] if argv is None else argv)
+    tables = run(ns, overrides)
     titles = dict(comm="Table 2 model: one exclusive scan (µs)", op="Tables 3-4 model: operator fwd+bwd (ms)",
                   throughput="Tables 5-6 model: tokens/s/GPU (K)", memory="Peak memory per GPU (GiB)",
                   check="Measured vs calibrated model (err = model / measured - 1)")
@@ -154,6 +165,6 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(format_table(shown, titles[name]) + "\n")
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump(dict(args=vars(ns), tables=tables), f, indent=1)
+            json.dump(dict(args=dataclasses.asdict(ns), overrides=overrides, tables=tables), f, indent=1)
         print(f"wrote {ns.json}")
     return 0

@@ -20,15 +20,17 @@ def scan_then_correct(q, k, v, g, *, scale, group, method, seg: LocalSegments, b
     o_BTHV, S_loc = kernels.chunk_gla(q, k, v, g, scale=scale, output_final_state=True,
                                       cu_seqlens=seg.cu_seqlens, backend=backend)
     acc = torch.promote_types(torch.promote_types(q.dtype, g.dtype), torch.float32)  # fp32 at least; fp64 stays
-    S_end_BHKV = (S_loc[-1:] if seg.cu_seqlens is not None else S_loc).to(acc)
-    b_BTHK = incoming_decay(g, seg).to(acc)
-    b_end_BHK = b_BTHK[:, -1].contiguous()
-    if method == "zeco":
-        S_in_BHKV = AllScanFn.apply(S_end_BHKV, b_end_BHK, group, scan_args)
-    else:
-        S_in_BHKV = all_gather_scan(S_end_BHKV, b_end_BHK, group)
-    corr_BTHV = torch.einsum("bthk,bhkv->bthv", q.to(acc) * b_BTHK, S_in_BHKV)
-    return (o_BTHV.to(acc) + scale * corr_BTHV).to(o_BTHV.dtype)
+    # exchange and correction in acc even under autocast, which would run the einsum's bmm in bf16
+    with torch.autocast(q.device.type, enabled=False):
+        S_end_BHKV = (S_loc[-1:] if seg.cu_seqlens is not None else S_loc).to(acc)
+        b_BTHK = incoming_decay(g, seg).to(acc)
+        b_end_BHK = b_BTHK[:, -1].contiguous()
+        if method == "zeco":
+            S_in_BHKV = AllScanFn.apply(S_end_BHKV, b_end_BHK, group, scan_args)
+        else:
+            S_in_BHKV = all_gather_scan(S_end_BHKV, b_end_BHK, group)
+        corr_BTHV = torch.einsum("bthk,bhkv->bthv", q.to(acc) * b_BTHK, S_in_BHKV.to(acc))
+        return (o_BTHV.to(acc) + scale * corr_BTHV).to(o_BTHV.dtype)
 
 
 def lasp1(q, k, v, g, *, scale, group, seg: LocalSegments, backend):

@@ -109,9 +109,10 @@ def pair_scan(x: torch.Tensor, A: torch.Tensor, group=None, reverse: bool = Fals
         return _global(group, P - 1 - p if reverse else p)
 
     algo, n_blocks = choose_scan(P, x, A, args)
-    if algo == "tree":
-        return _tree(x, A, group, pos, P, peer)
-    return _chain(x, A, group, pos, P, peer, n_blocks)
+    with torch.autocast(x.device.type, enabled=False):  # autocast would run A @ y in bf16 (and mix dtypes)
+        if algo == "tree":
+            return _tree(x, A, group, pos, P, peer)
+        return _chain(x, A, group, pos, P, peer, n_blocks)
 
 
 class MatScanFn(torch.autograd.Function):
@@ -129,7 +130,8 @@ class MatScanFn(torch.autograd.Function):
     def backward(ctx, dS_in):
         M, S_in = ctx.saved_tensors
         E = pair_scan(dS_in.to(M.dtype).contiguous(), M.transpose(-1, -2), ctx.group, reverse=True, args=ctx.args)
-        return E, E @ S_in.transpose(-1, -2), None, None
+        with torch.autocast(E.device.type, enabled=False):
+            return E, E @ S_in.transpose(-1, -2), None, None
 
 
 def gather_pair_scan(S_loc, M, group):
@@ -195,13 +197,14 @@ def sp_gated_delta(q, k, v, g, beta, *, group=None, method: str = "zeco", scale:
     o_loc, q_tilde, S_loc, M = _widened_pass(q, k, v, g, beta, scale=scale, seg=seg, backend=name)
     if drop_transition:
         M = torch.zeros_like(M)
-    if method == "lasp2":
-        S_in = gather_pair_scan(S_loc, M, group)
-    else:
-        S_in = MatScanFn.apply(S_loc, M, group, scan or AllScanArgs())
-    acc = S_in.dtype
-    o = o_loc.to(acc) + torch.einsum("bthk,bhkv->bthv", q_tilde.to(acc), S_in)
-    return o.to(o_loc.dtype)
+    acc = S_loc.dtype  # fp32 (fp64 stays): exchange and correction in it even under autocast,
+    with torch.autocast(q.device.type, enabled=False):  # which would run the products in bf16
+        if method == "lasp2":
+            S_in = gather_pair_scan(S_loc, M, group)
+        else:
+            S_in = MatScanFn.apply(S_loc, M, group, scan or AllScanArgs())
+        o = o_loc.to(acc) + torch.einsum("bthk,bhkv->bthv", q_tilde.to(acc), S_in.to(acc))
+        return o.to(o_loc.dtype)
 
 
 def _lasp1(q, k, v, g, beta, *, scale, group, seg: LocalSegments, backend):

@@ -28,7 +28,9 @@ def local_segments(cu_seqlens: torch.Tensor | None, pos: int, T_local: int, devi
     if cu_seqlens is None:
         return LocalSegments(None, T_local, 1)
     start, end = pos * T_local, (pos + 1) * T_local
-    inside = [int(c) - start for c in cu_seqlens.tolist() if start < int(c) < end]
+    # set: a zero-length document holds no token and its boundary is the next one's, so the local
+    # segments leave it out (the kernels never see an empty segment; the result is the same)
+    inside = sorted({int(c) - start for c in cu_seqlens.tolist() if start < int(c) < end})
     bounds = [0, *inside, T_local]
     doc_starts_here = start in set(int(c) for c in cu_seqlens.tolist())
     first_end = 0 if doc_starts_here else bounds[1]

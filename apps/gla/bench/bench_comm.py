@@ -8,7 +8,7 @@ All-Scan tree (Hillis-Steele), all-gather of every rank's (state, decay) as LASP
 one state (reference). State per rank: [H, K, V] fp32 with decays [H, K] (H=32: paper's d=4096).
 P2P: ping-pong between rank 0 and `p2p_peer` over several sizes; one-way = round trip / 2; a line
 alpha + bytes / beta is fitted and written as {"calibration": {"links": {name: ...}}}, the form
-`python -m lingua_zeco.perf_model --calib FILE` reads.
+`python -m lingua_zeco.perf_model calib=FILE` reads.
 Writes <out>/comm_P<world>.json and .md (rank 0).
 """
 from __future__ import annotations

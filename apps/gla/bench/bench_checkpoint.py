@@ -1,0 +1,149 @@
+"""How long a checkpoint save stalls the training loop: synchronous vs asynchronous (checkpoint.async_save).
+
+    python -m apps.gla.bench.bench_checkpoint out=bench_out/ckpt                      # CPU: debug + cpu_large
+    torchrun --nproc_per_node=8 -m apps.gla.bench.bench_checkpoint out=... models=gla_1b seq_len=16384
+
+The trainer's model, FSDP2 layout, optimizer and step (apps.gla.train), random tokens. For each model and
+mode, `saves` saves of the same run, each followed by training steps until it is complete:
+  blocked_s    what `save` costs the loop (asynchronous: the non-finite check and the copy to host memory;
+               the first asynchronous save also allocates, on CUDA pins, the host buffers)
+  complete_s   save start to COMPLETE (asynchronous: finalised by the first `poll` after the write)
+  step_ms      mean step time while the write runs in the background, beside `idle_step_ms` (no save
+               pending): the write shares CPU cores, memory bandwidth and, on GPU, nothing else
+Times are the slowest rank's. Writes <out>/checkpoint.json and .md; the checkpoints go to <out>/ckpt
+(removed at the end) unless `path` is set (pick the file system the runs will use).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import shutil
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from apps.gla.bench.common import env_info, finish, init_distributed, markdown_table, write_outputs
+from lingua_zeco.args import parse_args
+
+MODELS = {  # name -> trainer overrides
+    "debug": ["config=debug.yaml", "model.vocab_size=258"],
+    "cpu_large": ["config=debug.yaml", "model.vocab_size=258", "model.dim=1024", "model.n_layers=6",
+                  "model.n_heads=8", "model.ffn_hidden=2816"],  # 83M parameters, 1.0 GB with AdamW's moments
+    "gla_1b": ["config=gla_1b_dp.yaml"],
+}
+
+
+@dataclass
+class BenchCheckpointArgs:
+    out: str = "bench_out/checkpoint"
+    models: list[str] = field(default_factory=lambda: ["debug", "cpu_large"])
+    modes: list[str] = field(default_factory=lambda: ["sync", "async"])
+    saves: int = 3
+    seq_len: int = 256  # tokens per step and rank
+    idle_steps: int = 3  # steps timed with no save pending
+    path: str = ""  # checkpoint folder; empty: <out>/ckpt, removed afterwards
+
+
+def _slowest(x: float, device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def _state_bytes(model, optimizer) -> int:
+    """This rank's model + optimizer state, as a save copies it (local shards only)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    total = 0
+    for sd in get_state_dict(model, optimizer):
+        stack = [sd]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, dict):
+                stack += list(x.values())
+            elif isinstance(x, (list, tuple)):
+                stack += list(x)
+            elif isinstance(x, torch.Tensor):
+                x = x.to_local() if hasattr(x, "to_local") else x
+                total += x.numel() * x.element_size()
+    return total
+
+
+def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
+    from apps.gla import train as T
+    from lingua_zeco import distributed as D
+    from lingua_zeco import reliability as R
+    from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, SaveEvery
+    from lingua_zeco.optim import build_optimizer
+
+    args = parse_args(T.TrainArgs, [*MODELS[name], f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1"])
+    env = D.setup(args.distributed)
+    model = T.build_model(args, env)
+    optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
+    guard = R.StepGuard(args.reliability)
+    gen = torch.Generator().manual_seed(env.rank)
+    ids = torch.randint(0, args.model.vocab_size, (1, a.seq_len + 1), generator=gen)
+    data = itertools.repeat({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()})
+    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
+                else contextlib.nullcontext())
+    counter = itertools.count()
+
+    def step() -> float:
+        t = time.perf_counter()
+        T.train_step(model, optimizer, scheduler, data, env, args, autocast, guard, next(counter), sync=True)
+        if env.device.type == "cuda":
+            torch.cuda.synchronize(env.device)
+        return time.perf_counter() - t
+
+    step(), step()  # optimizer state exists, kernels warm
+    idle = _slowest(statistics.fmean(step() for _ in range(a.idle_steps)), env.device)
+    n_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global shape
+    rows = []
+    for mode in a.modes:
+        ckpt = CheckpointManager(CheckpointArgs(dump=SaveEvery(every=1, keep=1), path=os.path.join(root, name, mode),
+                                                async_save=mode == "async"), root, timeout_s=args.distributed.timeout_s)
+        blocked, complete, during = [], [], []
+        for i in range(a.saves):
+            dist.barrier()
+            t0 = time.perf_counter()
+            ckpt.save(i + 1, model, optimizer, extra={"step": i + 1}, per_rank={})
+            blocked.append(_slowest(time.perf_counter() - t0, env.device))
+            steps = []
+            while ckpt.async_save:  # train on until the background save is finalised
+                steps.append(step())
+                if ckpt.poll() is not None:
+                    break
+            complete.append(_slowest(time.perf_counter() - t0, env.device))
+            during += steps
+        ckpt.close()
+        rows.append(dict(model=name, mode=mode, params_M=n_params / 1e6,
+                         state_GB_per_rank=_state_bytes(model, optimizer) / 1e9,
+                         blocked_s=blocked, complete_s=complete, steps_during_write=len(during),
+                         step_ms=1e3 * _slowest(statistics.fmean(during), env.device) if during else None,
+                         idle_step_ms=1e3 * idle))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(BenchCheckpointArgs, argv)
+    device = init_distributed()
+    root = a.path or os.path.join(a.out, "ckpt")
+    rows = [r for name in a.models for r in bench_model(name, a, root)]
+    table = [dict(r, blocked_s=" / ".join(f"{x:.3f}" for x in r["blocked_s"]),
+                  complete_s=" / ".join(f"{x:.2f}" for x in r["complete_s"])) for r in rows]
+    md = markdown_table(table, ["model", "mode", "params_M", "state_GB_per_rank", "blocked_s", "complete_s",
+                                "steps_during_write", "step_ms", "idle_step_ms"])
+    write_outputs(a.out, "checkpoint", dict(env=env_info(device), args=dataclasses.asdict(a), rows=rows), md)
+    if not a.path and dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Asynchronous checkpoint saves: the training loop waits only for the copy of the state to host memory.
+
+`AsyncWriter.start` hands model + optimizer state to DCP's `async_save`, which copies it into host
+buffers (pinned on CUDA, kept for the next save) before returning; its thread then writes the DCP
+shards into the save's `.tmp_step_*` folder, and a second thread waits for that write and hashes
+this rank's files. Nothing is renamed or marked here: CheckpointManager finalises (rename, COMPLETE,
+retention) on the main thread, at points every rank reaches in the same order (`poll` at a step
+boundary once every rank's write has finished, `wait`, the next `save`, `close`). A crash before that
+leaves a `.tmp_step_*` folder, which discovery skips: the previous checkpoint is the one that loads.
+
+Two gloo groups, made at the first asynchronous save (collective, every rank saves): DCP's collectives
+run in its thread on one, the "done?" all-reduce of `done_everywhere` on the main thread on the other.
+Collectives of two threads on one group could pair up in another order on another rank; CPU groups
+also keep these small exchanges off the NCCL stream and need no host sync with the GPU.
+
+Test hook: LINGUA_ZECO_CKPT_WRITE_DELAY=SECONDS holds each background save that long after DCP has
+written the shards, before hashing them (a kill then lands inside the save).
+"""
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from lingua_zeco import checkpoint_integrity as I
+
+WRITE_DELAY_ENV = "LINGUA_ZECO_CKPT_WRITE_DELAY"
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _hash_when_written(upload: Future, tmp: str, rank: int, world: int, skip: tuple[str, ...]) -> dict:
+    """Background: wait for DCP's write (re-raising its failure), then hash the files this rank wrote.
+    Each rank's own files are final once its DCP save returns (rank 0 writes .metadata last)."""
+    upload.result()
+    delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
+    if delay > 0:
+        time.sleep(delay)
+    return I.checksums(tmp, rank, world, skip=skip)
+
+
+class AsyncWriter:
+    """One pending save at a time; `pending` is set and cleared by collective calls only, so every
+    rank takes the same branch on it."""
+
+    def __init__(self, timeout_s: float | None = None):
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s else None  # None: torch's default
+        self.pending: tuple | None = None  # (step, tmp, final, t0, Future of this rank's checksums)
+        self._stager: DefaultStager | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._groups: tuple | None = None  # (DCP's, the done flag's)
+
+    def start(self, step: int, state: dict, tmp: str, final: str, t0: float, skip: tuple[str, ...]) -> None:
+        """Collective: copy `state` to host memory, start writing it into `tmp`, return."""
+        assert self.pending is None, "finalise the previous save first: its host buffers get reused"
+        cuda = torch.cuda.is_available()
+        if self._stager is None:
+            # Staging is synchronous (training may change the state as soon as we return). The stager
+            # keeps its host copies keyed by the source storages, so later saves copy into the same
+            # (pinned) buffers instead of allocating and pinning again.
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
+        if _distributed() and self._groups is None:
+            self._groups = tuple(dist.new_group(backend="gloo", timeout=self.timeout) for _ in range(2))
+        where = dict(process_group=self._groups[0]) if self._groups else dict(no_dist=True)
+        if not self._groups:  # DCP then notes from its thread that it saves single-process, where the
+            # sync path's catch_warnings cannot reach (nor would it be thread-safe): mute that note
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled",
+                                    module=r"torch\.distributed\.checkpoint")
+        upload = dcp.async_save(state, checkpoint_id=tmp, async_stager=self._stager, **where)
+        upload = getattr(upload, "upload_completion", upload)  # an AsyncSaveResponse with async staging
+        rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
+        self.pending = (step, tmp, final, t0, self._pool.submit(_hash_when_written, upload, tmp, rank, world, skip))
+
+    def done_everywhere(self) -> bool:
+        """Collective (call only while a save is pending): has every rank's background save finished?"""
+        done = self.pending[4].done()
+        if self._groups is None:
+            return done
+        flag = torch.tensor([int(done)], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._groups[1])
+        return bool(flag.item())
+
+    def result(self) -> tuple:
+        """Wait for this rank's background save and clear it: (step, tmp, final, t0, checksums, error);
+        checksums is None when error is not."""
+        step, tmp, final, t0, fut = self.pending
+        self.pending = None
+        try:
+            return step, tmp, final, t0, fut.result(), None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed by the caller
+            return step, tmp, final, t0, None, e
+
+    def abandon(self) -> None:
+        """Wait for a started background save and forget it (its folder is about to be removed)."""
+        if self.pending is not None:
+            self.result()
+
+    def close(self) -> None:
+        """Free the host buffers and the thread (the process groups live as long as the default one)."""
+        self.abandon()
+        if self._stager is not None:
+            self._stager.close()
+            self._pool.shutdown(wait=True)
+            self._stager = self._pool = None

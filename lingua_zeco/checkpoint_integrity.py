@@ -1,0 +1,187 @@
+"""What makes a checkpoint trustworthy: file checksums, finite values, and a usable disk.
+
+* Checksums: after a save every rank hashes the files it wrote (its DCP shards `__{rank}_*.distcp`
+  and `rank{rank}.pt`; rank 0 also `.metadata`, `extra.pt` and anything unrecognised); rank 0 stores
+  name -> {size, sha256} in the COMPLETE marker. A load verifies them first, each rank a share of the
+  files: DCP's format has no checksum of its own, so a byte flipped inside a shard would load as a
+  wrong (often NaN) weight without any error.
+* Finite values: a state with NaN/inf weights or optimizer moments must never become a checkpoint
+  (it would be resumed from, and retention would delete the good ones), nor be resumed from.
+* Durable writes: each file goes to a side name, is fsynced, then renamed; a reader never sees half
+  a file.
+* Storage: a folder is probed (write + fsync + remove) before training, and a failed save names
+  ENOSPC/EDQUOT/EROFS, which torch's zip writer reports only as "unexpected pos".
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import socket
+
+import torch
+
+_CHUNK = 8 << 20
+_OWN = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank(\d+)\.pt)$")  # files named after the rank that wrote them
+STORAGE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
+                  errno.EROFS: "read-only file system"}
+
+
+# -- durable writes ---------------------------------------------------------------------------------
+def fsync_dir(path: str):
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # some filesystems refuse fsync on folders; the rename order still holds
+        pass
+    finally:
+        os.close(fd)
+
+
+def save_file(obj, path: str, as_json: bool = False):
+    """Write to a side name, fsync, then rename: a reader never sees a half-written file."""
+    part = path + ".part"
+    with open(part, "w" if as_json else "wb") as f:
+        if as_json:
+            json.dump(obj, f)
+        else:
+            torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(part, path)
+
+
+# -- checksums ---------------------------------------------------------------------------------------
+def sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _owner(name: str) -> int:
+    m = _OWN.match(name)
+    return int(m.group(1) or m.group(2)) if m else 0
+
+
+def checksums(folder: str, rank: int, world: int, skip: tuple[str, ...] = ()) -> dict[str, dict]:
+    """{name: {size, sha256}} of the files of `folder` this rank wrote (rank 0: also the unowned ones)."""
+    out = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        if name in skip or name.endswith(".part") or not os.path.isfile(path):
+            continue
+        owner = _owner(name)
+        if owner == rank or (rank == 0 and owner >= world):
+            out[name] = {"size": os.path.getsize(path), "sha256": sha256(path)}
+    return out
+
+
+def verify(folder: str, files: dict[str, dict], rank: int, world: int) -> list[str]:
+    """Problems with this rank's share of `files` (every world-th file, by name): missing, size, hash."""
+    problems = []
+    for i, name in enumerate(sorted(files)):
+        if i % world != rank:
+            continue
+        path, want = os.path.join(folder, name), files[name]
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            problems.append(f"{name} missing")
+            continue
+        if size != want["size"]:
+            problems.append(f"{name} has {size} bytes, {want['size']} written")
+        elif sha256(path) != want["sha256"]:
+            problems.append(f"{name} checksum mismatch")
+    return problems
+
+
+# -- finite values -----------------------------------------------------------------------------------
+def _tensors(obj, prefix: str = ""):
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _tensors(v, f"{prefix}{k}.")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _tensors(v, f"{prefix}{i}.")
+    elif isinstance(obj, torch.Tensor) and obj.is_floating_point():
+        yield prefix[:-1], obj.to_local() if hasattr(obj, "to_local") else obj
+
+
+def nonfinite(state: dict) -> list[str]:
+    """Names of the floating tensors of `state` (this rank's shards) holding NaN or inf. One host sync."""
+    named = [(n, t) for n, t in _tensors(state) if t.numel()]
+    if not named:
+        return []
+    bad = torch.stack([~torch.isfinite(t).all() for _, t in named]).cpu()
+    return [n for (n, _), b in zip(named, bad.tolist()) if b]
+
+
+# -- storage -----------------------------------------------------------------------------------------
+def probe_writable(folder: str) -> None:
+    """Create `folder`, then write, fsync and remove a small file in it; raises the OSError if it cannot."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f".write_probe_{socket.gethostname()}_{os.getpid()}")  # ranks of all nodes
+    try:
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+def _causes(e: BaseException):
+    seen = set()
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        yield x
+        stack += [x.__cause__, x.__context__]
+        # DCP's CheckpointException: {rank: (exception, traceback summary)}
+        stack += [v[0] if isinstance(v, tuple) else v for v in (getattr(x, "failures", None) or {}).values()]
+
+
+def root_cause(e: BaseException) -> str:
+    """One line for a failure: the innermost exception's message (DCP's own message is a traceback dump)."""
+    x = e
+    while True:
+        failures = getattr(x, "failures", None)
+        if isinstance(failures, dict) and failures:
+            v = next(iter(failures.values()))
+            x = v[0] if isinstance(v, tuple) else v
+        elif x.__cause__ is not None:
+            x = x.__cause__
+        else:
+            break
+    text = str(x).strip().splitlines()
+    return f"{type(x).__name__}: {text[0][:300] if text else ''}"
+
+
+def storage_problem(e: BaseException, folder: str) -> str | None:
+    """'no space left on device (ENOSPC)' etc. when that is why writing to `folder` failed, else None.
+    torch.save's zip writer loses the errno ("unexpected pos"), so a full disk is also asked directly."""
+    for x in _causes(e):
+        if isinstance(x, OSError) and x.errno in STORAGE_ERRNOS:
+            return f"{STORAGE_ERRNOS[x.errno]} ({errno.errorcode[x.errno]})"
+    try:
+        st = os.statvfs(folder)
+        if st.f_bavail * st.f_frsize < (1 << 20):
+            return f"{STORAGE_ERRNOS[errno.ENOSPC]} (ENOSPC; {st.f_bavail * st.f_frsize} bytes free)"
+        probe_writable(folder)
+    except OSError as x:
+        if x.errno in STORAGE_ERRNOS:
+            return f"{STORAGE_ERRNOS[x.errno]} ({errno.errorcode[x.errno]})"
+    return None

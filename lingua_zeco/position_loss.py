@@ -1,0 +1,88 @@
+"""Validation loss by token position: power-of-two buckets of the global position in the sequence.
+
+Bucket b holds positions [0, 1) for b = 0 and [2^(b-1), 2^b) for b >= 1, the last one cut at the
+context N = sp_size · seq_len: bit_length(N - 1) + 1 buckets. SP rank p holds positions
+[p·seq_len, (p+1)·seq_len) of every sequence (the loader's slice), so its local token t is at
+p·seq_len + t. Every rank adds its labelled tokens' loss sum, count and arg-max hits per bucket in
+float64; one all-reduce over the world sums them over DP and SP ranks (counts are exact in float64).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def position_offset(sp_rank: int, seq_len: int) -> int:
+    """Global position of this SP rank's first token."""
+    return sp_rank * seq_len
+
+
+def n_buckets(context: int) -> int:
+    return max(context - 1, 0).bit_length() + 1
+
+
+def bucket_bounds(context: int) -> list[tuple[int, int]]:
+    """[(lo, hi)] of every bucket: [0, 1), [1, 2), [2, 4), ..., [2^k, context)."""
+    return [(0, 1)] + [(1 << (b - 1), min(1 << b, context)) for b in range(1, n_buckets(context))]
+
+
+def bucket_of(pos: torch.Tensor) -> torch.Tensor:
+    """Bucket index of each position: frexp's exponent is bit_length (0 -> 0, [2^(b-1), 2^b) -> b)."""
+    return torch.frexp(pos.to(torch.float64)).exponent.long()
+
+
+class PositionLoss:
+    """Per-bucket [loss sum, tokens, arg-max hits] of one evaluation, float64 on the device."""
+
+    def __init__(self, context: int, device):
+        self.context = context
+        self.sums_3B = torch.zeros(3, n_buckets(context), dtype=torch.float64, device=device)
+
+    def add(self, loss_N: torch.Tensor, hit_N: torch.Tensor, mask_BT: torch.Tensor, offset: int) -> None:
+        """One batch of this rank: loss_N / hit_N of the tokens where mask_BT is set (row-major)."""
+        T_local = mask_BT.shape[-1]
+        if offset + T_local > self.context:
+            raise ValueError(f"positions [{offset}, {offset + T_local}) run past the context {self.context}")
+        pos_BT = offset + torch.arange(T_local, device=mask_BT.device).expand_as(mask_BT)
+        b_N = bucket_of(pos_BT[mask_BT])
+        self.sums_3B[0].index_add_(0, b_N, loss_N.to(torch.float64))
+        self.sums_3B[1].index_add_(0, b_N, torch.ones_like(loss_N, dtype=torch.float64))
+        self.sums_3B[2].index_add_(0, b_N, hit_N.to(torch.float64))
+
+    def reduce(self) -> "PositionLoss":
+        """Collective over the world when a process group exists: every rank's tokens counted once."""
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(self.sums_3B)
+        return self
+
+    def totals(self) -> tuple[float, int, int]:
+        loss, n, hits = self.sums_3B.sum(1).tolist()
+        return loss, int(n), int(hits)
+
+    def metrics(self, prefix: str = "val") -> dict:
+        """{prefix}_pos{lo}_loss (mean over the bucket's tokens) and {prefix}_pos{lo}_tokens for every
+        bucket that holds a labelled token, and {prefix}_context."""
+        out = {f"{prefix}_context": self.context}
+        loss, n, _ = self.sums_3B.tolist()
+        for (lo, _), s, c in zip(bucket_bounds(self.context), loss, n):
+            if c > 0:
+                out[f"{prefix}_pos{lo}_loss"] = s / c
+                out[f"{prefix}_pos{lo}_tokens"] = int(c)
+        return out
+
+    def table(self, prefix: str = "val") -> str:
+        """Three rows: bucket upper ends, tokens, mean loss ('-' where a bucket has no labelled token)."""
+        loss, n, _ = self.sums_3B.tolist()
+        cols = [(_short(hi), str(int(c)), f"{s / c:.4f}" if c else "-")
+                for (_, hi), s, c in zip(bucket_bounds(self.context), loss, n)]
+        w = max(7, *(len(x) + 1 for col in cols for x in col))
+        rows = [f"  {name:<7}" + "".join(col[i].rjust(w) for col in cols)
+                for i, name in enumerate(("pos <", "tokens", "loss"))]
+        return f"{prefix} loss by token position (context {self.context}):\n" + "\n".join(rows)
+
+
+def _short(n: int) -> str:
+    for shift, unit in ((20, "M"), (10, "K")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)

@@ -1,0 +1,123 @@
+"""The run's folder (dump_dir): one run at a time, writable before training, its saved config.
+
+* Lock: rank 0 holds an exclusive `flock` on <dump_dir>/.lock for the run's lifetime. Two runs on one
+  folder (orphaned workers of a killed torchrun and a rerun) would interleave metrics and checkpoints;
+  the second one stops at once instead. The kernel drops the lock when the holder dies, even by kill -9.
+* Writability: every rank writes, fsyncs and removes a probe file in the checkpoint folder before
+  training, so a read-only or full disk is an error at start, not at the first save hours later.
+* Saved config: `config_changes` lists the keys where this run differs from <dump_dir>/config.yaml.
+All three raise ConfigError (one `error:` line, exit 2), on every rank alike.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import logging
+import os
+import socket
+import time
+
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from lingua_zeco.args import ConfigError
+from lingua_zeco.checkpoint_integrity import probe_writable
+from lingua_zeco.reliability import flatten_config
+
+LOCK_NAME = ".lock"
+CONFIG_NAME = "config.yaml"
+
+log = logging.getLogger(__name__)
+
+
+def _agree(msg: str | None) -> str | None:
+    """Collective: the first rank's error message, on every rank (None if no rank has one)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return msg
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, msg)
+    return next((m for m in every if m is not None), None)
+
+
+def _oserror(what: str, e: OSError, fix: str) -> str:
+    code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else ""
+    return f"{what} is not writable: {e.strerror or e} ({code}); {fix}"
+
+
+class DumpDirLock:
+    """Exclusive, non-blocking flock on <dump_dir>/.lock; holder's pid/host written into it."""
+
+    def __init__(self, dump_dir: str):
+        self.dump_dir, self.path, self.fd = dump_dir, os.path.join(dump_dir, LOCK_NAME), None
+
+    def acquire(self) -> str | None:
+        """None when taken, else the error message (in use, or not writable)."""
+        try:
+            os.makedirs(self.dump_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            return _oserror(f"dump_dir {self.dump_dir}", e, "set dump_dir to a writable folder")
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = os.pread(fd, 4096, 0).decode(errors="replace")
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                # e.g. a network filesystem mounted without lock support: do not forbid every run there
+                log.warning("dump_dir %s: cannot lock %s (%s); running without the one-run-per-folder guard",
+                            self.dump_dir, self.path, e)
+                return None
+            try:
+                h = json.loads(holder)
+                who = f"pid {h['pid']} on {h['host']}, started {h['started']}"
+            except (ValueError, KeyError, TypeError):
+                who = "holder unknown"
+            return (f"dump_dir {self.dump_dir} is in use by another run ({who}; it holds {self.path} until it "
+                    f"exits). Stop that run (orphaned workers of a killed torchrun count) or use another dump_dir")
+        info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(info).encode(), 0)
+        self.fd = fd
+        return None
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+
+def lock_dump_dir(dump_dir: str, is_master: bool) -> DumpDirLock | None:
+    """Collective: rank 0 takes the lock (returned; release it at the end); every rank raises alike."""
+    lock = DumpDirLock(dump_dir) if is_master else None
+    err = _agree(lock.acquire() if lock else None)
+    if err is not None:
+        if lock:
+            lock.release()
+        raise ConfigError(err)
+    return lock
+
+
+def check_writable(folder: str, what: str = "checkpoint folder") -> None:
+    """Collective: every rank probes `folder` (created if missing); a failure anywhere stops every rank."""
+    msg = None
+    try:
+        probe_writable(folder)
+    except OSError as e:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        msg = _oserror(f"{what} {folder}{f' (rank {rank})' if rank else ''}", e,
+                       "set checkpoint.path (or dump_dir) to a writable folder with free space")
+    err = _agree(msg)
+    if err is not None:
+        raise ConfigError(err)
+
+
+def config_changes(dump_dir: str, config: dict, prefixes: tuple[str, ...]) -> tuple[str, list[str]]:
+    """(path of the saved config, 'key: saved X, now Y' for the keys under `prefixes` that differ)."""
+    path = os.path.join(dump_dir, CONFIG_NAME)
+    if not os.path.isfile(path):
+        return path, []
+    saved = flatten_config(OmegaConf.to_container(OmegaConf.load(path)))
+    now = flatten_config(config)
+    keys = sorted(k for k in set(saved) | set(now) if k.startswith(prefixes) and saved.get(k) != now.get(k))
+    return path, [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys]

@@ -1,0 +1,107 @@
+"""Every command a user runs: `--help` (keys, types, defaults, one line each; exit 0) and bad input
+(one `error: ...` line on stderr, exit code 2), each run as the user would run it."""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# (command after `python`, one key that --help must print with its type and default, and a description)
+HELP = [
+    (["-m", "apps.gla.train"], "model.dim: int = 2048"),
+    (["-m", "apps.gla.eval"], "eval.steps: int"),
+    (["-m", "apps.gla.generate"], "temperature: float = 1.0"),
+    (["-m", "apps.gla.export_hf"], "dtype: str = 'bf16'"),
+    (["-m", "lingua_zeco.stool"], "nodes: int = 1"),
+    (["-m", "apps.gla.plot_metrics"], "dump_dir: str = ''"),
+    (["-m", "apps.gla.plot_positions"], "steps: list[int] = []"),
+    (["-m", "lingua_zeco.perf_model"], "what: str = 'all'"),
+    (["setup/prepare_data.py"], "shards: int = 8"),
+    (["setup/train_tokenizer.py"], "vocab_size: int = 32000"),
+]
+
+
+@pytest.mark.parametrize("cmd,key_line", HELP, ids=[c[-1] for c, _ in HELP])
+def test_help(cmd, key_line):
+    res = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.startswith("usage: python "), res.stdout[:300]
+    keys = res.stdout.split("\nkeys:\n", 1)[1].splitlines()
+    described = [line for line in keys if re.search(r"\S {2,}\S", line)]  # `key: type = default  description`
+    assert [line for line in described if line.startswith(f"  {key_line} ")], res.stdout
+    if cmd[-1] not in ("apps.gla.train", "apps.gla.eval"):  # their nested *Args live in many files
+        assert described == keys, f"undocumented: {sorted(set(keys) - set(described))}"
+
+
+# Bad input, several commands in one interpreter (imports cost seconds here): each case runs the
+# module as `python -m` does (runpy, run_name="__main__", sys.argv set) and records the exit code,
+# stderr, and the traceback of an exception that escaped (which `python -m` would exit 1 with).
+DRIVER = r"""
+import contextlib, io, json, logging, runpy, sys, traceback
+out = []
+for module, argv in json.loads(sys.argv[1]):
+    sys.argv, err, code = [module, *argv], io.StringIO(), 0
+    logging.root.handlers.clear()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+        except SystemExit as e:  # sys.exit(None) is 0; sys.exit("message") prints it and is 1
+            code = e.code if isinstance(e.code, int) else int(e.code is not None)
+        except BaseException:
+            code = 1
+            err.write(traceback.format_exc())
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str]]]:
+    """name -> (module, argv). tmp/nothing does not exist; tmp/run is a run folder without checkpoints."""
+    nothing, empty = tmp / "nothing", tmp / "run"
+    cases = {}
+    for mod, extra in (("apps.gla.eval", []), ("apps.gla.generate", []), ("apps.gla.export_hf", [f"out={tmp}/hf"])):
+        short = mod.split(".")[-1]
+        cases[f"{short}-no-dump_dir"] = (mod, extra)
+        cases[f"{short}-missing-dump_dir"] = (mod, [f"dump_dir={nothing}", *extra])
+        cases[f"{short}-no-checkpoint"] = (mod, [f"dump_dir={empty}", *extra])
+        cases[f"{short}-unknown-key"] = (mod, [f"dump_dir={empty}", "temprature=0.5", *extra])
+    cases["plot_metrics-no-dump_dir"] = ("apps.gla.plot_metrics", [])
+    cases["plot_metrics-missing-dump_dir"] = ("apps.gla.plot_metrics", [f"dump_dir={nothing}"])
+    cases["plot_metrics-no-metrics"] = ("apps.gla.plot_metrics", [f"dump_dir={empty}"])
+    cases["plot_metrics-unknown-key"] = ("apps.gla.plot_metrics", [f"dump_dir={empty}", "outt=x.png"])
+    cases["plot_positions-no-metrics"] = ("apps.gla.plot_positions", [f"dump_dir={empty}"])
+    dry = [f"dump_dir={tmp}/job", "dry_run=true"]
+    cases["stool-unknown-key"] = ("lingua_zeco.stool", ["config=debug.yaml", "optim.lrr=1", *dry])
+    cases["stool-missing-config"] = ("lingua_zeco.stool", ["config=no_such_config", *dry])
+    cases["stool-bad-launcher"] = ("lingua_zeco.stool", ["config=debug.yaml", "launcher=mpirun", *dry])
+    cases["perf_model-unknown-key"] = ("lingua_zeco.perf_model", ["what=op", "op.no_such_field=1"])
+    return cases
+
+
+@pytest.fixture(scope="module")
+def bad_input_results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bad")
+    (tmp / "run").mkdir()
+    (tmp / "run" / "config.yaml").write_text(f"name: t\ndump_dir: {tmp / 'run'}\n")
+    cases = _bad_cases(tmp)
+    res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(list(cases.values()))], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return dict(zip(cases, json.loads(res.stdout.strip().splitlines()[-1])))
+
+
+BAD = sorted(_bad_cases(Path("/unused")))
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_is_one_error_line_and_exit_2(bad_input_results, case):
+    code, err = bad_input_results[case]
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, f"exit {code}, stderr:\n{err[-2000:]}"
+    assert err.strip().splitlines()[-1] == errors[0]
