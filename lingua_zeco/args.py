@@ -113,12 +113,16 @@ def _is_list(tp: Any) -> bool:
 
 
 def _bracket_lists(cls: type, overrides: list[str]) -> list[str]:
-    """`key=a,b` or `key=a` for a list key -> `key=[a,b]` (OmegaConf only parses the bracketed form)."""
+    """`key=a,b` or `key=a` for a list key -> `key=[a,b]` (OmegaConf only parses the bracketed form);
+    `key=` for a str key -> the empty string (OmegaConf would read null)."""
     out = []
     for arg in overrides:
         key, value = arg.split("=", 1)
-        if _is_list(_hint(cls, key)) and not value.startswith("["):
+        hint = _hint(cls, key)
+        if _is_list(hint) and not value.startswith("["):
             arg = f"{key}=[{value}]"
+        elif hint is str and not value:
+            arg = f"{key}=''"
         out.append(arg)
     return out
 
@@ -151,8 +155,9 @@ def build(cls: type[T], *layers: Any) -> T:
     base = OmegaConf.structured(cls)
     try:
         merged = OmegaConf.merge(base, *layers)
-    except Exception as e:  # omegaconf ValidationError and friends: keep its message, which names the key
-        raise ConfigError(str(e)) from e
+    except Exception as e:  # omegaconf ValidationError and friends: its first line, after the key it is about
+        key, msg = getattr(e, "full_key", ""), str(e).splitlines()[0]
+        raise ConfigError(f"{key}: {msg}" if key else msg) from e
     return OmegaConf.to_object(merged)
 
 
@@ -229,7 +234,16 @@ def _type_name(tp: Any) -> str:
 @functools.lru_cache(maxsize=None)
 def field_comments(cls: type) -> dict[str, str]:
     """Field name -> its description: the comment on the field's line(s), else the comment lines
-    right above it, joined into one line. Empty when the source is not available."""
+    right above it, joined into one line; a field a base dataclass declares keeps the base's
+    description unless the subclass gives one. Empty when the source is not available."""
+    out = {}
+    for base in reversed(cls.__mro__):
+        if dataclasses.is_dataclass(base):
+            out.update({k: v for k, v in _own_field_comments(base).items() if v or k not in out})
+    return out
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
     try:
         src = textwrap.dedent("".join(inspect.getsourcelines(cls)[0]))
     except (OSError, TypeError):

@@ -6,9 +6,10 @@ Layout of one checkpoint, <path>/step_{step:010d}/:
     rank{r}.pt                each global rank's own state (data loader position, RNG states)
     COMPLETE                  json {step, world_size, finite, files: {name: {size, sha256}}, ...}, written last
 A save writes into .tmp_step_{step:010d}, barriers, and only then is renamed and marked complete (an
-asynchronous save: when the manager finalises it, checkpoint_async.py), so a crash at any point leaves either a complete checkpoint or something `latest_complete` skips. A state
-with NaN/inf weights or optimizer moments is never saved; a load verifies the checksums first and
-refuses non-finite values (checkpoint_integrity.py), falling back to the previous checkpoint.
+asynchronous save: when the manager finalises it, checkpoint_async.py), so a crash at any point leaves
+either a complete checkpoint or something `latest_complete` skips. A state with NaN/inf weights or
+optimizer moments is never saved; a load verifies the checksums first and refuses non-finite values
+(checkpoint_integrity.py), falling back to the previous checkpoint.
 """
 from __future__ import annotations
 

@@ -13,8 +13,9 @@ run in its thread on one, the "done?" all-reduce of `done_everywhere` on the mai
 Collectives of two threads on one group could pair up in another order on another rank; CPU groups
 also keep these small exchanges off the NCCL stream and need no host sync with the GPU.
 
-Test hook: LINGUA_ZECO_CKPT_WRITE_DELAY=SECONDS holds each background save that long after DCP has
-written the shards, before hashing them (a kill then lands inside the save).
+Test hook: LINGUA_ZECO_CKPT_WRITE_DELAY=SECONDS holds each background save that long before DCP writes
+this rank's shards, and again before it hashes them: a kill then lands inside the write, training
+changes the state while the write waits, and a delayed rank finishes its save later than the others.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lingua_zeco import checkpoint_integrity as I
@@ -39,13 +41,23 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _test_delay() -> float:
+    return float(os.environ.get(WRITE_DELAY_ENV) or 0)
+
+
+class _HeldWriter(FileSystemWriter):
+    """DCP's file writer, held back by the test hook before it writes this rank's shards."""
+
+    def write_data(self, plan, planner):
+        time.sleep(_test_delay())
+        return super().write_data(plan, planner)
+
+
 def _hash_when_written(upload: Future, tmp: str, rank: int, world: int, skip: tuple[str, ...]) -> dict:
     """Background: wait for DCP's write (re-raising its failure), then hash the files this rank wrote.
     Each rank's own files are final once its DCP save returns (rank 0 writes .metadata last)."""
     upload.result()
-    delay = float(os.environ.get(WRITE_DELAY_ENV) or 0)
-    if delay > 0:
-        time.sleep(delay)
+    time.sleep(_test_delay())
     return I.checksums(tmp, rank, world, skip=skip)
 
 
@@ -78,6 +90,8 @@ class AsyncWriter:
             # sync path's catch_warnings cannot reach (nor would it be thread-safe): mute that note
             warnings.filterwarnings("ignore", message="torch.distributed is disabled",
                                     module=r"torch\.distributed\.checkpoint")
+        if _test_delay() > 0:
+            where["storage_writer"] = _HeldWriter(tmp)
         upload = dcp.async_save(state, checkpoint_id=tmp, async_stager=self._stager, **where)
         upload = getattr(upload, "upload_completion", upload)  # an AsyncSaveResponse with async staging
         rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)

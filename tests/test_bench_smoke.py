@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--heads", "2", "--head-k", "16", "--head-v", "16", "--iters", "3", "--warmup", "1"]
+TINY = ["heads=2", "head_k=16", "head_v=16", "iters=3", "warmup=1"]
 pytestmark = pytest.mark.slow
 
 
@@ -37,10 +37,8 @@ def finite_positive(x) -> bool:
 def outputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     comm, op = str(d / "comm"), str(d / "op")
-    torchrun("apps.gla.bench.bench_comm", 2,
-             ["--out", comm, *TINY, "--blocks", "1,2", "--p2p-sizes", "1024,65536,262144"])
-    torchrun("apps.gla.bench.bench_op", 2,
-             ["--out", op, *TINY, "--t-local", "64", "--methods", "none,zeco,lasp1,lasp2"])
+    torchrun("apps.gla.bench.bench_comm", 2, [f"out={comm}", *TINY, "blocks=1,2", "p2p_sizes=1024,65536,262144"])
+    torchrun("apps.gla.bench.bench_op", 2, [f"out={op}", *TINY, "t_local=64", "methods=none,zeco,lasp1,lasp2"])
     return d, comm, op
 
 
@@ -74,7 +72,7 @@ def test_bench_op_json(outputs):
 def test_plot_writes_pngs(outputs):
     d, comm, op = outputs
     figs = d / "figs"
-    out = run(["-m", "apps.gla.bench.plot", "--comm", comm, "--op", op, "--out", str(figs), "--model-max-p", "8"])
+    out = run(["-m", "apps.gla.bench.plot", f"comm={comm}", f"op={op}", f"out={figs}", "model_max_p=8"])
     names = sorted(os.listdir(figs))
     assert names == ["fig3_comm_H2.png", "fig4_op_T64.png"], out
     for n in names:
@@ -98,24 +96,23 @@ def test_perf_model_reads_bench_calibration(outputs):
 
 
 def test_single_process_runs(tmp_path):
-    out = run(["-m", "apps.gla.bench.bench_comm", "--out", str(tmp_path), *TINY, "--blocks", "2",
-               "--methods", "chain,allreduce"])
+    out = run(["-m", "apps.gla.bench.bench_comm", f"out={tmp_path}", *TINY, "blocks=2", "methods=chain,allreduce"])
     data = json.load(open(tmp_path / "comm_P1.json"))
     assert data["world_size"] == 1 and data["p2p"] == [] and data["calibration"] == {}
     assert {r["method"] for r in data["results"]} == {"chain2", "allreduce"}, out
-    run(["-m", "apps.gla.bench.bench_op", "--out", str(tmp_path), *TINY, "--t-local", "64", "--methods", "none,zeco"])
+    run(["-m", "apps.gla.bench.bench_op", f"out={tmp_path}", *TINY, "t_local=64", "methods=none,zeco"])
     data = json.load(open(tmp_path / "op_P1.json"))
     assert all(finite_positive(r["median_ms"]) for r in data["results"]) and len(data["results"]) == 2
 
 
 def test_bench_train_runs_the_trainer_step_and_its_sp_variants(tmp_path):
-    tiny = ["--config", "debug.yaml", "--overrides", "model.vocab_size=258,model.dim=32,model.n_heads=2,model.ffn_hidden=64",
-            "--seq-len", "32", "--warmup", "1", "--steps", "2", "--out-dir", str(tmp_path)]
-    run(["-m", "apps.gla.bench.bench_train", *tiny, "--variants", "ours,ours_noguard", "--stem", "p1"])
+    tiny = ["config=debug.yaml", "overrides=model.vocab_size=258,model.dim=32,model.n_heads=2,model.ffn_hidden=64",
+            "seq_len=32", "warmup=1", "steps=2", f"out={tmp_path}"]
+    run(["-m", "apps.gla.bench.bench_train", *tiny, "variants=ours,ours_noguard", "stem=p1"])
     rows = json.load(open(tmp_path / "p1.json"))["rows"]
     assert [r["variant"] for r in rows] == ["ours", "ours_noguard"]
     assert all(finite_positive(r["step_ms"]) and finite_positive(r["tok_per_s"]) for r in rows)
     assert rows[0]["params_M"] == rows[1]["params_M"] > 0
-    torchrun("apps.gla.bench.bench_train", 2, [*tiny, "--variants", "sp_zeco,sp_lasp2", "--stem", "p2"])
+    torchrun("apps.gla.bench.bench_train", 2, [*tiny, "variants=sp_zeco,sp_lasp2", "stem=p2"])
     rows = json.load(open(tmp_path / "p2.json"))["rows"]
     assert [r["variant"] for r in rows] == ["sp_zeco", "sp_lasp2"] and all(finite_positive(r["tok_per_s"]) for r in rows)

@@ -31,20 +31,16 @@ def _rel(a, b):
 
 
 def _fla_stages(q, k, v, g, BT, scale):
-    from fla.ops.common.chunk_h import chunk_fwd_h
-    from fla.ops.gla.chunk import chunk_gla_fwd_intra_gk
-    from fla.ops.utils.constant import RCP_LN2
-    from fla.ops.utils.cumsum import chunk_local_cumsum
-    g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2)
+    from lingua_zeco.kernels.fla_stages import chunk_fwd_h, chunk_gla_fwd_intra_gk, gate_cumsum
+    g_cs = gate_cumsum(g, BT)
     h, _ = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=True, chunk_size=BT)
     A = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, chunk_size=BT)
     return g_cs, h, A
 
 
 def test_zeco_stages_match_oracles_and_fla():
-    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
-
     from lingua_zeco.kernels import zeco_stages as zs
+    from lingua_zeco.kernels.fla_stages import chunk_gla_fwd_o_gk
     T = 1000  # H = 16, K = V = 128, bf16: the shapes whose fla autotune results setup/gpu keeps
     q, k, v, g, do = _inputs(T, B=2)
     scale, BT = q.shape[-1] ** -0.5, zs.fla_chunk_size(T)

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.comm import AllScanArgs
+from lingua_zeco.comm import AllScanArgs, pair_scan
 from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm, naive_gated_delta, torch_chunk_gated_delta
 from lingua_zeco.sp import sp_gated_delta
-from lingua_zeco.sp.delta import pair_scan
 from lingua_zeco.testing import run_on_ranks
+from sp_harness import (expect_all_close, expect_close, expect_equal, expect_matches_reference, expect_pairs_equal,
+                        fwd_bwd, max_rel, on_ranks, rank_results, rel_errors)
 
 B, H, K, V, T_LOCAL = 2, 2, 6, 4, 20
 
@@ -31,10 +32,6 @@ def global_inputs(P, B=B, seed=3, T=None):
 def docs_for(P):
     T = P * T_LOCAL
     return torch.tensor(sorted({0, 7, T_LOCAL, T_LOCAL + 5, T - 3, T}))  # one starts at a rank boundary
-
-
-def max_rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -130,30 +127,22 @@ def check_pair_scan(res):
 
 
 def _worker(rank, P):
-    out = {}
-    for method, algo, varlen in VARIANTS:
-        b = 1 if varlen else B
-        q, k, v, g, beta, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=b))
-        ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-        o = sp_gated_delta(*ins, method="zeco" if method == "zeco_no_M" else method,
-                           drop_transition=method == "zeco_no_M", cu_seqlens=docs_for(P) if varlen else None,
-                           scan=AllScanArgs(algorithm=algo, n_blocks=3))
-        (o * do).sum().backward()
-        out[(method, algo, varlen)] = [o.detach()] + [t.grad for t in ins]
+    def run(variant, *ins):
+        method, algo, varlen = variant
+        return sp_gated_delta(*ins, method="zeco" if method == "zeco_no_M" else method,
+                              drop_transition=method == "zeco_no_M", cu_seqlens=docs_for(P) if varlen else None,
+                              scan=AllScanArgs(algorithm=algo, n_blocks=3))
+    out = rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
     out["pair_scan"] = _scan_worker(rank, P)
     return out
 
 
 def single_device(P, varlen):
-    q, k, v, g, beta, do = global_inputs(P, B=1 if varlen else B)
-    ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
+    *ins, do = global_inputs(P, B=1 if varlen else B)
     cu = docs_for(P) if varlen else None
-    o = sp_gated_delta(*ins, cu_seqlens=cu)  # no process group: P = 1, the plain kernel
-    (o * do).sum().backward()
-    ins64 = [t.detach().double().requires_grad_() for t in ins]
-    o64 = naive_gated_delta(*ins64, cu_seqlens=cu)[0]
-    (o64 * do.double()).sum().backward()
-    return [o.detach()] + [t.grad for t in ins], [o64.detach()] + [t.grad for t in ins64]
+    ref = fwd_bwd(lambda *x: sp_gated_delta(*x, cu_seqlens=cu), ins, do)  # no process group: the plain kernel
+    oracle = fwd_bwd(lambda *x: naive_gated_delta(*x, cu_seqlens=cu)[0], [t.double() for t in ins], do.double())
+    return ref, oracle
 
 
 NAMES = "o dq dk dv dg dbeta".split()
@@ -166,39 +155,24 @@ def test_sp_gated_delta_equals_single_device(P):
     check_pair_scan([r["pair_scan"] for r in per_rank])
     refs = {vl: single_device(P, vl) for vl in (False, True)}
     for varlen, (ref, oracle) in refs.items():  # the single-device kernel itself is the oracle's
-        errs = {n: max_rel(a, b) for n, a, b in zip(NAMES, ref, oracle)}
-        assert max(errs.values()) < 2e-5, f"single device vs float64 oracle (varlen={varlen}): {errs}"
-    for method, algo, varlen in VARIANTS:
-        got = [torch.cat([r[(method, algo, varlen)][i] for r in per_rank], dim=1) for i in range(6)]
-        ref, oracle = refs[varlen]
-        errs = {n: max_rel(a, b) for n, a, b in zip(NAMES, got, ref)}
-        errs.update({f"{n}_vs_fp64": max_rel(a, b) for n, a, b in zip(NAMES, got, oracle)})
-        # broken on purpose: the same comparison must fail. Without M the combine is still right
-        # at P = 2 (the first rank's S_in is 0, so S_in(1) = S_loc(0)); from P = 3 on it is not.
-        if method == "local" or (method == "zeco_no_M" and P > 2):
-            assert errs["o"] > 1e-2 and errs["dk"] > 1e-2 and errs["dbeta"] > 1e-2, f"{method} went unnoticed: {errs}"
-            continue
-        bad = {n: e for n, e in errs.items() if e > 2e-5}
-        assert not bad, f"gated delta {method}/{algo}/varlen={varlen} at P={P} differs: {bad}"
+        expect_close(rel_errors(ref, oracle, NAMES), 2e-5, f"single device vs float64 oracle (varlen={varlen})")
+    # broken on purpose: the same comparison must fail. Without M the combine is still right
+    # at P = 2 (the first rank's S_in is 0, so S_in(1) = S_loc(0)); from P = 3 on it is not.
+    expect_matches_reference(per_rank, VARIANTS, refs, NAMES, 2e-5, f"gated delta at P={P} vs single device",
+                             broken=lambda variant: variant[0] == "local" or (variant[0] == "zeco_no_M" and P > 2),
+                             caught=["o", "dk", "dbeta"])
 
 
 def _p1_worker(rank, P):
-    q, k, v, g, beta, do = global_inputs(1)
-    ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-    o = sp_gated_delta(*ins, method="none")
-    (o * do).sum().backward()
-    return [o.detach()] + [t.grad for t in ins]
+    *ins, do = global_inputs(1)
+    return fwd_bwd(lambda *x: sp_gated_delta(*x, method="none"), ins, do)
 
 
 @pytest.mark.slow
 def test_group_of_one_rank_is_the_kernel():
     got = run_on_ranks(_p1_worker, 1, timeout_s=60)[0]
-    q, k, v, g, beta, do = global_inputs(1)
-    ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-    o, _ = chunk_gated_delta(*ins)
-    (o * do).sum().backward()
-    for n, a, b in zip(NAMES, got, [o.detach()] + [t.grad for t in ins]):
-        assert torch.equal(a, b), n
+    *ins, do = global_inputs(1)
+    expect_equal(got, fwd_bwd(lambda *x: chunk_gated_delta(*x)[0], ins, do), NAMES, "a group of one rank vs the kernel")
 
 
 @pytest.mark.gpu
@@ -349,34 +323,21 @@ AUTOCAST_TOL = 2e-5
 
 
 def _autocast_worker(rank, P):
-    out = {}
-    for method, algo, varlen in AUTOCAST_VARIANTS:
-        b = 1 if varlen else B
-        ins = [t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL].clone().requires_grad_()
-               for t in global_inputs(P, B=b)[:5]]
+    def run(variant, *ins):  # the backward runs outside autocast (fwd_bwd), as the trainer does
+        method, algo, varlen = variant
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            o = sp_gated_delta(*ins, method=method, cu_seqlens=docs_for(P) if varlen else None,
-                               scan=AllScanArgs(algorithm=algo, n_blocks=2))
-        (o * global_inputs(P, B=b)[5][:, rank * T_LOCAL:(rank + 1) * T_LOCAL]).sum().backward()
-        out[(method, algo, varlen)] = [o.detach()] + [t.grad for t in ins]
-    return out
+            return sp_gated_delta(*ins, method=method, cu_seqlens=docs_for(P) if varlen else None,
+                                  scan=AllScanArgs(algorithm=algo, n_blocks=2))
+    return rank_results(rank, T_LOCAL, AUTOCAST_VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B),
+                        run)
 
 
 def test_sp_gated_delta_under_bf16_autocast_stays_fp32():
     P = 3
     per_rank = run_on_ranks(_autocast_worker, P, timeout_s=180)
-    oracles = {}
-    for varlen in (False, True):
-        q, k, v, g, beta, do = (t.double() for t in global_inputs(P, B=1 if varlen else B))
-        ins64 = [t.requires_grad_() for t in (q, k, v, g, beta)]
-        o64 = naive_gated_delta(*ins64, cu_seqlens=docs_for(P) if varlen else None)[0]
-        oracles[varlen] = [o64.detach(), *torch.autograd.grad((o64 * do).sum(), ins64)]
-    for method, algo, varlen in AUTOCAST_VARIANTS:
-        got = [torch.cat([r[(method, algo, varlen)][i] for r in per_rank], dim=1) for i in range(6)]
-        assert got[0].dtype == torch.float32
-        errs = {n: max_rel(a, b) for n, a, b in zip(NAMES, got, oracles[varlen])}
-        bad = {n: e for n, e in errs.items() if e > AUTOCAST_TOL}
-        assert not bad, f"gated delta {method}/{algo}/varlen={varlen} under bf16 autocast: {bad}"
+    oracles = {vl: single_device(P, vl)[1] for vl in (False, True)}
+    expect_all_close(per_rank, AUTOCAST_VARIANTS, lambda variant: oracles[variant[2]], NAMES, AUTOCAST_TOL,
+                     "gated delta under bf16 autocast vs the float64 oracle:", dtype=torch.float32)
 
 
 # ----------------------------------------------------------------------------- empty documents (issue 17)
@@ -388,25 +349,18 @@ def docs_with_empty(P):
 
 
 def _empty_docs_worker(rank, P):
-    q, k, v, g, beta, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=1))
-    out = {}
-    for method in ("zeco", "lasp1", "lasp2") if P > 1 else ("none",):
-        for cu in (docs_with_empty(P), docs_with_empty(P).unique()):
-            ins = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
-            o = sp_gated_delta(*ins, method=method, cu_seqlens=cu)
-            (o * do).sum().backward()
-            out.setdefault(method, []).append([o.detach()] + [t.grad for t in ins])
-    return out
+    variants = [(m, empty) for m in (("zeco", "lasp1", "lasp2") if P > 1 else ("none",)) for empty in (1, 0)]
+
+    def run(variant, *ins):
+        method, empty = variant
+        return sp_gated_delta(*ins, method=method,
+                              cu_seqlens=docs_with_empty(P) if empty else docs_with_empty(P).unique())
+    return rank_results(rank, T_LOCAL, variants, lambda _: global_inputs(P, B=1), run)
 
 
 @pytest.mark.parametrize("P", [1, 2])
 def test_zero_length_documents_change_nothing(P):
-    per_rank = run_on_ranks(_empty_docs_worker, P, timeout_s=180) if P > 1 else [_empty_docs_worker(0, 1)]
+    per_rank = on_ranks(_empty_docs_worker, P, timeout_s=180)
     q, k, v, g, beta, _ = global_inputs(P, B=1)
     oracle = naive_gated_delta(q, k, v, g, beta, cu_seqlens=docs_with_empty(P))[0]
-    for method in per_rank[0]:
-        with_empty, without = ([torch.cat([r[method][j][i] for r in per_rank], dim=1) for i in range(6)]
-                               for j in (0, 1))
-        for name, a, b in zip(NAMES, with_empty, without):
-            assert torch.equal(a, b), f"{method} at P={P}: {name} changes with empty documents"
-        assert max_rel(with_empty[0], oracle) < 2e-5, f"{method} at P={P} differs from the oracle"
+    expect_pairs_equal(per_rank, NAMES, oracle, 2e-5, f"at P={P} with and without empty documents")

@@ -7,18 +7,14 @@ from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.kernels import naive_gla, torch_chunk_gla
 from lingua_zeco.sp import sp_gla
 from lingua_zeco.testing import run_on_ranks
+from sp_harness import (expect_all_close, expect_matches_reference, expect_pairs_equal, fwd_bwd, gla_inputs, on_ranks,
+                        rank_results)
 
 B, H, K, V, T_LOCAL = 2, 2, 8, 4, 12
 
 
 def global_inputs(P, B=B, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    T = P * T_LOCAL
-    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)  # slow decay: states reach far across ranks
-    do = torch.randn(B, T, H, V, generator=gen)
-    return q, k, v, g, do
+    return gla_inputs(P, T_LOCAL, B, H, K, V, seed)  # q, k, v, g [B, T, H, K], do
 
 
 def docs_for(P):
@@ -38,32 +34,23 @@ VARIANTS_ALL = [  # (method, scan algorithm, varlen)
 VARIANTS = VARIANTS_ALL
 
 
+NAMES = "o dq dk dv dg".split()
+
+
 def _worker(rank, P):
-    out = {}
-    for method, algo, varlen in VARIANTS:
-        b = 1 if varlen else B
-        q, k, v, g, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=b))
-        q, k, v, g = (t.clone().requires_grad_() for t in (q, k, v, g))
-        cu = docs_for(P) if varlen else None
+    def run(variant, q, k, v, g):
+        method, algo, varlen = variant
         scan = AllScanArgs(algorithm=algo, n_blocks=3, node_size=2 if P % 2 == 0 else 1)
-        o = sp_gla(q, k, v, g, method=method, cu_seqlens=cu, scan=scan)
-        (o * do).sum().backward()
-        out[(method, algo, varlen)] = [o.detach(), q.grad, k.grad, v.grad, g.grad]
-    return out
+        return sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None, scan=scan)
+    return rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
 
 
 def single_device(P, varlen):
     q, k, v, g, do = global_inputs(P, B=1 if varlen else B)
-    q, k, v, g = (t.clone().requires_grad_() for t in (q, k, v, g))
     cu = docs_for(P) if varlen else None
-    o, _ = torch_chunk_gla(q, k, v, g, cu_seqlens=cu)
-    (o * do).sum().backward()
-    o_oracle, _ = naive_gla(q.detach(), k.detach(), v.detach(), g.detach(), cu_seqlens=cu)
-    return [o.detach(), q.grad, k.grad, v.grad, g.grad], o_oracle
-
-
-def max_rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+    ref = fwd_bwd(lambda *x: torch_chunk_gla(*x, cu_seqlens=cu)[0], (q, k, v, g), do)
+    o_oracle, _ = naive_gla(q, k, v, g, cu_seqlens=cu)
+    return ref, o_oracle
 
 
 @pytest.mark.slow
@@ -71,18 +58,9 @@ def max_rel(a, b):
 def test_sp_gla_equals_single_device(P):
     per_rank = run_on_ranks(_worker, P, timeout_s=240)
     refs = {vl: single_device(P, vl) for vl in (False, True)}
-    for method, algo, varlen in VARIANTS:
-        got = [torch.cat([r[(method, algo, varlen)][i] for r in per_rank], dim=1) for i in range(5)]
-        ref, oracle = refs[varlen]
-        errs = {name: max_rel(a, b) for name, a, b in zip("o dq dk dv dg".split(), got, ref)}
-        errs["o_vs_fp64"] = max_rel(got[0], oracle)
-        if method == "local" and P == 1:  # one rank: nothing to drop, so it must be exact too
-            pass
-        elif method == "local":  # the broken variant must be caught by the same comparison
-            assert errs["o"] > 1e-2 and errs["dg"] > 1e-2, f"dropping S_in went unnoticed: {errs}"
-            continue
-        bad = {n: e for n, e in errs.items() if e > 2e-5}
-        assert not bad, f"{method}/{algo}/varlen={varlen} at P={P} differs from single-device GLA: {bad}"
+    # local drops S_in: the same comparison must catch it (one rank: nothing to drop, it must be exact too)
+    expect_matches_reference(per_rank, VARIANTS, refs, NAMES, 2e-5, f"sp_gla at P={P} vs single-device GLA",
+                             broken=lambda variant: variant[0] == "local" and P > 1)
 
 
 def _bad_worker(rank, P, case):
@@ -126,37 +104,26 @@ AUTOCAST_TOL = 1e-5
 
 
 def _autocast_worker(rank, P):
-    out = {}
-    for method, algo, varlen in AUTOCAST_VARIANTS:
-        b = 1 if varlen else B
-        q, k, v, g, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=b, seed=1))
-        q, k, v, g = (t.clone().requires_grad_() for t in (q, k, v, g))
+    def run(variant, q, k, v, g):  # the backward runs outside autocast (fwd_bwd), as the trainer does
+        method, algo, varlen = variant
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            o = sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None, fused=False,
-                       scan=AllScanArgs(algorithm=algo, n_blocks=2, node_size=1))
-        (o * do).sum().backward()  # outside autocast, as the trainer does
-        out[(method, algo, varlen)] = [o.detach(), q.grad, k.grad, v.grad, g.grad]
-    return out
+            return sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None, fused=False,
+                          scan=AllScanArgs(algorithm=algo, n_blocks=2, node_size=1))
+    return rank_results(rank, T_LOCAL, AUTOCAST_VARIANTS,
+                        lambda variant: global_inputs(P, B=1 if variant[2] else B, seed=1), run)
 
 
 def oracle_with_grads(P, varlen, seed):
-    q, k, v, g, do = (t.double() for t in global_inputs(P, B=1 if varlen else B, seed=seed))
-    q, k, v, g = (t.requires_grad_() for t in (q, k, v, g))
-    o, _ = naive_gla(q, k, v, g, cu_seqlens=docs_for(P) if varlen else None)
-    (o * do).sum().backward()
-    return [o.detach(), q.grad, k.grad, v.grad, g.grad]
+    *ins, do = (t.double() for t in global_inputs(P, B=1 if varlen else B, seed=seed))
+    return fwd_bwd(lambda *x: naive_gla(*x, cu_seqlens=docs_for(P) if varlen else None)[0], ins, do)
 
 
 def test_sp_gla_under_bf16_autocast_keeps_fp32_state_and_correction():
     P = 3
     per_rank = run_on_ranks(_autocast_worker, P, timeout_s=180)
     oracles = {vl: oracle_with_grads(P, vl, seed=1) for vl in (False, True)}
-    for method, algo, varlen in AUTOCAST_VARIANTS:
-        got = [torch.cat([r[(method, algo, varlen)][i] for r in per_rank], dim=1) for i in range(5)]
-        assert got[0].dtype == torch.float32
-        errs = {n: max_rel(a, b) for n, a, b in zip("o dq dk dv dg".split(), got, oracles[varlen])}
-        bad = {n: e for n, e in errs.items() if e > AUTOCAST_TOL}
-        assert not bad, f"{method}/{algo}/varlen={varlen} under bf16 autocast is not fp32-exact: {bad}"
+    expect_all_close(per_rank, AUTOCAST_VARIANTS, lambda variant: oracles[variant[2]], NAMES, AUTOCAST_TOL,
+                     "sp_gla under bf16 autocast vs the float64 oracle:", dtype=torch.float32)
 
 
 # Issue 17: zero-length documents (equal consecutive boundaries) crashed the torch backend. They must
@@ -171,25 +138,18 @@ EMPTY_DOC_VARIANTS = [("zeco", "chain"), ("zeco", "tree"), ("lasp1", "chain"), (
 
 
 def _empty_docs_worker(rank, P):
-    q, k, v, g, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=1, seed=2))
-    out = {}
-    for method, algo in EMPTY_DOC_VARIANTS if P > 1 else [("none", "chain")]:
-        for cu in (docs_with_empty(P), docs_with_empty(P).unique()):
-            ins = [t.clone().requires_grad_() for t in (q, k, v, g)]
-            o = sp_gla(*ins, method=method, cu_seqlens=cu, scan=AllScanArgs(algorithm=algo, n_blocks=2))
-            (o * do).sum().backward()
-            out.setdefault((method, algo), []).append([o.detach()] + [t.grad for t in ins])
-    return out
+    variants = [(m, a, empty) for m, a in (EMPTY_DOC_VARIANTS if P > 1 else [("none", "chain")]) for empty in (1, 0)]
+
+    def run(variant, *ins):
+        method, algo, empty = variant
+        cu = docs_with_empty(P) if empty else docs_with_empty(P).unique()
+        return sp_gla(*ins, method=method, cu_seqlens=cu, scan=AllScanArgs(algorithm=algo, n_blocks=2))
+    return rank_results(rank, T_LOCAL, variants, lambda _: global_inputs(P, B=1, seed=2), run)
 
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_zero_length_documents_change_nothing(P):
-    per_rank = run_on_ranks(_empty_docs_worker, P, timeout_s=180) if P > 1 else [_empty_docs_worker(0, 1)]
+    per_rank = on_ranks(_empty_docs_worker, P, timeout_s=180)
     q, k, v, g, _ = global_inputs(P, B=1, seed=2)
     oracle, _ = naive_gla(q, k, v, g, cu_seqlens=docs_with_empty(P))
-    for key in per_rank[0]:
-        with_empty, without = ([torch.cat([r[key][j][i] for r in per_rank], dim=1) for i in range(5)]
-                               for j in (0, 1))
-        for name, a, b in zip("o dq dk dv dg".split(), with_empty, without):
-            assert torch.equal(a, b), f"{key} at P={P}: {name} changes with empty documents"
-        assert max_rel(with_empty[0], oracle) < 2e-5, f"{key} at P={P} differs from the oracle"
+    expect_pairs_equal(per_rank, NAMES, oracle, 2e-5, f"at P={P} with and without empty documents")

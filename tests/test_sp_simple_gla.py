@@ -9,27 +9,18 @@ from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.kernels import chunk_simple_gla, naive_gla, naive_simple_gla
 from lingua_zeco.sp import sp_simple_gla
 from lingua_zeco.testing import run_on_ranks
+from sp_harness import expect_matches_reference, fwd_bwd, gather, gla_inputs, max_rel, rank_results
 
 B, H, K, V, T_LOCAL = 2, 2, 8, 4, 12
 
 
 def global_inputs(P, B=B, seed=1):
-    gen = torch.Generator().manual_seed(seed)
-    T = P * T_LOCAL
-    q, k = (torch.randn(B, T, H, K, generator=gen) for _ in range(2))
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2)  # [B, T, H]: one decay per head and token
-    do = torch.randn(B, T, H, V, generator=gen)
-    return q, k, v, g, do
+    return gla_inputs(P, T_LOCAL, B, H, K, V, seed, gate_per_key=False)  # g [B, T, H]: one decay per head and token
 
 
 def docs_for(P):
     T = P * T_LOCAL
     return torch.tensor(sorted({0, T, 5, T_LOCAL + 3, 2 * T_LOCAL, T - 2}))
-
-
-def max_rel(a, b):
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 def test_oracle_is_gla_with_broadcast_decay_and_kernel_matches_it():
@@ -57,27 +48,23 @@ VARIANTS = [("zeco", "chain", False), ("zeco", "tree", False), ("zeco", "chain",
             ("local", "chain", False)]
 
 
+NAMES = "o dq dk dv dg".split()
+
+
 def _worker(rank, P):
-    out = {}
-    for method, algo, varlen in VARIANTS:
-        b = 1 if varlen else B
-        q, k, v, g, do = (t[:, rank * T_LOCAL:(rank + 1) * T_LOCAL] for t in global_inputs(P, B=b))
-        q, k, v, g = (t.clone().requires_grad_() for t in (q, k, v, g))
-        o = sp_simple_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None,
-                          scan=AllScanArgs(algorithm=algo, n_blocks=3))
-        (o * do).sum().backward()
-        out[(method, algo, varlen)] = [o.detach(), q.grad, k.grad, v.grad, g.grad]
-    return out
+    def run(variant, q, k, v, g):
+        method, algo, varlen = variant
+        return sp_simple_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None,
+                             scan=AllScanArgs(algorithm=algo, n_blocks=3))
+    return rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
 
 
 def single_device(P, varlen):
     q, k, v, g, do = global_inputs(P, B=1 if varlen else B)
-    q, k, v, g = (t.clone().requires_grad_() for t in (q, k, v, g))
     cu = docs_for(P) if varlen else None
-    o = sp_simple_gla(q, k, v, g, cu_seqlens=cu)  # no process group: P = 1, the variant's own kernel
-    (o * do).sum().backward()
-    return [o.detach(), q.grad, k.grad, v.grad, g.grad], naive_simple_gla(*(t.detach() for t in (q, k, v, g)),
-                                                                          cu_seqlens=cu)[0]
+    # no process group: P = 1, the variant's own kernel
+    ref = fwd_bwd(lambda *x: sp_simple_gla(*x, cu_seqlens=cu), (q, k, v, g), do)
+    return ref, naive_simple_gla(q, k, v, g, cu_seqlens=cu)[0]
 
 
 @pytest.mark.slow
@@ -85,17 +72,12 @@ def single_device(P, varlen):
 def test_sp_simple_gla_equals_single_device(P):
     per_rank = run_on_ranks(_worker, P, timeout_s=240)
     refs = {vl: single_device(P, vl) for vl in (False, True)}
-    for method, algo, varlen in VARIANTS:
-        got = [torch.cat([r[(method, algo, varlen)][i] for r in per_rank], dim=1) for i in range(5)]
-        ref, oracle = refs[varlen]
-        assert got[4].shape == ref[4].shape == got[0].shape[:3]  # dg is per head, not per key channel
-        errs = {name: max_rel(a, b) for name, a, b in zip("o dq dk dv dg".split(), got, ref)}
-        errs["o_vs_fp64"] = max_rel(got[0], oracle)
-        if method == "local":  # the broken variant must be caught by the same comparison
-            assert errs["o"] > 1e-2 and errs["dg"] > 1e-2, f"dropping S_in went unnoticed: {errs}"
-            continue
-        bad = {n: e for n, e in errs.items() if e > 2e-5}
-        assert not bad, f"simple_gla {method}/{algo}/varlen={varlen} at P={P} differs from single device: {bad}"
+    for variant in VARIANTS:  # dg is per head, not per key channel
+        o, *_, dg = gather(per_rank, variant)
+        assert dg.shape == refs[variant[2]][0][4].shape == o.shape[:3], variant
+    # local drops S_in: the same comparison must catch it
+    expect_matches_reference(per_rank, VARIANTS, refs, NAMES, 2e-5, f"sp_simple_gla at P={P} vs single device",
+                             broken=lambda variant: variant[0] == "local")
 
 
 def test_bad_gate_shape():

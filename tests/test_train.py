@@ -128,7 +128,8 @@ def test_resume_continues_exactly(tmp_path, async_save):
     """6 steps in one go vs 3 steps, stop, rerun to 6: the rerun resumes at 3 and the losses of
     steps 4-6 are the same (model, optimizer, scheduler, data position and RNG all restored).
     async_save: the checkpoints are written in the background (gloo groups of one process)."""
-    common = ["data.seq_len=64", "checkpoint.dump.every=3", "optim.decay_steps=6", f"checkpoint.async_save={async_save}"]
+    common = ["data.seq_len=64", "checkpoint.dump.every=3", "optim.decay_steps=6",
+              f"checkpoint.async_save={async_save}"]
     full = train(_args(tmp_path / "full", *common, "steps=6"))["losses"]
     first = train(_args(tmp_path / "cut", *common, "steps=3"))["losses"]
     second = train(_args(tmp_path / "cut", *common, "steps=6"))["losses"]

@@ -24,22 +24,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from apps.gla.model import GatedRMSNorm, GLAArgs
+from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, acc_dtype
 from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm
 from lingua_zeco.sp import sp_gated_delta
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(LinearAttention):
+    out_norm = "o_norm"
+
     def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
-        super().__init__()
-        d, kd, vd, H = args.dim, args.key_dim, args.value_dim, args.n_heads
-        if kd % H or vd % H:
-            raise ValueError(f"key dim {kd} and value dim {vd} must be divisible by n_heads={H}")
-        self.n_heads, self.head_k, self.head_v = H, kd // H, vd // H
-        self.sp_group, self.sp_method, self.sp_scan = sp_group, sp_method, sp_scan
-        self.q_proj = nn.Linear(d, kd, bias=False)
-        self.k_proj = nn.Linear(d, kd, bias=False)
-        self.v_proj = nn.Linear(d, vd, bias=False)
+        super().__init__(args, sp_group, sp_method, sp_scan)
+        d, vd, H = args.dim, args.value_dim, args.n_heads
         self.a_proj = nn.Linear(d, H, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))
@@ -66,15 +61,10 @@ class GatedDeltaNet(nn.Module):
         q = F.silu(self.q_proj(x)).view(B, T, H, K)
         k = F.silu(self.k_proj(x)).view(B, T, H, K)
         v = F.silu(self.v_proj(x)).view(B, T, H, V)
-        acc = torch.promote_types(x.dtype, torch.float32)  # gates in fp32 at least (fp64 stays fp64)
+        acc = acc_dtype(x.dtype)  # gates in fp32 at least (fp64 stays fp64)
         beta = self.b_proj(x).to(acc).sigmoid()
         g = -self.A_log.to(acc).exp() * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))
         return q, k, v, g, beta
-
-    def _output(self, o, x):
-        B, T, _ = x.shape
-        o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, self.n_heads, self.head_v))
-        return self.o_proj(o.reshape(B, T, -1))
 
     def forward(self, x, cu_seqlens=None):
         q, k, v, g, beta = self._inputs(x)
@@ -82,21 +72,15 @@ class GatedDeltaNet(nn.Module):
                            use_qk_l2norm=True, scan=self.sp_scan)
         return self._output(o, x)
 
-    @torch.no_grad()
-    def forward_with_state(self, x, state=None):
-        """Generation: x [B, T, D] continuing from `state` [B, H, K, V] (None = zeros), one device, no SP.
-        Returns (output, new state in fp32 at least). One token: S <- exp(g) S, then S += beta k (v - S^T k)^T
-        (the delta rule's write of the prediction error), o = scale S^T q; a prompt: the chunked kernel."""
+    def _state_inputs(self, x):
         q, k, v, g, beta = self._inputs(x)
-        q, k = l2norm(q), l2norm(k)
-        if x.shape[1] == 1 and state is not None:
-            q1, k1, v1 = (t[:, 0].to(state.dtype) for t in (q, k, v))
-            g1, b1 = g[:, 0].to(state.dtype), beta[:, 0].to(state.dtype)
-            state = g1.exp()[..., None, None] * state
-            err = v1 - torch.einsum("bhk,bhkv->bhv", k1, state)
-            state = state + b1[..., None, None] * k1[..., None] * err[..., None, :]
-            o = (self.head_k ** -0.5) * torch.einsum("bhk,bhkv->bhv", q1, state)[:, None]
-        else:
-            o, state = chunk_gated_delta(q, k, v, g, beta, initial_state=state, output_final_state=True)
-            state = state.to(torch.promote_types(q.dtype, torch.float32))
-        return self._output(o, x), state
+        return l2norm(q), l2norm(k), v, g, beta
+
+    def _step(self, state, k, v, g, beta):
+        """S <- exp(g) S, then S += beta k (v - S^T k)^T: the delta rule's write of the prediction error."""
+        state = g.exp()[..., None, None] * state
+        err = v - torch.einsum("bhk,bhkv->bhv", k, state)
+        return state + beta[..., None, None] * k[..., None] * err[..., None, :]
+
+    def _chunk(self, q, k, v, g, beta, state):
+        return chunk_gated_delta(q, k, v, g, beta, initial_state=state, output_final_state=True)

@@ -7,173 +7,24 @@ attn.g_norm_swish_gate, mlp_norm, mlp.{gate,up,down}_proj}, model.norm, lm_head.
 On CUDA the norms, SwiGLU and the loss use fla's fused Triton modules; elsewhere the same maths in
 plain torch. Each rank holds T_local tokens of one global sequence; the loss it returns is the *sum*
 over its tokens, with the token count, so the trainer can normalise by the global count.
+The block's attention is model.attn_variant's (ATTENTION): attention_gla.py, gated_deltanet.py;
+the arguments and the pieces they share are in layers.py.
 """
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lingua_zeco import kernels
-from lingua_zeco.sp import sp_gla, sp_simple_gla
+from apps.gla.attention_gla import GatedLinearAttention
+from apps.gla.gated_deltanet import GatedDeltaNet
+from apps.gla.layers import GLAArgs, RMSNorm, acc_dtype, fla_modules
 
 AC_MODES = ("none", "full", "selective")
-ATTN_VARIANTS = ("gla", "simple_gla", "gated_deltanet")  # gated_deltanet: apps/gla/gated_deltanet.py
-
-
-@dataclass
-class GLAArgs:
-    dim: int = 2048  # hidden size
-    n_layers: int = 20  # blocks of attention + SwiGLU MLP
-    n_heads: int = 16  # attention heads (each with a head_k x head_v state)
-    expand_k: float = 1.0  # key dim = dim * expand_k (fla's convention)
-    expand_v: float = 1.0  # value dim = dim * expand_v
-    ffn_hidden: int = 5632  # 0 = fla's rule: 8/3 * dim rounded up to a multiple of 256
-    vocab_size: int = 32000  # 0 = the tokenizer's n_words
-    norm_eps: float = 1e-6  # RMSNorm epsilon
-    gate_low_rank_dim: int = 16  # gla: rank of the forget-gate projection (fla: 16)
-    gate_logit_normalizer: int = 16  # log forget gate = logsigmoid(.) / this (fla: 16)
-    tie_embeddings: bool = False  # the LM head shares the embedding matrix
-    init_std: float = 0.02  # std of the normal init of every matrix
-    fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
-    activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
-    chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
-    # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
-    # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads);
-    # gated_deltanet: the gated delta rule (apps/gla/gated_deltanet.py)
-    attn_variant: str = "gla"
-    # parameter / compute dtype off CUDA: fp32 | fp64 (exactness checks such as SP-size parity; the
-    # norms and the loss compute in at least fp32, so fp64 stays fp64). CUDA runs keep fp32 + bf16 autocast.
-    dtype: str = "fp32"
-
-    @property
-    def key_dim(self) -> int:
-        return _exact(self.dim * self.expand_k, "dim * expand_k")
-
-    @property
-    def value_dim(self) -> int:
-        return _exact(self.dim * self.expand_v, "dim * expand_v")
-
-    @property
-    def ffn_dim(self) -> int:
-        if self.ffn_hidden > 0:
-            return self.ffn_hidden
-        return 256 * math.ceil(int(self.dim * 8 / 3) / 256)
-
-
-def _exact(x: float, what: str) -> int:
-    if not math.isclose(x, round(x)):
-        raise ValueError(f"{what} must be an integer, got {x}")
-    return round(x)
-
-
+ATTENTION = {"gla": GatedLinearAttention, "simple_gla": GatedLinearAttention, "gated_deltanet": GatedDeltaNet}
+ATTN_VARIANTS = tuple(ATTENTION)
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
-
-
-def _acc(dtype: torch.dtype) -> torch.dtype:
-    """Compute dtype of the norms and the loss: fp32 at least (bf16 -> fp32, fp64 stays fp64)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _fla():
-    """fla's fused modules, imported only when a CUDA tensor needs them (the import is slow)."""
-    from fla.modules.activations import swiglu_linear
-    from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    from fla.modules.norm.layernorm import rms_norm
-
-    return rms_norm, rms_norm_gated, swiglu_linear, FusedLinearCrossEntropyLoss
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, fused: bool):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps, self.fused = eps, fused
-
-    def forward(self, x):
-        if self.fused and x.is_cuda:
-            return _fla()[0](x, self.weight, None, eps=self.eps)
-        xf = x.to(_acc(x.dtype))
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.to(xf.dtype)).to(x.dtype)
-
-
-class GatedRMSNorm(RMSNorm):
-    """RMSNorm(o) * swish(g) over each head's value vector (fla's FusedRMSNormGated)."""
-
-    def forward(self, x, g):
-        if self.fused and x.is_cuda:
-            return _fla()[1](x, g, self.weight, None, activation="swish", eps=self.eps)
-        y = super().forward(x).to(_acc(x.dtype))
-        return (y * F.silu(g.to(y.dtype))).to(x.dtype)
-
-
-class GatedLinearAttention(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
-        super().__init__()
-        d, kd, vd = args.dim, args.key_dim, args.value_dim
-        if kd % args.n_heads or vd % args.n_heads:
-            raise ValueError(f"key dim {kd} and value dim {vd} must be divisible by n_heads={args.n_heads}")
-        self.n_heads, self.head_k, self.head_v = args.n_heads, kd // args.n_heads, vd // args.n_heads
-        self.gate_logit_normalizer = args.gate_logit_normalizer
-        self.sp_group, self.sp_method, self.sp_scan = sp_group, sp_method, sp_scan  # sp_scan: AllScanArgs
-        self.q_proj = nn.Linear(d, kd, bias=False)
-        self.k_proj = nn.Linear(d, kd, bias=False)
-        self.v_proj = nn.Linear(d, vd, bias=False)
-        self.g_proj = nn.Linear(d, vd, bias=False)
-        if args.attn_variant not in ATTN_VARIANTS:
-            raise ValueError(f"model.attn_variant={args.attn_variant!r}; choose from {ATTN_VARIANTS}")
-        self.variant = args.attn_variant
-        if self.variant == "simple_gla":  # one forget gate per head, as fla's SimpleGatedLinearAttention
-            self.gk_proj = nn.Linear(d, args.n_heads, bias=True)
-        else:  # Low-rank forget gate: hidden -> 16 -> key_dim (with bias), as in fla.
-            self.gk_proj = nn.Sequential(nn.Linear(d, args.gate_low_rank_dim, bias=False),
-                                         nn.Linear(args.gate_low_rank_dim, kd, bias=True))
-        self.o_proj = nn.Linear(vd, d, bias=False)
-        self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
-
-    def _inputs(self, x):
-        """q, k [B, T, H, K], v [B, T, H, V] and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
-        B, T, _ = x.shape
-        H, K, V = self.n_heads, self.head_k, self.head_v
-        q = self.q_proj(x).view(B, T, H, K)
-        k = self.k_proj(x).view(B, T, H, K)
-        v = self.v_proj(x).view(B, T, H, V)
-        gk = F.logsigmoid(self.gk_proj(x).view(B, T, H, -1).squeeze(-1)) / self.gate_logit_normalizer
-        return q, k, v, gk
-
-    def _output(self, o, x):
-        B, T, _ = x.shape
-        o = self.g_norm_swish_gate(o.to(x.dtype), self.g_proj(x).view(B, T, self.n_heads, self.head_v))
-        return self.o_proj(o.reshape(B, T, -1))
-
-    def forward(self, x, cu_seqlens=None):
-        q, k, v, gk = self._inputs(x)
-        attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
-        o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens, scan=self.sp_scan)
-        return self._output(o, x)
-
-    @torch.no_grad()
-    def forward_with_state(self, x, state=None):
-        """Generation: x [B, T, D] continuing from `state` [B, H, K, V] (None = zeros), one device, no SP.
-        Returns (output, new state in fp32 at least). One token costs one state update; a prompt, the
-        chunked kernel started from the state."""
-        q, k, v, g = self._inputs(x)
-        if self.variant == "simple_gla":
-            g = g[..., None].expand_as(q)  # a per-head decay is a per-key decay that is constant over K
-        if x.shape[1] == 1 and state is not None:  # S <- diag(exp(g)) S + k v^T, o = scale q^T S
-            q1, k1, v1, g1 = (t[:, 0].to(state.dtype) for t in (q, k, v, g))
-            state = g1.exp()[..., None] * state + k1[..., None] * v1[..., None, :]
-            o = (self.head_k ** -0.5) * torch.einsum("bhk,bhkv->bhv", q1, state)[:, None]
-        else:
-            o, state = kernels.chunk_gla(q, k, v, g.to(q.dtype), initial_state=state, output_final_state=True)
-            state = state.to(_acc(q.dtype))
-        return self._output(o, x), state
 
 
 class SwiGLU(nn.Module):
@@ -187,7 +38,7 @@ class SwiGLU(nn.Module):
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self.fused and x.is_cuda:
-            return _fla()[2](gate, up, self.down_proj.weight, self.down_proj.bias)
+            return fla_modules()[2](gate, up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -195,11 +46,9 @@ class GLABlock(nn.Module):
     def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
-        if args.attn_variant == "gated_deltanet":
-            from apps.gla.gated_deltanet import GatedDeltaNet  # imports this module: import on use
-            self.attn = GatedDeltaNet(args, sp_group, sp_method, sp_scan)
-        else:
-            self.attn = GatedLinearAttention(args, sp_group, sp_method, sp_scan)
+        if args.attn_variant not in ATTENTION:
+            raise ValueError(f"model.attn_variant={args.attn_variant!r}; choose from {ATTN_VARIANTS}")
+        self.attn = ATTENTION[args.attn_variant](args, sp_group, sp_method, sp_scan)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.mlp = SwiGLU(args.dim, args.ffn_dim, args.fused_kernels)
         if args.activation_checkpointing not in AC_MODES:
@@ -279,12 +128,12 @@ class GLAForCausalLM(nn.Module):
             # Never materialises the [tokens, vocab] logits (1 GiB in fp32 at 16K x 32K). fla's default
             # accumulates the head's weight gradient in fp32, which runs as a non-tensor-core SGEMM:
             # 42.8 ms of a 370 ms GLA-1B step at 16K on an H200 (docs/results/performance.md).
-            loss_fn = _fla()[3](reduction="sum", accumulate_grad_in_fp32=False)
+            loss_fn = fla_modules()[3](reduction="sum", accumulate_grad_in_fp32=False)
             # The weight in h's dtype (a no-op under FSDP's bf16 params; under plain autocast the
             # fp32 weight would otherwise drag the whole head into fp32 matmuls).
             loss = loss_fn(h.reshape(-1, h.shape[-1]), labels.reshape(-1), self.lm_head.weight.to(h.dtype))
         else:
-            logits = self.lm_head(h).to(_acc(h.dtype))
+            logits = self.lm_head(h).to(acc_dtype(h.dtype))
             loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
         return loss, n_tokens
 

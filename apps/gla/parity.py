@@ -6,7 +6,7 @@ difference (JSON) and a plot.
     python -m apps.gla.parity steps=20 sizes=1,2 out=/tmp/parity
     python -m apps.gla.parity dtype=fp64 tag=fp64 control=true  # float64 model (model.dtype), plus a control:
         # SP=1 again with the batch as 2 micro-batches (the same maths, another summation order)
-    python -m apps.gla.parity optim.lr=3e-4 tag=lr3e-4  # any other key=value goes to the trainer
+    python -m apps.gla.parity overrides=optim.lr=3e-4 tag=lr3e-4  # trainer keys for every run
 
 Writes <out>/results/parity[_<tag>].json and <out>/figures/parity_sp124[_<tag>].png (out: docs/).
 
@@ -20,10 +20,13 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
+from apps.gla.plot_metrics import pyplot, save_figure
+from apps.gla.train import TrainArgs
+from lingua_zeco import reliability
+from lingua_zeco.args import parse_args
 from lingua_zeco.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,41 +34,47 @@ GLOBAL_TOKENS = 256
 CONTROL = "1_grad_acc2"  # the control run's key in the results
 
 
-def run(P: int, steps: int, method: str, dump: Path, extra: list[str], dtype: str = "fp32") -> list[dict]:
+@dataclass
+class ParityArgs:
+    steps: int = 200  # training steps of every run
+    sizes: list[int] = field(default_factory=lambda: [1, 2, 4])  # SP sizes; the first is the reference
+    method: str = "zeco"  # distributed.sp_method of the runs
+    dtype: str = "fp32"  # model.dtype: fp64 makes rounding ~1e-16 instead of ~1e-7
+    tag: str = ""  # output names parity_<tag>.json, parity_sp124_<tag>.png
+    out: str = ""  # folder of results/ and figures/; empty: docs/
+    control: bool = False  # also SP=1 with the batch as 2 micro-batches (rounding alone)
+    overrides: list[str] = field(default_factory=list)  # trainer keys for every run, e.g. optim.lr=3e-4
+
+
+def run(P: int, args: ParityArgs, dump: Path, extra: list[str]) -> list[float]:
+    """The loss of every step of the debug config trained with SP = P (`extra`: more trainer keys)."""
     shutil.rmtree(dump, ignore_errors=True)
-    argv = ["-m", "apps.gla.train", "config=debug.yaml", f"dump_dir={dump}", f"steps={steps}", "logging.freq=1",
-            f"data.seq_len={GLOBAL_TOKENS // P}", f"distributed.sp_size={P}", f"distributed.sp_method={method}",
-            "checkpoint.dump.every=0", "data.prefetch=0", f"model.dtype={dtype}", *extra]
+    argv = ["-m", "apps.gla.train", "config=debug.yaml", f"dump_dir={dump}", f"steps={args.steps}", "logging.freq=1",
+            f"data.seq_len={GLOBAL_TOKENS // P}", f"distributed.sp_size={P}", f"distributed.sp_method={args.method}",
+            "checkpoint.dump.every=0", "data.prefetch=0", f"model.dtype={args.dtype}", *extra]
     cmd = [sys.executable, *argv] if P == 1 else [sys.executable, "-m", "torch.distributed.run",
                                                    f"--nproc_per_node={P}", *argv]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"SP={P} failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    return read_metrics(dump / "metrics.jsonl")
+    return [r["loss"] for r in read_metrics(dump / "metrics.jsonl")]
 
 
-def main(argv: list[str]) -> dict:
-    opts = dict(a.split("=", 1) for a in argv)
-    steps = int(opts.pop("steps", 200))
-    sizes = [int(s) for s in opts.pop("sizes", "1,2,4").split(",")]
-    method = opts.pop("method", "zeco")
-    dtype = opts.pop("dtype", "fp32")  # model.dtype: fp64 makes rounding ~1e-16 instead of ~1e-7
-    tag = opts.pop("tag", "")
-    suffix = f"_{tag}" if tag else ""
-    out = Path(opts.pop("out", ROOT / "docs"))
-    control = opts.pop("control", "false").lower() in ("1", "true", "yes")
-    extra = [f"{k}={v}" for k, v in opts.items()]  # any other key=value goes to the trainer
-    curves = {str(P): [r["loss"] for r in run(P, steps, method, Path("dumps") / f"parity{suffix}_sp{P}", extra, dtype)]
-              for P in sizes}
-    if control:  # rounding alone: SP=1, the same global batch summed as 2 micro-batches
-        batch = int(opts.get("data.batch_size", OmegaConf.load(ROOT / "configs" / "debug.yaml").data.batch_size))
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(ParityArgs, argv)
+    batch = parse_args(TrainArgs, ["config=debug.yaml", *args.overrides]).data.batch_size  # checks the keys
+    sizes, method, dtype, extra = args.sizes, args.method, args.dtype, args.overrides
+    suffix = f"_{args.tag}" if args.tag else ""
+    out = Path(args.out or ROOT / "docs")
+    curves = {str(P): run(P, args, Path("dumps") / f"parity{suffix}_sp{P}", extra) for P in sizes}
+    if args.control:  # rounding alone: SP=1, the same global batch summed as 2 micro-batches
         acc = [*extra, "grad_acc_steps=2", f"data.batch_size={batch // 2}"]
-        curves[CONTROL] = [r["loss"] for r in run(1, steps, method, Path("dumps") / f"parity{suffix}_control", acc, dtype)]
+        curves[CONTROL] = run(1, args, Path("dumps") / f"parity{suffix}_control", acc)
     ref = curves[str(sizes[0])]
     gaps = {P: [abs(a - b) for a, b in zip(c, ref)] for P, c in curves.items()}
     diffs = {P: max(g) for P, g in gaps.items()}
-    result = {"steps": steps, "method": method, "dtype": dtype, "global_tokens_per_sequence": GLOBAL_TOKENS,
+    result = {"steps": args.steps, "method": method, "dtype": dtype, "global_tokens_per_sequence": GLOBAL_TOKENS,
               "extra": extra, "max_abs_diff_vs_sp%d" % sizes[0]: diffs,
               "median_abs_diff_vs_sp%d" % sizes[0]: {P: sorted(g)[len(g) // 2] for P, g in gaps.items()},
               # the first step at which each curve is more than 1e-3 from the reference (None: never)
@@ -80,13 +89,7 @@ def main(argv: list[str]) -> dict:
 
 
 def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str = "fp32", extra: list | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax, bx) = pyplot().subplots(1, 2, figsize=(11, 4))
     ref_P = next(iter(curves))
     for i, ((P, c), style) in enumerate(zip(curves.items(), ["-", "--", ":", "-."])):
         name = "SP=1, 2 micro-batches" if P == CONTROL else f"SP={P}" + ("" if P == "1" else f" ({method})")
@@ -100,9 +103,9 @@ def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str = "fp32"
     bx.set(xlabel="step", ylabel="absolute loss difference", title="difference to SP=1 (line: 1e-3)")
     ax.legend()
     bx.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, str(path), dpi=120)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from dataclasses import dataclass, field
 
-from apps.gla.plot_metrics import _metrics_path
-from lingua_zeco.args import ConfigError, parse_args
+from apps.gla.plot_metrics import metrics_path, plot_main, pyplot, save_figure
+from lingua_zeco import reliability
 from lingua_zeco.metrics import read_metrics
 from lingua_zeco.position_loss import bucket_bounds
 
@@ -44,7 +43,7 @@ def curve(record: dict) -> tuple[str, list[int], list[float]] | None:
 def evaluations(path: str) -> list[dict]:
     """Records with per-position losses; a step evaluated again (a resumed run) keeps its last record."""
     by_step = {}
-    for i, r in enumerate(read_metrics(_metrics_path(path))):
+    for i, r in enumerate(read_metrics(metrics_path(path))):
         if curve(r) is not None:
             by_step[r.get("step", f"#{i}")] = r
     return list(by_step.values())
@@ -60,14 +59,9 @@ def _pick(records: list[dict], steps: list[int], many: bool) -> list[dict]:
 
 
 def plot(runs: list[str], out: str, steps: list[int] | None = None) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = pyplot().subplots(figsize=(7, 4))
     for run in runs:
-        path = os.path.abspath(_metrics_path(run))
+        path = os.path.abspath(metrics_path(run))
         label = os.path.basename(os.path.dirname(path)) or run
         if os.path.basename(path) != "metrics.jsonl":  # e.g. apps.gla.eval's out= file beside the run
             label += "/" + os.path.basename(path)
@@ -83,26 +77,14 @@ def plot(runs: list[str], out: str, steps: list[int] | None = None) -> str:
     ax.set_xscale("log", base=2)
     ax.set(xlabel="token position in the sequence (bucket upper end)", ylabel="loss (nats/token)",
            title="validation loss by token position")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, axes=(ax,))
 
 
 def main(argv: list[str] | None = None) -> str:
-    args = parse_args(PlotPositionsArgs, sys.argv[1:] if argv is None else argv)
-    if not args.dump_dir:
-        raise ConfigError("give dump_dir=<run folder> (or a metrics.jsonl / apps.gla.eval out= file)")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(_metrics_path(args.dump_dir))),
-                                   "loss_by_position.png")
-    print(plot([args.dump_dir, *args.compare], out, args.steps))
-    return out
+    return plot_main(PlotPositionsArgs, argv, "loss_by_position.png", "or a metrics.jsonl / apps.gla.eval out= file",
+                     lambda a, runs, out: plot(runs, out, a.steps))
 
 
 if __name__ == "__main__":
-    from lingua_zeco.reliability import clean_exit
-
-    with clean_exit():  # bad input: one `error: ...` line, exit code 2
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
         main()

@@ -1,8 +1,11 @@
 """Collectives for sequence parallelism (no autograd at this level)."""
-from .gather_scan import gather_scan
+from .scan import (DECAY, MATRIX, Transition, chain_scan, gather_scan, global_rank, group_rank_size, local_scan,
+                   scan_position, split_blocks, tree_scan)
 from .all_scan import (ALGORITHMS, AllScanArgs, ScanWork, all_scan, best_n_blocks, chain_time, choose_algorithm,
-                       hier_groups_needed, on_side_stream, tree_time)
+                       hier_groups_needed, on_side_stream, pair_scan, tree_time)
 from .hierarchical import init_node_groups
 
-__all__ = ["ALGORITHMS", "AllScanArgs", "ScanWork", "all_scan", "best_n_blocks", "chain_time", "choose_algorithm",
-           "gather_scan", "hier_groups_needed", "init_node_groups", "on_side_stream", "tree_time"]
+__all__ = ["ALGORITHMS", "AllScanArgs", "DECAY", "MATRIX", "ScanWork", "Transition", "all_scan", "best_n_blocks",
+           "chain_scan", "chain_time", "choose_algorithm", "gather_scan", "global_rank", "group_rank_size",
+           "hier_groups_needed", "init_node_groups", "local_scan", "on_side_stream", "pair_scan", "scan_position",
+           "split_blocks", "tree_scan", "tree_time"]

@@ -17,6 +17,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from .scan import chain_scan, global_rank, scan_position, tree_scan
+
 # (group's global ranks in group-rank order, node size) -> (world it was made in, intra, cross)
 _GROUPS: dict = {}
 
@@ -66,22 +68,17 @@ def hierarchical_time(P: int, G: int, nbytes: int, alpha_s: float, beta_Bps: flo
 
 
 def hierarchical_scan(x, a, group, reverse: bool, node_size: int, n_blocks: int):
-    from .all_scan import _chain, _global, _tree  # the flat algorithms run on the sub-groups (import cycle)
-
+    """The decay scan of all_scan(algorithm='hier'): chain_scan inside the node, tree_scan across."""
     group = group if group is not None else dist.group.WORLD
     rank, P, G = dist.get_rank(group), dist.get_world_size(group), node_size
     if G <= 0 or P % G:
         raise ValueError(f"all_scan(algorithm='hier'): node_size={G} must divide the group size {P}")
     intra, cross = _node_groups(group, P, G)
     node, local = rank // G, rank % G
-    pos = G - 1 - local if reverse else local          # position inside the node, in scan order
-    last_local = 0 if reverse else G - 1               # the node's last rank in scan order
-
-    def peer_in(g, p):
-        return _global(g, G - 1 - p if reverse else p)
-
     ig = intra[node]
-    y_loc = _chain(x, a, ig, pos, G, lambda p: peer_in(ig, p), n_blocks) if G > 1 else torch.zeros_like(x)
+    pos, peer_in = scan_position(ig, local, G, reverse)  # position inside the node, in scan order
+    last_local = 0 if reverse else G - 1                 # the node's last rank in scan order
+    y_loc = chain_scan(x, a, ig, pos, G, peer_in, n_blocks) if G > 1 else torch.zeros_like(x)
     decays = [torch.empty_like(a) for _ in range(G)]
     dist.all_gather(decays, a.contiguous(), group=ig)
     order = [G - 1 - p if reverse else p for p in range(G)]        # local indices in scan order
@@ -93,10 +90,7 @@ def hierarchical_scan(x, a, group, reverse: bool, node_size: int, n_blocks: int)
         X_node = a[..., None] * y_loc + x
         A_node = a_excl * a
         cg, N = cross[last_local], P // G
-        npos = N - 1 - node if reverse else node
-
-        def peer_out(p):
-            return _global(cg, N - 1 - p if reverse else p)
-        Y = _tree(X_node.contiguous(), A_node.contiguous(), cg, npos, N, peer_out) if N > 1 else Y
-    dist.broadcast(Y, src=_global(ig, last_local), group=ig)
+        npos, peer_out = scan_position(cg, node, N, reverse)
+        Y = tree_scan(X_node.contiguous(), A_node.contiguous(), cg, npos, N, peer_out) if N > 1 else Y
+    dist.broadcast(Y, src=global_rank(ig, last_local), group=ig)
     return y_loc + a_excl[..., None] * Y

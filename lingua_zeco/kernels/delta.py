@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from .common import acc_dtype, by_segments, pick_backend
+from .naive import naive_recurrence
+
 CHUNK = 32
 L2_EPS = 1e-6  # fla's l2norm: x / sqrt(Σx² + eps)
 
@@ -32,34 +35,19 @@ def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def _segments(B: int, T: int, cu_seqlens):
-    if cu_seqlens is None:
-        return [(b, 0, T) for b in range(B)]
-    bounds = [int(c) for c in cu_seqlens.tolist()]
-    return [(0, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
-
-
 def naive_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
                       cu_seqlens=None):
     """Ground truth. q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; initial_state [N, H, K, V].
     Returns (o in q's dtype, final states in float64 or None)."""
-    B, T, H, K = q.shape
-    scale = K ** -0.5 if scale is None else scale
-    q64, k64, v64, g64, b64 = (t.double() for t in (q, k, v, g, beta))
-    o = torch.zeros(*v.shape, dtype=torch.float64, device=q.device)
-    eye = torch.eye(K, dtype=torch.float64, device=q.device)
-    finals = []
-    for n, (b, s, e) in enumerate(_segments(B, T, cu_seqlens)):
-        S = torch.zeros(H, K, v.shape[-1], dtype=torch.float64, device=q.device)
-        if initial_state is not None:
-            S = S + initial_state[n].double()
-        for t in range(s, e):
-            kt, bt = k64[b, t], b64[b, t]                                      # [H, K], [H]
-            transition = g64[b, t].exp()[:, None, None] * (eye - bt[:, None, None] * kt[:, :, None] * kt[:, None, :])
-            S = transition @ S + bt[:, None, None] * kt[:, :, None] * v64[b, t][:, None, :]
-            o[b, t] = scale * torch.einsum("hk,hkv->hv", q64[b, t], S)
-        finals.append(S)
-    return o.to(q.dtype), (torch.stack(finals) if output_final_state else None)
+    k64, v64, g64, b64 = (t.double() for t in (k, v, g, beta))
+    eye = torch.eye(q.shape[-1], dtype=torch.float64, device=q.device)
+
+    def step(S, b, t):
+        kt, bt = k64[b, t], b64[b, t]                                      # [H, K], [H]
+        transition = g64[b, t].exp()[:, None, None] * (eye - bt[:, None, None] * kt[:, :, None] * kt[:, None, :])
+        return transition @ S + bt[:, None, None] * kt[:, :, None] * v64[b, t][:, None, :]
+    return naive_recurrence(step, q, v, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
 def _delta_fixed(q, k, v, g, beta, scale, h0, chunk):
@@ -76,7 +64,7 @@ def _delta_fixed(q, k, v, g, beta, scale, h0, chunk):
     B, T, H, K = q.shape
     V = v.shape[-1]
     if T == 0:  # an empty document (equal boundaries): no output, the state passes through
-        acc = torch.promote_types(q.dtype, torch.float32)
+        acc = acc_dtype(q.dtype)
         S = q.new_zeros(B, H, K, V, dtype=acc) if h0 is None else h0.to(acc)
         return v.new_zeros(B, 0, H, V, dtype=acc), S
     pad = (-T) % chunk
@@ -84,7 +72,7 @@ def _delta_fixed(q, k, v, g, beta, scale, h0, chunk):
         q, k, v = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v))
         g, beta = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (g, beta))
     N = q.shape[1] // chunk
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = acc_dtype(q.dtype)
     q, k, v = (t.to(acc).reshape(B, N, chunk, H, -1).transpose(2, 3) for t in (q, k, v))  # [B, N, H, C, *]
     g, beta = (t.to(acc).reshape(B, N, chunk, H).transpose(2, 3) for t in (g, beta))       # [B, N, H, C]
     G = g.cumsum(-1)
@@ -113,22 +101,8 @@ def torch_chunk_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None,
     """Same contract as fla's chunk_gated_delta_rule (use_qk_l2norm_in_kernel=False: normalise
     q, k before, e.g. with l2norm above); returns (o in q's dtype, final state fp32/fp64 or None).
     fp32 inside whatever the autocast state, as fla's kernel accumulates (autocast would cast the matmuls)."""
-    with torch.autocast(q.device.type, enabled=False):
-        return _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk)
-
-
-def _chunk_gated_delta(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, chunk):
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if cu_seqlens is None:
-        o, ht = _delta_fixed(q, k, v, g, beta, scale, initial_state, chunk)
-        return o.to(q.dtype), (ht if output_final_state else None)
-    outs, finals = [], []
-    for n, (_, s, e) in enumerate(_segments(1, q.shape[1], cu_seqlens)):
-        h0 = None if initial_state is None else initial_state[n:n + 1]
-        o, ht = _delta_fixed(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], beta[:, s:e], scale, h0, chunk)
-        outs.append(o)
-        finals.append(ht)
-    return torch.cat(outs, dim=1).to(q.dtype), (torch.cat(finals) if output_final_state else None)
+    return by_segments(_delta_fixed, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk=chunk)
 
 
 def check_shapes(q, k, v, g, beta, where: str = "gated delta"):
@@ -148,8 +122,6 @@ def chunk_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, outpu
                       cu_seqlens=None, backend: str | None = None):
     """The gated delta rule over [B, T, H, *] tensors with fla's contract; returns (o, final_state or None).
     q and k are used as given (normalise them first if the model wants L2-normalised keys)."""
-    from lingua_zeco.kernels import pick_backend  # the package imports this module's siblings only
-
     check_shapes(q, k, v, g, beta)
     name = pick_backend(q.device, backend)
     if name == "fla":

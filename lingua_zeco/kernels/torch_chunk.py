@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .common import acc_dtype, by_segments
+
 CHUNK = 16
 
 
@@ -18,7 +20,7 @@ def _gla_fixed(q, k, v, g, scale, h0, chunk):
     """One batch of equal-length sequences. q, k, g [B, T, H, K], v [B, T, H, V], h0 [B, H, K, V] or None."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    acc = torch.promote_types(q.dtype, torch.float32)  # fp32 at least; fp64 stays fp64 (gradient checks)
+    acc = acc_dtype(q.dtype)
     h = q.new_zeros(B, H, K, V, dtype=acc) if h0 is None else h0.to(acc)
     if T == 0:  # an empty document (equal boundaries): no output, the state passes through
         return v.new_zeros(B, 0, H, V, dtype=acc), h
@@ -47,21 +49,5 @@ def torch_chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_
                     cu_seqlens=None, chunk: int = CHUNK):
     """Same contract as fla.ops.gla.chunk_gla; returns (o in q's dtype, final state fp32 or None).
     fp32 inside whatever the autocast state, as fla's kernels accumulate (autocast would cast the matmuls)."""
-    with torch.autocast(q.device.type, enabled=False):
-        return _chunk_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, chunk)
-
-
-def _chunk_gla(q, k, v, g, scale, initial_state, output_final_state, cu_seqlens, chunk):
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if cu_seqlens is None:
-        o, ht = _gla_fixed(q, k, v, g, scale, initial_state, chunk)
-        return o.to(q.dtype), (ht if output_final_state else None)
-    bounds = [int(c) for c in cu_seqlens.tolist()]
-    outs, finals = [], []
-    for n, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        h0 = None if initial_state is None else initial_state[n:n + 1]
-        o, ht = _gla_fixed(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale, h0, chunk)
-        outs.append(o)
-        finals.append(ht)
-    o = torch.cat(outs, dim=1).to(q.dtype)
-    return o, (torch.cat(finals) if output_final_state else None)
+    return by_segments(_gla_fixed, q, k, v, g, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk=chunk)

@@ -23,6 +23,8 @@ import math
 
 import torch
 
+from .common import acc_dtype
+
 try:
     import triton
     import triton.language as tl
@@ -41,7 +43,7 @@ def fla_chunk_size(T: int) -> int:
 def chunk_local_cumsum_torch(g_BTHK, BT):
     """fla's chunk-local, base-2 cumsum of the log gates (fp32, at least the input's precision)."""
     B, T, H, K = g_BTHK.shape
-    acc = torch.promote_types(g_BTHK.dtype, torch.float32)
+    acc = acc_dtype(g_BTHK.dtype)
     pad = (-T) % BT
     g = torch.nn.functional.pad(g_BTHK.to(acc), (0, 0, 0, 0, 0, pad))
     return (g.view(B, -1, BT, H, K).cumsum(2) * LOG2E).view(B, -1, H, K)[:, :T].contiguous()
@@ -64,7 +66,7 @@ def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     """Oracle of `zeco_fwd_o` (computes in at least fp32). A [B, T, H, BT] as fla's intra stage gives it
     (row t, column j of t's chunk); h [B, NT, H, K, V] from a zero state; S_in [B, H, K, V]."""
     B, T, H, K = q.shape
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = acc_dtype(q.dtype)
     n_T = _chunk_index(T, BT, q.device)
     h_true = h.to(acc) + torch.exp2(Gx.to(acc))[..., None] * S_in.to(acc)[:, None]
     qg = q.to(acc) * torch.exp2(g_cs.to(acc))
@@ -79,7 +81,7 @@ def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
 
 def zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT):
     """Oracle of `zeco_dS_in`: scale·Σ_t (q_t ⊙ 2^(Gx_n + g_cs_t))ᵀ do_t, [B, H, K, V] in at least fp32."""
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = acc_dtype(q.dtype)
     b = torch.exp2(Gx.to(acc)[:, _chunk_index(q.shape[1], BT, q.device)] + g_cs.to(acc))
     return scale * torch.einsum("bthk,bthv->bhkv", q.to(acc) * b, do.to(acc))
 

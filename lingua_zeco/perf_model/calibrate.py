@@ -1,24 +1,26 @@
-"""Calibrate the cost model from one folder of raw benchmark outputs and compare it with them.
+"""Calibrate the cost model from raw benchmark outputs, record which file each input came from, and
+compare the model with every measured point.
 
     python -m lingua_zeco.perf_model what=check raw=docs/results/raw/2026-11-30-h200x2
     python -m lingua_zeco.perf_model what=op raw=docs/results/raw/2026-11-30-h200x2 P=8,64,256
 
-The folder holds comm_P<n>.json (bench_comm), op_P<n>.json (bench_op), optionally bench_fused.json
-and metrics_dp.jsonl (trainer). What is fitted, and from which rows:
+`raw` holds comm_P<n>.json (bench_comm), op_P<n>.json (bench_op), optionally bench_fused.json and
+metrics_<method>.jsonl (trainer); `raw_1gpu` holds single-GPU bench_train JSON (fla's model, one GPU).
+By default both are the committed measurements, RAW and RAW_1GPU. What is fitted, and from which rows:
   links.nvlink   alpha = per-block slope of the chain rows (time = fixed + n_blocks * alpha + bytes-term,
-                 relative least squares over every chain<n> row at the measured P); beta stays the NVLink preset
-                 (the P2P sweep is latency-bound: its fitted slope is noise); coll_alpha from the
-                 all-gather / all-reduce rows (mean residual of the ring model).
+                 relative least squares over every chain<n> row at the measured P); coll_alpha from the
+                 all-gather / all-reduce rows (mean residual of the ring model). beta is assumed
+                 (inputs.ASSUMED): the P2P sweep is latency-bound, its fitted slope is noise.
   dev            scan_fixed_s, scan_s_per_byte (intercept and bytes-slope of the same fit);
                  tree_round_s = tree rows minus the model's one-round tree.
-  links.ib       not measured: alpha = NVLink alpha + 10 µs (same software cost plus NIC/switch),
-                 coll_alpha likewise; beta the 400 Gb/s preset.
-  op             kernel_ms from the fla rows; zeco_extra_by_T from bench_fused (no-comm extra compute);
+  links.ib       not measured: NVLink's alpha and coll_alpha + inputs.IB_EXTRA_S (links.complete_links).
+  op             kernel_ms from the fla rows; zeco_extra_by_T from bench_fused.json (no-comm extra compute);
                  compose_extra_ms per T from the lasp2 rows; scan_op_overhead_s from the zeco row at
                  the smallest T (the other T are checks); lasp1_serial_frac: mean over T of the value
                  that reproduces each lasp1 row.
-  tput           tok_s from metrics_dp.jsonl: median tokens/s/GPU over the logged steps after the first;
-                 T_local = tokens_global / world (world of the comm file); tok_s_world = that world.
+  tput           tok_s from metrics_dp.jsonl: median tokens/s/GPU over the logged steps after the first,
+                 T_local = tokens_global / world (world of the comm file), tok_s_world = that world; other
+                 lengths: that value times the ratio of fla's single-GPU tokens/s (raw_1gpu) at the two lengths.
 """
 from __future__ import annotations
 
@@ -27,15 +29,36 @@ import json
 import os
 import statistics
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 
-from .links import LinkArgs, Topology, TopologyArgs, default_links
+from .inputs import assumed_origin
+from .links import Topology, TopologyArgs, default_links
 from .op_model import OpArgs, op_times
 from .schedules import (DeviceArgs, StateArgs, allgather_scan, allreduce_state, chain_sim, tree_sim)
 from .throughput import ThroughputArgs, tokens_per_gpu
 
-IB_EXTRA_ALPHA_S = 10e-6
+REPO = Path(__file__).resolve().parents[2]
+RAW = "docs/results/raw/2026-11-30-h200x2"  # 2 x H200, NVLink: comm_P2, op_P2, bench_fused, metrics_*.jsonl
+RAW_1GPU = "docs/results/raw/2026-11-30-h200-perf"  # one H200: bench_train JSON, fla's model at 16K and 32K
+
+
+def find(path: str) -> str:
+    """`path` as given (absolute, or from the working directory), else inside the repository (the
+    committed folders are found from any directory when the package is installed editable)."""
+    if os.path.exists(path) or os.path.isabs(path):
+        return path
+    inside = REPO / path
+    return str(inside) if inside.exists() else path
+
+
+def shown(path: str) -> str:
+    """A path as the model's output names it: relative to the repository when inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
 
 
 def _one(raw: str, pattern: str) -> str | None:
@@ -44,16 +67,42 @@ def _one(raw: str, pattern: str) -> str | None:
 
 
 def load_raw(raw: str) -> dict:
-    out: dict = {}
+    """The folder's files, parsed; out["files"] names the file behind each key."""
+    raw = find(raw)
+    if not os.path.isdir(raw):
+        raise FileNotFoundError(f"raw={raw}: no such folder of benchmark outputs")
+    out: dict = {"files": {}}
     for key, pat in (("comm", "comm_P*.json"), ("op", "op_P*.json"), ("fused", "bench_fused.json")):
         f = _one(raw, pat)
         if f:
             out[key] = json.load(open(f))
+            out["files"][key] = shown(f)
     out["metrics"] = {}
     for f in sorted(glob.glob(os.path.join(raw, "metrics_*.jsonl"))):
         name = os.path.basename(f)[len("metrics_"):-len(".jsonl")]
         out["metrics"][name] = [json.loads(line) for line in open(f) if line.strip()]
+        out["files"][f"metrics_{name}"] = shown(f)
     return out
+
+
+def single_gpu_runs(folder: str, variant: str = "fla") -> dict[int, dict]:
+    """bench_train JSON of one GPU without overrides: per seq_len the median tokens/s and peak GiB of
+    `variant` over the files, and the files."""
+    found: dict[int, dict] = {}
+    for f in sorted(glob.glob(os.path.join(find(folder), "*.json"))):
+        data = json.load(open(f))
+        if not isinstance(data, dict) or data.get("env", {}).get("world_size") != 1:
+            continue
+        if data.get("args", {}).get("overrides"):  # e.g. activation checkpointing: not the plain model
+            continue
+        for r in data.get("rows", []):
+            if r.get("variant") == variant and "tok_per_s" in r:
+                one = found.setdefault(int(r["seq_len"]), dict(tok_s=[], peak_gib=[], files=[]))
+                one["tok_s"].append(r["tok_per_s"])
+                one["peak_gib"].append(r["peak_gib"])
+                one["files"].append(shown(f))
+    return {T: dict(tok_s=statistics.median(v["tok_s"]), peak_gib=statistics.median(v["peak_gib"]),
+                    files=sorted(set(v["files"]))) for T, v in sorted(found.items())}
 
 
 def median_tok_s(rows: list[dict]) -> float:
@@ -66,13 +115,16 @@ def _model_state(H: int, K: int = 128, V: int = 128) -> StateArgs:
     return StateArgs(H=H, K=K, V=V)
 
 
-def calibrate(raw: str, topology: str = "hier", gpus_per_node: int = 8):
-    """Returns (Topology, DeviceArgs, OpArgs, ThroughputArgs, notes) fitted to the files in `raw`."""
+def calibrate(raw: str = RAW, topology: str = "hier", gpus_per_node: int = 8, raw_1gpu: str | None = RAW_1GPU):
+    """Returns (Topology, DeviceArgs, OpArgs, ThroughputArgs, notes) fitted to the files in `raw` (and the
+    single-GPU runs in `raw_1gpu`, None: none); notes["sources"] names the file behind every fitted input."""
     data = load_raw(raw)
+    files = data["files"]
     links = default_links()
     nv = links["nvlink"]
     dev = DeviceArgs()
     notes: dict = {}
+    src: dict[str, str] = {}
     comm = data.get("comm")
     if comm:
         rows = [r for r in comm["results"] if r["P"] > 1]
@@ -88,8 +140,12 @@ def calibrate(raw: str, topology: str = "hier", gpus_per_node: int = 8):
             y.append(r["median_us"] * 1e-6)
         w = 1 / np.array(y)  # relative least squares: every row's error counts alike
         (fixed, alpha, per_byte), *_ = np.linalg.lstsq(np.array(X) * w[:, None], np.array(y) * w, rcond=None)
-        nv = replace(nv, alpha_s=float(alpha))
+        nv = replace(nv, alpha_s=float(alpha), coll_alpha_s=0.0)  # no collective in the P2P fits below
         dev = replace(dev, scan_fixed_s=float(fixed), scan_s_per_byte=max(float(per_byte) - 1 / nv.beta_Bps, 0.0))
+        how = f"measured: {files['comm']}"
+        src["link.nvlink.alpha_s"] = f"{how} (per-block slope of the {len(chain)} chain rows, relative least squares)"
+        src["dev.scan_fixed_s"] = f"{how} (intercept of the chain fit)"
+        src["dev.scan_s_per_byte"] = f"{how} (bytes-slope of the chain fit minus 1/beta)"
         links["nvlink"] = nv
         topo1 = Topology(TopologyArgs(kind="nvlink"), links)
         trees = [r for r in rows if r["method"] == "tree"]
@@ -97,19 +153,20 @@ def calibrate(raw: str, topology: str = "hier", gpus_per_node: int = 8):
             resid = [r["median_us"] * 1e-6 - tree_sim(P, _model_state(r["H"], ka, kv), topo1, dev) for r in trees]
             rounds = max(1, (P - 1).bit_length())
             dev = replace(dev, tree_round_s=max(statistics.mean(resid) / rounds, 0.0))
+            src["dev.tree_round_s"] = f"{how} (tree rows minus the alpha-beta tree, per round)"
         colls = [r for r in rows if r["method"] in ("allgather", "allreduce")]
+        coll_alpha = float("nan")
         if colls:
-            nv0 = replace(nv, coll_alpha_s=0.0)
-            topo0 = Topology(TopologyArgs(kind="nvlink"), {**links, "nvlink": nv0})
             resid = []
             for r in colls:
                 st = _model_state(r["H"], ka, kv)
-                m = allgather_scan(P, st, topo0, dev) if r["method"] == "allgather" else allreduce_state(P, st, topo0)
+                m = allgather_scan(P, st, topo1, dev) if r["method"] == "allgather" else allreduce_state(P, st, topo1)
                 resid.append(r["median_us"] * 1e-6 - m)
-            nv = replace(nv, coll_alpha_s=statistics.mean(resid))
-            links["nvlink"] = nv
-        ib = links["ib"]
-        links["ib"] = replace(ib, alpha_s=nv.alpha_s + IB_EXTRA_ALPHA_S, coll_alpha_s=nv.coll_alpha_s + IB_EXTRA_ALPHA_S)
+            coll_alpha = statistics.mean(resid)
+            src["link.nvlink.coll_alpha_s"] = f"{how} (all-gather / all-reduce rows: mean residual of the ring model)"
+        links["nvlink"] = replace(nv, coll_alpha_s=coll_alpha)
+        for f in ("alpha_s", "coll_alpha_s"):
+            src[f"link.ib.{f}"] = f"{assumed_origin(f'link.ib.{f}')} (NVLink's from {files['comm']})"
         notes["comm_P"] = P
         notes["p2p_one_way_us"] = {r["bytes"]: r["median_us"] for r in comm.get("p2p", [])}
     topo = Topology(TopologyArgs(kind=topology, gpus_per_node=gpus_per_node), links)
@@ -122,8 +179,11 @@ def calibrate(raw: str, topology: str = "hier", gpus_per_node: int = 8):
         base = "fla" if any(r["method"] == "fla" for r in res) else "none"
         op.kernel_ms = {r["T_local"]: r["median_ms"] for r in res if r["method"] == base}
         op.n_blocks = int(opd["args"].get("n_blocks", op.n_blocks))
+        how = f"measured: {files['op']}"
+        src["op.kernel_ms"] = f"{how} ({base} rows, B=1 H={opd['args']['heads']} K=V={opd['args']['head_k']})"
         if data.get("fused"):
             op.zeco_extra_by_T = {r["T_local"]: r["extra_pct"] / 100 for r in data["fused"]["rows"]}
+            src["op.zeco_extra_by_T"] = f"measured: {files['fused']} (extra_pct: fused ZeCO without comm vs fla)"
         meas = {(r["method"], r["T_local"]): r["median_ms"] * 1e-3 for r in res}
         Ts = sorted(op.kernel_ms)
         # composition path: what lasp2 costs beyond kernel + exposed all-gathers
@@ -132,31 +192,47 @@ def calibrate(raw: str, topology: str = "hier", gpus_per_node: int = 8):
             if ("lasp2", T) in meas:
                 comp[T] = (meas[("lasp2", T)] - op_times(P, T, op, topo, dev)["lasp2"]) * 1e3
         op.compose_extra_ms = comp
+        if comp:
+            src["op.compose_extra_ms"] = f"{how} (lasp2 rows minus kernel and all-gathers)"
         # in-operator scan overhead of the fused path, from the smallest T (chain, as bench_op ran it)
         cal_op = replace(op, scan="chain")
         if ("zeco", Ts[0]) in meas:
             op.scan_op_overhead_s = _bisect(lambda d: op_times(P, Ts[0], replace(cal_op, scan_op_overhead_s=d), topo, dev)["zeco"],
                                             meas[("zeco", Ts[0])], 0.0, 0.05)
+            src["op.scan_op_overhead_s"] = f"{how} (zeco row at T={Ts[0]})"
         fs = [_bisect(lambda f: op_times(P, T, replace(op, lasp1_serial_frac=f), topo, dev)["lasp1"],
                       meas[("lasp1", T)], 0.0, 1.0) for T in Ts if ("lasp1", T) in meas]
         if fs:
             op.lasp1_serial_frac = statistics.mean(fs)
             notes["lasp1_serial_frac_per_T"] = dict(zip(Ts, fs))
+            src["op.lasp1_serial_frac"] = f"{how} (mean over the lasp1 rows of the value reproducing each)"
         notes["op_P"] = P
 
     tput = ThroughputArgs()
+    runs = single_gpu_runs(raw_1gpu) if raw_1gpu else {}
+    notes["single_gpu"] = runs
     dp = data["metrics"].get("dp")
     if dp:
         world = (comm or {}).get("world_size", 1)
         T = int(dp[0]["tokens_global"] // world)
         tput.tok_s = {T: median_tok_s(dp)}
         tput.tok_s_world = world
-        # lengths not measured: DESIGN §7 single-GPU numbers scaled by the measured/anchor ratio
-        from .throughput import TOK_S_H200
-        ratio = tput.tok_s[T] / TOK_S_H200[T] if T in TOK_S_H200 else 1.0
-        for t, v in TOK_S_H200.items():
-            tput.tok_s.setdefault(t, v * ratio)
-        notes["tok_s_scaled_ratio"] = ratio
+        how = f"measured: {files['metrics_dp']} (median tokens/s/GPU after the first logged step, T={T})"
+        src["tput.tok_s_world"] = f"measured: {files.get('comm', files['metrics_dp'])} (world size)"
+        if T in runs:  # other lengths: the trainer's value times fla's single-GPU ratio between the lengths
+            ratio = tput.tok_s[T] / runs[T]["tok_s"]
+            for t, run in runs.items():
+                tput.tok_s.setdefault(t, run["tok_s"] * ratio)
+            notes["tok_s_scaled_ratio"] = ratio
+            used = sorted({f for run in runs.values() for f in run["files"]})
+            how += f"; other lengths scaled by fla's single-GPU tokens/s in {', '.join(used)}"
+        src["tput.tok_s"] = how
+    elif runs:  # no trainer run: fla's own single-GPU throughput
+        tput.tok_s = {t: run["tok_s"] for t, run in runs.items()}
+        used = sorted({f for run in runs.values() for f in run["files"]})
+        src["tput.tok_s"] = f"measured: {', '.join(used)} (fla, one GPU)"
+        src["tput.tok_s_world"] = f"measured: {', '.join(used)} (world size 1)"
+    notes["sources"] = src
     return topo, dev, op, tput, notes
 
 

@@ -8,6 +8,8 @@ Examples:
     python -m lingua_zeco.perf_model what=memory T=16384 P=8 mem.fsdp=8 mem.act_ckpt=full
 Besides the keys below, `prefix.field=value` sets any field of the model, after calibration:
 op.*, tput.*, mem.*, mem.shape.*, dev.*, topo.*, link.<name>.*.
+Every run prints its inputs first: each measured one with the file it was fitted from, the others
+as "assumed, not measured" with the reason (lingua_zeco/perf_model/inputs.py).
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 from lingua_zeco.args import ConfigError, parse_args
 
+from .calibrate import RAW, RAW_1GPU, calibrate, check_rows, shown
+from .inputs import NotMeasured, format_inputs, inputs_rows
 from .links import Topology, TopologyArgs, apply_link_calibration, default_links, load_calibration, numeric_keys
 from .memory import MemoryArgs, peak_memory
 from .op_model import OpArgs, op_rows
@@ -37,8 +41,13 @@ class PerfModelArgs:
     blocks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # chain pipelining depths
     topology: str = "hier"  # hier | nvlink | ib | any calibrated link name
     gpus_per_node: int = 8  # GPUs per node of the hier topology
-    calib: list[str] = field(default_factory=list)  # JSON files from bench_comm / bench_op
-    raw: str = ""  # folder of raw bench outputs: calibrate everything from it (calibrate.py)
+    calib: list[str] = field(default_factory=list)  # JSON files from bench_comm / bench_op, applied after raw=
+    # folder of raw bench outputs to calibrate from (calibrate.py); default: the committed 2 x H200 runs
+    # (calibrate.RAW), or none when calib= is given (another machine's files); none: no folder
+    raw: str = "default"
+    # single-GPU bench_train JSON (fla's model) for tokens/s at other lengths; default: the committed
+    # one-H200 runs (calibrate.RAW_1GPU) whenever raw= is used; none: not used
+    raw_1gpu: str = "default"
     json: str = ""  # also write every table here
 
 
@@ -78,26 +87,48 @@ def apply_set(targets: dict[str, object], item: str) -> None:
     setattr(obj, name, _coerce(getattr(obj, name), text))
 
 
+def folders(ns: PerfModelArgs) -> tuple[str | None, str | None]:
+    """The raw= and raw_1gpu= folders this run calibrates from (None: none)."""
+    raw = {"default": None if ns.calib else RAW, "none": None, "": None}.get(ns.raw, ns.raw)
+    one = {"default": RAW_1GPU if raw else None, "none": None, "": None}.get(ns.raw_1gpu, ns.raw_1gpu)
+    return raw, one
+
+
 def build(ns: PerfModelArgs, overrides: list[str] = ()):
-    cal = load_calibration(ns.calib)
+    """(Topology or None, DeviceArgs, OpArgs, ThroughputArgs, MemoryArgs, sources): raw= calibration, then
+    calib= files, then the overrides; `sources` names where each set input came from."""
     op, tput, mem, dev = OpArgs(), ThroughputArgs(), MemoryArgs(), DeviceArgs()
     links = default_links()
-    if ns.raw:
-        from .calibrate import calibrate
-        topo_raw, dev, op, tput, _ = calibrate(ns.raw, ns.topology, ns.gpus_per_node)
+    sources: dict[str, str] = {}
+    raw, raw_1gpu = folders(ns)
+    if raw:
+        topo_raw, dev, op, tput, notes = calibrate(raw, "nvlink", ns.gpus_per_node, raw_1gpu=raw_1gpu)
         links = dict(topo_raw.links)
-    links = apply_link_calibration(links, cal)
-    op.kernel_ms.update(numeric_keys(cal["kernel_ms"]))
-    tput.tok_s.update(numeric_keys(cal["tok_s"]))
+        sources.update(notes["sources"])
+    for path in ns.calib:
+        cal = load_calibration([path])
+        links = apply_link_calibration(links, cal)
+        sources.update({f"link.{name}.{k}": f"measured: {shown(path)}" for name, fields in cal["links"].items()
+                        for k in fields})
+        for key, table in (("op.kernel_ms", op.kernel_ms), ("tput.tok_s", tput.tok_s)):
+            new = numeric_keys(cal[key.split(".")[1]])
+            if new:
+                table.update(new)
+                sources[key] = f"measured: {shown(path)}"
     topo_args = TopologyArgs(kind=ns.topology, gpus_per_node=ns.gpus_per_node)
     targets = dict(op=op, tput=tput, mem=mem, dev=dev, topo=topo_args, link=links)
     for item in overrides:
         apply_set(targets, item)
+        sources[item.partition("=")[0]] = "set on the command line"
     try:
         topo = Topology(topo_args, links)
     except KeyError as e:  # an unknown link name
         raise ConfigError(f"topology={ns.topology}: {e.args[0]}") from None
-    return topo, dev, op, tput, mem
+    except NotMeasured:  # a measured input nothing supplied: only the memory table does without links
+        if ns.what != "memory":
+            raise
+        topo = None
+    return topo, dev, op, tput, mem, sources
 
 
 def format_table(rows: list[dict], title: str) -> str:
@@ -119,13 +150,17 @@ def format_table(rows: list[dict], title: str) -> str:
 
 
 def run(ns: PerfModelArgs, overrides: list[str] = ()) -> dict[str, list[dict]]:
-    topo, dev, op, tput, mem = build(ns, overrides)
+    """Every table asked for; tables["inputs"]: where each input came from."""
+    topo, dev, op, tput, mem, sources = build(ns, overrides)
+    names = topo.link_names() if topo else []
     tables: dict[str, list[dict]] = {}
+    tables["inputs"] = inputs_rows(dict(op=op, tput=tput, mem=mem, dev=dev, link=topo.links if topo else {}),
+                                   names, sources)
     if ns.what == "check":
-        if not ns.raw:
+        raw = folders(ns)[0]
+        if not raw:
             raise ConfigError("what=check needs raw=<folder of raw bench outputs>")
-        from .calibrate import check_rows
-        tables["check"] = check_rows(ns.raw, topo, dev, op, tput)
+        tables["check"] = check_rows(raw, topo, dev, op, tput)
     if ns.what in ("comm", "all"):
         tables["comm"] = comm_rows(ns.P, ns.H, topo, dev, tuple(ns.blocks))
     if ns.what in ("op", "all"):
@@ -160,9 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     titles = dict(comm="Table 2 model: one exclusive scan (µs)", op="Tables 3-4 model: operator fwd+bwd (ms)",
                   throughput="Tables 5-6 model: tokens/s/GPU (K)", memory="Peak memory per GPU (GiB)",
                   check="Measured vs calibrated model (err = model / measured - 1)")
+    sys.stdout.write(format_inputs(tables["inputs"]) + "\n")
     for name, rows in tables.items():
-        shown = comm_pivot(rows) if name == "comm" else rows
-        sys.stdout.write(format_table(shown, titles[name]) + "\n")
+        if name != "inputs":
+            sys.stdout.write(format_table(comm_pivot(rows) if name == "comm" else rows, titles[name]) + "\n")
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump(dict(args=dataclasses.asdict(ns), overrides=overrides, tables=tables), f, indent=1)

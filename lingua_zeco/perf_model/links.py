@@ -1,9 +1,11 @@
-"""Alpha-beta link model, interconnect presets, hierarchical topology and calibration files.
+"""Alpha-beta link model, hierarchical topology and calibration files.
 
 A message of `b` bytes over one link costs `alpha + b / beta`. NCCL collectives get their own two
 latencies: a fixed start cost (`coll_alpha_s`: launch and cross-rank synchronisation, paid once per
 collective) and a per-step latency inside the running kernel (`step_alpha_s`, paid once per ring step).
 P2P messages pay the full `alpha_s` each: torch issues every isend/irecv as its own NCCL launch.
+No number here stands for hardware: the measured fields come from calibrate.py (comm_P*.json) or
+calib= files, the others are the named assumptions of inputs.py.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-MiB = 1 << 20
+from .inputs import ASSUMED, IB_EXTRA_S, LINK_FIELDS, assumed, missing
 
 
 @dataclass
@@ -25,30 +27,40 @@ class LinkArgs:
         return self.alpha_s + nbytes / self.beta_Bps
 
 
+NAN = float("nan")
+
+
+def _assumed_link(name: str, **measured: float) -> LinkArgs:
+    """A link whose fields are the documented assumptions (inputs.ASSUMED), NaN where only a
+    measurement may stand (`measured` overrides)."""
+    fields = {f: assumed(f"link.{name}.{f}") if f"link.{name}.{f}" in ASSUMED else NAN for f in LINK_FIELDS}
+    fields.update(measured)
+    return LinkArgs(**fields)
+
+
 def _nvlink() -> LinkArgs:
-    # DESIGN §7 (two H200, torch.distributed + NCCL): 1 MiB P2P ≈ 41 µs one way; all-gather ≈ 33 µs
-    # (taken as 1 MiB per rank). NVLink4 gives 450 GB/s per direction; NCCL reaches ~370 GB/s.
-    # 1 MiB then moves in 2.8 µs, so nearly all of the 41 µs is latency (software + sync).
-    beta = 370e9
-    step = 3e-6  # in-kernel step latency on NVLink (nccl-tests small-message slope)
-    return LinkArgs(alpha_s=41e-6 - MiB / beta, beta_Bps=beta,
-                    coll_alpha_s=33e-6 - step - MiB / beta, step_alpha_s=step)
-
-
-def _ib() -> LinkArgs:
-    # One 400 Gb/s NDR NIC per GPU (rail-optimised DGX/HGX): 50 GB/s line rate, ~45 GB/s achieved.
-    # Inter-node NCCL P2P latency 10-20 µs; we take the top of that range. If bench_comm across
-    # nodes shows torch's ~35 µs software overhead on top, calibrate with the measured value.
-    return LinkArgs(alpha_s=20e-6, beta_Bps=45e9, coll_alpha_s=30e-6, step_alpha_s=8e-6)
-
-
-def _gloo_local() -> LinkArgs:
-    # gloo over loopback TCP on one CPU host: only for smoke runs; calibrate before trusting.
-    return LinkArgs(alpha_s=60e-6, beta_Bps=2e9, coll_alpha_s=100e-6, step_alpha_s=40e-6)
+    # alpha and the collective start cost are measured only (calibrate.py, comm_P*.json)
+    return _assumed_link("nvlink")
 
 
 def default_links() -> dict[str, LinkArgs]:
-    return {"nvlink": _nvlink(), "ib": _ib(), "gloo": _gloo_local()}
+    """The links before any measurement: assumed fields from inputs.ASSUMED, NaN for the measured
+    ones (NVLink's alpha and collective start cost). The inter-node link's latencies are derived from
+    NVLink's once those are known (complete_links); gloo is assumed whole (smoke runs)."""
+    # ib's two latencies are NVLink's plus an assumed extra, not values of their own: NaN until then
+    return {"nvlink": _nvlink(), "ib": _assumed_link("ib", alpha_s=NAN, coll_alpha_s=NAN),
+            "gloo": _assumed_link("gloo")}
+
+
+def complete_links(links: dict[str, LinkArgs]) -> dict[str, LinkArgs]:
+    """The inter-node link's unmeasured latencies: NVLink's measured value plus the assumed NIC/switch
+    latency (inputs.IB_EXTRA_S); nothing across nodes was measured."""
+    out = dict(links)
+    ib, nv = out.get("ib"), out.get("nvlink")
+    if ib is not None and nv is not None:
+        kw = {f: getattr(nv, f) + IB_EXTRA_S for f in ("alpha_s", "coll_alpha_s") if math.isnan(getattr(ib, f))}
+        out["ib"] = replace(ib, **kw) if kw else ib
+    return out
 
 
 @dataclass
@@ -67,11 +79,15 @@ class Topology:
     links: dict[str, LinkArgs] = field(default_factory=default_links)
 
     def __post_init__(self):
-        for name in self._names():
+        self.links = complete_links(self.links)
+        for name in self.link_names():
             if name not in self.links:
                 raise KeyError(f"unknown link {name!r}; known: {sorted(self.links)}")
+            for f in LINK_FIELDS:
+                if math.isnan(getattr(self.links[name], f)):
+                    raise missing(f"link.{name}.{f}")
 
-    def _names(self) -> list[str]:
+    def link_names(self) -> list[str]:
         a = self.args
         return [a.intra, a.inter] if a.kind == "hier" else [a.kind]
 

@@ -7,11 +7,14 @@ activations = T_local * [n_layers * act_per_token_layer   (no checkpointing)
                                                                      plus one layer recomputed)]
 logits      = min(T_local, logits_chunk) * vocab * 10 B   (bf16 logits, fp32 upcast, fp32 grad)
 sp extras   = saved S_in per layer (zeco / lasp1); P gathered states for one layer (lasp2)
-Calibrated against DESIGN §7 (one H200, 1.244B, 16K: 48.5 GiB, 32K: 81 GiB): see the tests.
+Checked against the peak memory of fla's GLAForCausalLM on one H200 (docs/results/raw/2026-11-30-h200-perf,
+before_train_{16k,32k}.json): see tests/test_perf_model.py and docs/perf_model.md §5.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from .inputs import assumed
 
 GiB = float(1 << 30)
 
@@ -67,7 +70,7 @@ class MemoryArgs:
     prefetch_layers: int = 1  # FSDP keeps this many extra layers unsharded
     method: str = "zeco"  # none | zeco | lasp1 | lasp2
     sp: int = 1
-    overhead_gib: float = 1.5  # CUDA context, NCCL buffers, allocator slack
+    overhead_gib: float = assumed("mem.overhead_gib")  # CUDA context, NCCL buffers, allocator slack
     shape: ModelShapeArgs = field(default_factory=ModelShapeArgs)
 
 

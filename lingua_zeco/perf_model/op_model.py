@@ -1,6 +1,7 @@
 """Operator time of one sequence-parallel GLA call, forward + backward (paper Tables 3-4).
 
-Fed by the measured single-GPU fla `chunk_gla` fwd+bwd time `c` at the local length (DESIGN §7).
+Fed by the measured single-GPU fla `chunk_gla` fwd+bwd time `c` at the local length (op.kernel_ms, from
+the fla rows of op_P*.json: calibrate.py).
     none   c
     zeco   c (1 + extra) + exposed(scan_fwd) + exposed(scan_bwd);
            exposed(t) = max(0, t - intra_frac * c_pass): the scan runs on a side stream while the
@@ -13,40 +14,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .inputs import assumed, missing
 from .links import Topology
 from .schedules import DeviceArgs, StateArgs, allgather_scan, scan_time
-
-# DESIGN §7: fla chunk_gla fwd+bwd, B=1, H=16, K=V=128, bf16 on one H200
-KERNEL_MS_H200 = {16384: 3.47, 32768: 6.83}
 
 
 @dataclass
 class OpArgs:
-    kernel_ms: dict[int, float] = field(default_factory=lambda: dict(KERNEL_MS_H200))
+    # fla chunk_gla fwd+bwd ms per T_local at B=1, H, K, V below, bf16: measured only (op_P*.json)
+    kernel_ms: dict[int, float] = field(default_factory=dict)
     H: int = 16
     K: int = 128
     V: int = 128
-    fwd_frac: float = 1 / 3  # forward share of fwd+bwd (backward ~ 2x forward in fla's GLA)
-    intra_frac: float = 0.35  # share of a pass that needs no S_in (intra-chunk A / dA): overlap window
-    # the fused path's extra work (the D pass, the chunk gate sums, S_in folded inside the output
-    # stage); calibrate.py takes it per T_local from bench_fused.json (2.3-2.6 % measured, 16K-32K)
-    zeco_extra_frac: float = 0.02
+    fwd_frac: float = assumed("op.fwd_frac")  # forward share of fwd+bwd (backward ~ 2x forward in fla's GLA)
+    intra_frac: float = assumed("op.intra_frac")  # share of a pass that needs no S_in (intra-chunk A / dA)
+    # the fused path's extra work (the D pass, the chunk gate sums, S_in folded inside the output stage):
+    # measured per T_local (zeco_extra_by_T, bench_fused.json); this fraction only stands in without it
+    zeco_extra_frac: float = assumed("op.zeco_extra_frac")
     zeco_overlap: bool = True  # False = composition build (scan exposed)
     scan: str = "auto"  # All-Scan algorithm for zeco: chain | tree | auto (faster of the two)
     n_blocks: int = 4  # chain pipelining depth
-    lasp1_serial_frac: float = 1.0  # share of a pass that waits for S_in (1.0: ours; LASP-1 paper < 1)
+    lasp1_serial_frac: float = assumed("op.lasp1_serial_frac")  # share of a pass that waits for S_in (LASP-1 paper < 1)
     lasp2_overlap: bool = False
-    # calibrated from measurements (calibrate.py); empty / 0 = the uncalibrated assumptions above
+    # fitted from measurements (calibrate.py); empty / 0 = not modelled
     zeco_extra_by_T: dict[int, float] = field(default_factory=dict)  # measured fused extra compute (fraction)
-    scan_op_overhead_s: float = 0.0  # in-operator cost of each fused scan beyond the isolated scan
+    scan_op_overhead_s: float = assumed("op.scan_op_overhead_s")  # in-operator cost of a fused scan beyond the scan
     compose_extra_ms: dict[int, float] = field(default_factory=dict)  # unfused composition path (lasp2, zeco_composed)
 
 
-def kernel_seconds(T: int, kernel_ms: dict[int, float]) -> float:
+def kernel_seconds(T: int, kernel_ms: dict[int, float], key: str = "op.kernel_ms") -> float:
     """Interpolate (or extrapolate) the measured time linearly in T; one point scales with T."""
     pts = sorted((int(t), float(ms)) for t, ms in kernel_ms.items())
     if not pts:
-        raise ValueError("no kernel times given")
+        raise missing(key)
     if len(pts) == 1:
         t0, m0 = pts[0]
         return m0 * T / t0 * 1e-3
@@ -112,7 +112,8 @@ def op_times(P: int, T_local: int, args: OpArgs, topo: Topology, dev: DeviceArgs
         return max(0.0, t_comm - args.intra_frac * c_pass) if overlap else t_comm
 
     extra = interp_clamped(T_local, args.zeco_extra_by_T, args.zeco_extra_frac)
-    compose = kernel_seconds(T_local, args.compose_extra_ms) if args.compose_extra_ms and P > 1 else 0.0
+    compose = (kernel_seconds(T_local, args.compose_extra_ms, "op.compose_extra_ms")
+               if args.compose_extra_ms and P > 1 else 0.0)
 
     def zeco_time(algorithm: str) -> tuple[float, float, str]:
         scan, algo = scan_time(P, st, topo, dev, algorithm, args.n_blocks)

@@ -1,4 +1,4 @@
-"""Event simulation of the communication schedules of one exclusive scan over P ranks (DESIGN §3-4).
+"""Event simulation of the communication schedules of one exclusive scan over P ranks (docs/perf_model.md §2).
 
 Every schedule is simulated message by message: a message leaves when its data is ready *and* the
 sender's link to that peer is free (messages on one link serialise: each torch P2P op is an NCCL
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+from .inputs import assumed
 from .links import LinkArgs, Topology
 
 
@@ -31,13 +32,14 @@ class StateArgs:
 
 @dataclass
 class DeviceArgs:
-    hbm_Bps: float = 4.2e12  # DESIGN §7: H200 copy bandwidth
-    launch_s: float = 4e-6  # one small elementwise kernel
-    # software costs of our torch.distributed All-Scan, calibrated from bench_comm (calibrate.py);
+    # defaults: the named assumptions of inputs.py (printed as such); calibrate.py fits the last three
+    hbm_Bps: float = assumed("dev.hbm_Bps")  # copy bandwidth of a combine (bytes/s)
+    launch_s: float = assumed("dev.launch_s")  # one small elementwise kernel
+    # software costs of our torch.distributed All-Scan, fitted from bench_comm (calibrate.py);
     # 0 = the pure alpha-beta schedule (the closed forms below)
-    scan_fixed_s: float = 0.0  # once per scan: allocations, first launches, the final wait
-    scan_s_per_byte: float = 0.0  # once per scan, per byte of state + decays (local copies)
-    tree_round_s: float = 0.0  # per Hillis-Steele round on top of the P2P: batch_isend_irecv + cat + folds
+    scan_fixed_s: float = assumed("dev.scan_fixed_s")  # once per scan: allocations, first launches, the final wait
+    scan_s_per_byte: float = assumed("dev.scan_s_per_byte")  # once per scan, per byte of state + decays (copies)
+    tree_round_s: float = assumed("dev.tree_round_s")  # per tree round beyond the P2P: grouped launch, cat, folds
 
     def combine(self, nbytes: float) -> float:
         """diag(a) x_in + x_local on a received block: read two blocks, write one."""

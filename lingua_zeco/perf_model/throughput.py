@@ -11,29 +11,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .inputs import assumed, missing
 from .links import Topology
+from .memory import ModelShapeArgs
 from .op_model import OpArgs, interp_clamped, op_times
 from .schedules import DeviceArgs, allreduce_big
-
-# DESIGN §7: fla GLAForCausalLM 1.244B, AdamW, bf16 autocast, one H200
-TOK_S_H200 = {16384: 51.7e3, 32768: 53.7e3}
 
 
 @dataclass
 class ThroughputArgs:
-    tok_s: dict[int, float] = field(default_factory=lambda: dict(TOK_S_H200))
-    n_layers: int = 20
-    n_params: float = 1.244e9
+    # training tokens/s per GPU per T_local: measured only (metrics_dp.jsonl, bench_train JSON: calibrate.py)
+    tok_s: dict[int, float] = field(default_factory=dict)
+    n_layers: int = ModelShapeArgs.n_layers  # the GLA-1B shape of memory.ModelShapeArgs
+    n_params: float = field(default_factory=lambda: float(ModelShapeArgs().n_params()))
     grad_bytes: int = 2  # gradients reduced in bf16 (FSDP2 MixedPrecisionPolicy reduce_dtype)
-    grad_overlap: float = 0.5  # share of the gradient reduction hidden under backward (guess; calibrate)
-    tok_s_world: int = 1  # GPUs (data parallel) of the tok_s measurement: its gradient sync is taken out of T0
-    hide_op_overhead: bool = True  # in training the CPU runs ahead: op.scan_op_overhead_s (host gaps) hides
+    grad_overlap: float = assumed("tput.grad_overlap")  # share of the gradient reduction hidden under backward
+    tok_s_world: int = assumed("tput.tok_s_world")  # GPUs of the tok_s measurement: its gradient sync leaves T0
+    hide_op_overhead: bool = assumed("tput.hide_op_overhead")  # op.scan_op_overhead_s (host gaps) hides in training
 
 
 def single_gpu_tok_s(T: int, tok_s: dict[int, float]) -> float:
     """Linear in T between the measured lengths, flat outside them (throughput saturates)."""
     if not tok_s:
-        raise ValueError("single_gpu_tok_s needs at least one measured length")
+        raise missing("tput.tok_s")
     return interp_clamped(T, tok_s, 0.0)
 
 

@@ -12,11 +12,11 @@ sp_simple_gla: the scalar-decay variant (one decay per head and token) through t
 from __future__ import annotations
 
 from lingua_zeco import kernels
-from lingua_zeco.comm import AllScanArgs
+from lingua_zeco.comm import AllScanArgs, group_rank_size
 
-from .compose import lasp1, scan_then_correct
 from .delta import sp_gated_delta  # noqa: F401  (Gated DeltaNet: lingua_zeco/sp/delta.py)
-from .state_passing import group_rank_size
+from .lasp1 import lasp1
+from .reference import scan_then_correct
 from .validate import METHODS, check_across_ranks, check_local
 from .varlen import local_segments
 
@@ -34,14 +34,16 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     seg = local_segments(cu_seqlens, rank, q.shape[1], q.device)
     scan = scan or AllScanArgs()
     if method == "lasp1":
-        return lasp1(q, k, v, g, scale=scale, group=group, seg=seg, backend=name)
+        return lasp1(kernels.chunk_gla, q, k, v, g, scale=scale, group=group, seg=seg, backend=name)
     if method == "local":  # diagnostic: no state passing at all (wrong on purpose; never a default)
         return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
     # packed documents stay on the composed path until the fused packed operator (sp/fused_packed.py)
     # has passed its GPU test (tests/test_gpu_sp.py::test_fused_packed_documents_on_virtual_ranks)
     if method in ("zeco", "lasp2") and fused and name == "fla" and seg.carries:
-        from .fused_zeco import fused_zeco_gla  # lasp2: the same stages, the scan by all-gather
-        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan, gather=method == "lasp2")
+        from .fused_zeco import fused_lasp2_gla, fused_zeco_gla  # imports fla's stages
+        if method == "lasp2":
+            return fused_lasp2_gla(q, k, v, g, scale=scale, group=group, seg=seg)
+        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan)
     return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
                              backend=name, scan_args=scan)
 

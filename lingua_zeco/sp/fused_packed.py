@@ -18,70 +18,65 @@ from __future__ import annotations
 
 import torch
 
+from lingua_zeco.kernels import fla_stages as fla
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
 
 class FusedPackedZeCOGLA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn, cu_seqlens, t0):
-        from fla.ops.common.chunk_h import chunk_fwd_h
-        from fla.ops.gla.chunk import chunk_gla_fwd_intra_gk, chunk_gla_fwd_o_gk
-        from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.cumsum import chunk_local_cumsum
+    """As FusedZeCOGLA (fused_zeco.py, shapes as there), with fla's varlen stages; cu = the slice's
+    local document boundaries, t0 = the end of the prefix that continues the previous rank's document."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, g, scale, scan_fn, cu, t0):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
-        cu = cu_seqlens
-        g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu)
-        h, ht_NHKV = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=True, cu_seqlens=cu, chunk_size=BT)
+        g_cs_BTHK = fla.gate_cumsum(g, BT, cu)
+        h_BNHKV, ht_NHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, cu_seqlens=cu,
+                                           chunk_size=BT)
         b_end_BHK = ht_NHKV.new_zeros(ht_NHKV[-1:].shape[:-1])  # a document starts here: S_in stops
         work = scan_fn(ht_NHKV[-1:].contiguous(), b_end_BHK, False)
-        A = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, cu_seqlens=cu, chunk_size=BT)
-        o = chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT)
+        A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, cu_seqlens=cu, chunk_size=BT)
+        o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs_BTHK, A=A_BTHC, h=h_BNHKV, scale=scale, cu_seqlens=cu,
+                                   chunk_size=BT)
         S_in_BHKV = work.wait()
         Gx0_BNHK = None
         if t0 > 0:  # the prefix again, now with S_in folded into its chunk states
             n0 = -(-t0 // BT)
-            Gx0_BNHK, _ = chunk_decay_prefix(g_cs[:, :t0], BT)
-            o[:, :t0] = zeco_fwd_o(q[:, :t0], v[:, :t0], g_cs[:, :t0], A[:, :t0], h[:, :n0],
-                                   S_in_BHKV.to(h.dtype), Gx0_BNHK, scale, BT)
-        ctx.save_for_backward(q, k, v, g, A, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu)
+            Gx0_BNHK, _ = chunk_decay_prefix(g_cs_BTHK[:, :t0], BT)
+            o[:, :t0] = zeco_fwd_o(q[:, :t0], v[:, :t0], g_cs_BTHK[:, :t0], A_BTHC[:, :t0], h_BNHKV[:, :n0],
+                                   S_in_BHKV.to(h_BNHKV.dtype), Gx0_BNHK, scale, BT)
+        ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu)
         ctx.scale, ctx.scan_fn, ctx.BT, ctx.t0 = scale, scan_fn, BT, t0
         return o
 
     @staticmethod
     def backward(ctx, do):
-        from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
-        from fla.ops.gla.chunk import chunk_gla_bwd_dA, chunk_gla_bwd_dqk_intra, chunk_gla_bwd_dqkg, chunk_gla_bwd_dv
-        from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.cumsum import chunk_local_cumsum
-
-        q, k, v, g, A, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu = ctx.saved_tensors
+        q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu = ctx.saved_tensors
         scale, BT, t0 = ctx.scale, ctx.BT, ctx.t0
         do = do.contiguous()
         if t0 > 0:  # D of the prefix first, so that the reverse scan starts early
             g0 = g[:, :t0]
-            g_cs0 = None if dS_in_reads_raw_gates(q, g0) else chunk_local_cumsum(g0, BT, scale=RCP_LN2)
-            D_BHKV = zeco_dS_in(q[:, :t0], g_cs0, Gx0_BNHK, do[:, :t0], scale, BT, g=g0)
+            g_cs0_BTHK = None if dS_in_reads_raw_gates(q, g0) else fla.gate_cumsum(g0, BT)
+            D_BHKV = zeco_dS_in(q[:, :t0], g_cs0_BTHK, Gx0_BNHK, do[:, :t0], scale, BT, g=g0)
         else:
             D_BHKV = torch.zeros_like(S_in_BHKV)
         work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
-        g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu)
+        g_cs_BTHK = fla.gate_cumsum(g, BT, cu)
         N = cu.numel() - 1
         h0_NHKV = S_in_BHKV.new_zeros(N, *S_in_BHKV.shape[1:])
         if t0 > 0:
             h0_NHKV[0] = S_in_BHKV[0]
-        h, _ = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0_NHKV, output_final_state=False, cu_seqlens=cu, chunk_size=BT,
-                           states_in_fp32=True)
-        dA = chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT)
-        dq, dk = chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, cu_seqlens=cu, chunk_size=BT)
+        h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=h0_NHKV, output_final_state=False, cu_seqlens=cu,
+                                     chunk_size=BT, states_in_fp32=True)
+        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT)
+        dq, dk = fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs_BTHK, dA=dA_BTHC, cu_seqlens=cu, chunk_size=BT)
         G_BHKV = work.wait()
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]
-        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht_NHKV, scale=scale, gk=g_cs, cu_seqlens=cu,
-                             chunk_size=BT, states_in_fp32=True)
-        dv = chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, cu_seqlens=cu, chunk_size=BT)
-        dq, dk, dg = chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale,
-                                        cu_seqlens=cu, chunk_size=BT)
+        dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht_NHKV, scale=scale, gk=g_cs_BTHK,
+                                       cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
+        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, cu_seqlens=cu, chunk_size=BT)
+        dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
+                                            scale=scale, cu_seqlens=cu, chunk_size=BT)
         return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None, None

@@ -15,9 +15,13 @@ G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
   4. dh with the final-state gradient G, then dv, and dq, dk, dg       (dg includes the decays of
      S_in and G: h carries S_in, dh carries G)                                    fla
 The extra work against plain fla chunk_gla is the D pass, the chunk gate sums and the fold inside
-the output stage: no pass rewrites the chunk states h or dh.
+the output stage: no pass rewrites the chunk states h or dh. fla's stages come through
+lingua_zeco/kernels/fla_stages.py, ours from lingua_zeco/kernels/zeco_stages.py.
 The side stream is used from `AllScanArgs.overlap_min_ranks` ranks on; below that (P = 2 by default,
 one hop, where it measured slower) the scan runs on the caller's stream at the same points.
+LASP-2 runs on the same stages (fused_lasp2_gla): the exchange is its all-gather instead.
+Shapes: q, k, g, dq, dk, dg [B, T, H, K] and v, do, o, dv [B, T, H, V] (fla's names, as its stages take
+them); suffixes elsewhere, with N = the NT chunks and C = the BT tokens of a chunk.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan, gather_scan
+from lingua_zeco.kernels import fla_stages as fla
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -37,64 +42,61 @@ class FusedZeCOGLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, scan_fn):
-        from fla.ops.common.chunk_h import chunk_fwd_h
-        from fla.ops.gla.chunk import chunk_gla_fwd_intra_gk
-        from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.cumsum import chunk_local_cumsum
-
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
-        g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2)
-        h, S_end_BHKV = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=True, chunk_size=BT)
-        Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs, BT)
+        g_cs_BTHK = fla.gate_cumsum(g, BT)
+        h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
+        Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs_BTHK, BT)
         work = scan_fn(S_end_BHKV, b_end_BHK, False)
-        A = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, chunk_size=BT)
+        A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, chunk_size=BT)
         S_in_BHKV = work.wait()
-        o = zeco_fwd_o(q, v, g_cs, A, h, S_in_BHKV.to(h.dtype), Gx_BNHK, scale, BT)
-        ctx.save_for_backward(q, k, v, g, A, S_in_BHKV, Gx_BNHK, b_end_BHK)
+        o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
+        ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK)
         ctx.scale, ctx.scan_fn, ctx.BT = scale, scan_fn, BT
         return o
 
     @staticmethod
     def backward(ctx, do):
-        from fla.ops.common.chunk_h import chunk_bwd_dh, chunk_fwd_h
-        from fla.ops.gla.chunk import chunk_gla_bwd_dA, chunk_gla_bwd_dqk_intra, chunk_gla_bwd_dqkg, chunk_gla_bwd_dv
-        from fla.ops.utils.constant import RCP_LN2
-        from fla.ops.utils.cumsum import chunk_local_cumsum
-
-        q, k, v, g, A, S_in_BHKV, Gx_BNHK, b_end_BHK = ctx.saved_tensors
+        q, k, v, g, A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK = ctx.saved_tensors
         scale, BT = ctx.scale, ctx.BT
         do = do.contiguous()
         # D first, so the scan starts as early as possible: from 16-bit gates D makes its own cumsum
-        g_cs = None if dS_in_reads_raw_gates(q, g) else chunk_local_cumsum(g, BT, scale=RCP_LN2)
-        D_BHKV = zeco_dS_in(q, g_cs, Gx_BNHK, do, scale, BT, g=g)
+        g_cs_BTHK = None if dS_in_reads_raw_gates(q, g) else fla.gate_cumsum(g, BT)
+        D_BHKV = zeco_dS_in(q, g_cs_BTHK, Gx_BNHK, do, scale, BT, g=g)
         work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
-        if g_cs is None:
-            g_cs = chunk_local_cumsum(g, BT, scale=RCP_LN2)
-        h, _ = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
-                           states_in_fp32=True)
-        dA = chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
-        dq, dk = chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT)
+        if g_cs_BTHK is None:
+            g_cs_BTHK = fla.gate_cumsum(g, BT)
+        h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
+                                     states_in_fp32=True)
+        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
+        dq, dk = fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs_BTHK, dA=dA_BTHC, chunk_size=BT)
         G_BHKV = work.wait()
-        dh, _ = chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs,
-                             chunk_size=BT, states_in_fp32=True)
-        dv = chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, chunk_size=BT)
-        dq, dk, dg = chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale,
-                                        chunk_size=BT)
+        dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
+                                       chunk_size=BT, states_in_fp32=True)
+        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
+        dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
+                                            scale=scale, chunk_size=BT)
         return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None
 
 
-def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, gather: bool = False):
-    """gather=False: ZeCO's All-Scan (overlapped). gather=True: LASP-2's all-gather + local scan on
-    the same stages (blocking, as LASP-2 is; its cost is the P-state collective). Packed documents:
-    a slice inside one document is the dense case; one where a document starts takes fused_packed."""
+def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs):
+    """ZeCO: the All-Scan overlapped with the intra-chunk work (from scan.overlap_min_ranks ranks on).
+    Packed documents: a slice inside one document is the dense case; one where a document starts
+    takes fused_packed."""
 
     def scan_fn(x, a, reverse):  # returns a handle; the caller computes until it waits
-        if gather:
-            return ScanWork(gather_scan(x, a, group, reverse=reverse))
         if dist.get_world_size(group) >= scan.overlap_min_ranks:
             return all_scan(x, a, group, reverse=reverse, args=scan, async_op=True)
         return ScanWork(all_scan(x, a, group, reverse=reverse, args=scan))
+
+    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg)
+
+
+def fused_lasp2_gla(q, k, v, g, *, scale, group, seg):
+    """LASP-2 on the same stages: the all-gather of every rank's (state, decay) and a local scan,
+    blocking, as LASP-2 is (its cost is the P-state collective)."""
+    def scan_fn(x, a, reverse):
+        return ScanWork(gather_scan(x, a, group, reverse=reverse))
 
     return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg)
 

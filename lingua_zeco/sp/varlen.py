@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lingua_zeco.kernels import acc_dtype
+
 
 @dataclass
 class LocalSegments:
@@ -40,7 +42,7 @@ def local_segments(cu_seqlens: torch.Tensor | None, pos: int, T_local: int, devi
 
 def incoming_decay(g_BTHK: torch.Tensor, seg: LocalSegments) -> torch.Tensor:
     """b_t = exp(Σ_{u≤t} g_u) in fp32 (fp64 for fp64 g) for tokens that still see S_in, 0 after the first boundary."""
-    b_BTHK = g_BTHK.to(torch.promote_types(g_BTHK.dtype, torch.float32)).cumsum(1).exp()
+    b_BTHK = g_BTHK.to(acc_dtype(g_BTHK.dtype)).cumsum(1).exp()
     if seg.first_end < g_BTHK.shape[1]:
         b_BTHK = torch.cat([b_BTHK[:, :seg.first_end], b_BTHK.new_zeros(b_BTHK[:, seg.first_end:].shape)], 1)
     return b_BTHK

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lingua_zeco.comm import ScanWork, on_side_stream
+from lingua_zeco.comm import ScanWork, local_scan, on_side_stream
 
 
 class VirtualScan:
@@ -20,12 +20,12 @@ class VirtualScan:
         if drop not in (None, "S_in", "G"):
             raise ValueError(f"drop must be None, 'S_in' or 'G', got {drop!r}")
         self.P, self.side_stream, self.delay_cycles, self.drop = P, side_stream, delay_cycles, drop
-        self._sent = ({}, {})  # forward, reverse: rank -> (x, a)
+        self._sent = ({}, {})  # forward, reverse: rank -> (a, x)
 
     def scan_fn(self, p: int):
         def fn(x_BHKV, a_BHK, reverse):
             sent = self._sent[int(reverse)]
-            sent[p] = (x_BHKV, a_BHK)
+            sent[p] = (a_BHK, x_BHKV)
             before = range(p + 1, self.P)[::-1] if reverse else range(p)  # the earlier ranks, farthest first
             missing = [r for r in before if r not in sent]
             if missing:
@@ -36,11 +36,8 @@ class VirtualScan:
             def run():
                 if self.side_stream and self.delay_cycles:
                     torch.cuda._sleep(self.delay_cycles)
-                y = torch.zeros_like(x_BHKV)
-                for r in before:  # y ← a_r ⊙ y + x_r: the exclusive decay-scan
-                    x_r, a_r = sent[r]
-                    y = a_r[..., None] * y + x_r
-                return y * 0 if dropped else y
+                y_BHKV = local_scan((sent[r] for r in before), x_BHKV)  # y ← a_r ⊙ y + x_r: the decay scan
+                return y_BHKV * 0 if dropped else y_BHKV
 
             if self.side_stream and x_BHKV.is_cuda:
                 return on_side_stream(run, (x_BHKV, a_BHK))

@@ -15,9 +15,6 @@ Times are the slowest rank's. Writes <out>/checkpoint.json and .md; the checkpoi
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import itertools
 import os
 import shutil
 import statistics
@@ -27,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from apps.gla.bench.common import env_info, finish, init_distributed, markdown_table, write_outputs
-from lingua_zeco.args import parse_args
+from apps.gla.bench.common import bench_main, markdown_table, trainer_step
+from lingua_zeco import reliability
 
 MODELS = {  # name -> trainer overrides
     "debug": ["config=debug.yaml", "model.vocab_size=258"],
@@ -40,10 +37,10 @@ MODELS = {  # name -> trainer overrides
 
 @dataclass
 class BenchCheckpointArgs:
-    out: str = "bench_out/checkpoint"
-    models: list[str] = field(default_factory=lambda: ["debug", "cpu_large"])
-    modes: list[str] = field(default_factory=lambda: ["sync", "async"])
-    saves: int = 3
+    out: str = "bench_out/checkpoint"  # output folder
+    models: list[str] = field(default_factory=lambda: ["debug", "cpu_large"])  # names of MODELS
+    modes: list[str] = field(default_factory=lambda: ["sync", "async"])  # sync | async (checkpoint.async_save)
+    saves: int = 3  # saves per model and mode
     seq_len: int = 256  # tokens per step and rank
     idle_steps: int = 3  # steps timed with no save pending
     path: str = ""  # checkpoint folder; empty: <out>/ckpt, removed afterwards
@@ -75,27 +72,14 @@ def _state_bytes(model, optimizer) -> int:
 
 
 def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
-    from apps.gla import train as T
-    from lingua_zeco import distributed as D
-    from lingua_zeco import reliability as R
     from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, SaveEvery
-    from lingua_zeco.optim import build_optimizer
 
-    args = parse_args(T.TrainArgs, [*MODELS[name], f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1"])
-    env = D.setup(args.distributed)
-    model = T.build_model(args, env)
-    optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
-    guard = R.StepGuard(args.reliability)
-    gen = torch.Generator().manual_seed(env.rank)
-    ids = torch.randint(0, args.model.vocab_size, (1, a.seq_len + 1), generator=gen)
-    data = itertools.repeat({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()})
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
-                else contextlib.nullcontext())
-    counter = itertools.count()
+    argv = [*MODELS[name], f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1"]
+    train_step, args, env, model, optimizer = trainer_step(argv, a.seq_len, seed=dist.get_rank(), sync=True)
 
     def step() -> float:
         t = time.perf_counter()
-        T.train_step(model, optimizer, scheduler, data, env, args, autocast, guard, next(counter), sync=True)
+        train_step()
         if env.device.type == "cuda":
             torch.cuda.synchronize(env.device)
         return time.perf_counter() - t
@@ -130,20 +114,21 @@ def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = parse_args(BenchCheckpointArgs, argv)
-    device = init_distributed()
+def measure(a: BenchCheckpointArgs, device) -> tuple[str, dict, str]:
     root = a.path or os.path.join(a.out, "ckpt")
     rows = [r for name in a.models for r in bench_model(name, a, root)]
     table = [dict(r, blocked_s=" / ".join(f"{x:.3f}" for x in r["blocked_s"]),
                   complete_s=" / ".join(f"{x:.2f}" for x in r["complete_s"])) for r in rows]
     md = markdown_table(table, ["model", "mode", "params_M", "state_GB_per_rank", "blocked_s", "complete_s",
                                 "steps_during_write", "step_ms", "idle_step_ms"])
-    write_outputs(a.out, "checkpoint", dict(env=env_info(device), args=dataclasses.asdict(a), rows=rows), md)
     if not a.path and dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
-    finish()
+    return "checkpoint", dict(rows=rows), md
+
+
+main = bench_main(BenchCheckpointArgs, measure)
 
 
 if __name__ == "__main__":
-    main()
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

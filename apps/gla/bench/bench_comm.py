@@ -1,7 +1,7 @@
 """Table 2: communication time of one state exchange per method, and the P2P alpha/beta of the link.
 
-    torchrun --nproc_per_node=8 -m apps.gla.bench.bench_comm --out results/bench_comm
-    python -m apps.gla.bench.bench_comm --out /tmp/c --heads 2 --head-k 16 --head-v 16   # one CPU process
+    torchrun --nproc_per_node=8 -m apps.gla.bench.bench_comm out=results/bench_comm
+    python -m apps.gla.bench.bench_comm out=/tmp/c heads=2 head_k=16 head_v=16   # one CPU process
 
 Methods (same state bytes for all): All-Scan chain pipelined in n blocks (chain1 = unpipelined),
 All-Scan tree (Hillis-Steele), all-gather of every rank's (state, decay) as LASP-2 does, all-reduce of
@@ -13,7 +13,7 @@ Writes <out>/comm_P<world>.json and .md (rank 0).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -21,24 +21,23 @@ import torch.distributed as dist
 from lingua_zeco.comm import all_scan
 from lingua_zeco.perf_model.links import fit_alpha_beta
 
-from .common import (env_info, finish, init_distributed, local_world_size, markdown_table, parse_dataclass,
-                     summarize, time_iters, write_outputs)
+from lingua_zeco import reliability
+
+from .common import HeadArgs, bench_main, device_name, local_world_size, markdown_table, summarize, time_iters
 
 
 @dataclass
-class BenchCommArgs:
-    out: str = "results/bench_comm"
-    heads: tuple = (32, 16)
-    head_k: int = 128
-    head_v: int = 128
-    blocks: tuple = (1, 2, 4, 8)  # chain pipelining depths
-    methods: tuple = ("chain", "tree", "allgather", "allreduce")
-    warmup: int = 10
-    iters: int = 100
-    p2p_sizes: tuple = (4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20)  # bytes
+class BenchCommArgs(HeadArgs):
+    out: str = "results/bench_comm"  # output folder
+    heads: tuple[int, ...] = (32, 16)  # state heads, one measurement each
+    blocks: tuple[int, ...] = (1, 2, 4, 8)  # chain pipelining depths
+    methods: tuple[str, ...] = ("chain", "tree", "allgather", "allreduce")  # collectives to time
+    warmup: int = 10  # untimed calls first
+    iters: int = 100  # timed calls (statistics over these)
+    p2p_sizes: tuple[int, ...] = (4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20)  # bytes
     p2p_peer: int = 1  # ping-pong partner of rank 0 (e.g. 8 = first GPU of the next node: "ib")
     link_name: str = ""  # name written into the calibration; "" = nvlink / ib / gloo by placement
-    seed: int = 0
+    seed: int = 0  # seed of the random states
 
 
 def _allgather(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -115,24 +114,25 @@ def calibration(args: BenchCommArgs, device: torch.device, p2p: list[dict], rows
     return {"links": {_link_name(args, device): link}}
 
 
-def main(argv: list[str] | None = None) -> str | None:
-    args = parse_dataclass(BenchCommArgs, argv, __doc__)
-    device = init_distributed()
+def measure(args: BenchCommArgs, device: torch.device) -> tuple[str, dict, str]:
+    P = dist.get_world_size()
     rows = collective_rows(args, device)
     p2p = p2p_rows(args, device)
-    payload = dict(bench="comm", args=asdict(args), env=env_info(device), world_size=dist.get_world_size(),
-                   results=rows, p2p=p2p, calibration=calibration(args, device, p2p, rows))
-    md = f"# bench_comm, P={dist.get_world_size()} ({payload['env']['device']})\n\n"
+    cal = calibration(args, device, p2p, rows)
+    results = dict(bench="comm", world_size=P, results=rows, p2p=p2p, calibration=cal)
+    md = f"# bench_comm, P={P} ({device_name(device)})\n\n"
     md += markdown_table(rows, ["method", "H", "P", "state_bytes", "median_us", "p10_us", "p90_us", "n"])
     if p2p:
         md += "\n## P2P one way\n\n" + markdown_table(p2p, ["bytes", "peer", "median_us", "p10_us", "p90_us"])
-    if payload["calibration"]:
-        link = next(iter(payload["calibration"]["links"].items()))
+    if cal:
+        link = next(iter(cal["links"].items()))
         md += f"\nfit {link[0]}: alpha = {link[1]['alpha_s'] * 1e6:.2f} µs, beta = {link[1]['beta_Bps'] / 1e9:.2f} GB/s\n"
-    path = write_outputs(args.out, f"comm_P{dist.get_world_size()}", payload, md)
-    finish()
-    return path
+    return f"comm_P{P}", results, md
+
+
+main = bench_main(BenchCommArgs, measure)
 
 
 if __name__ == "__main__":
-    main()
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

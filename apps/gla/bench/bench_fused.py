@@ -3,6 +3,7 @@
 incoming state S_in and a non-zero incoming gradient G, and nothing is communicated.
 
     python -m apps.gla.bench.bench_fused            # writes docs/results/raw/<date>-<gpu>/bench_fused.json
+    python -m apps.gla.bench.bench_fused out=$OUT iters=40 t_local=16384,32768
 
 Variants, timed in the same process on the same inputs, interleaved, CUDA events after warm-up, medians:
   fla_chunk_gla      fla's chunk_gla, no initial state (the single-device operator)
@@ -16,30 +17,31 @@ eager zeco_fused against fla_chunk_gla; `graph_extra_pct` the same from the grap
 """
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
+from lingua_zeco import reliability
 from lingua_zeco.sp.virtual_ranks import middle_rank_scan
 
-from .common import gla_inputs, parse_dataclass
+from .common import SliceArgs, cuda_graph, slices_main, time_interleaved
 
 
 @dataclass
-class BenchFusedArgs:
+class BenchFusedArgs(SliceArgs):
     out: str = ""  # empty: docs/results/raw/<date>-<gpu>
-    t_local: tuple = (16384, 32768)
-    heads: int = 16
-    head_k: int = 128
-    head_v: int = 128
-    warmup: int = 5
-    iters: int = 50
-    graphs: bool = True
+    iters: int = 50  # timed calls (medians over these)
+    graphs: bool = True  # also time each variant replayed from a CUDA graph
     doc_len: int = 4096  # packed variants: documents of this many tokens (0: none)
+
+
+def middle_rank_state(q, v):
+    """The fixed non-zero incoming state S_in and incoming gradient G [B, H, K, V] of a middle rank."""
+    B, _, H, K = q.shape
+    gen = torch.Generator(device=q.device).manual_seed(1)
+    S_in = torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
+    return S_in, 0.1 * torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
 
 
 def variants(q, k, v, g, do, scale):
@@ -47,10 +49,7 @@ def variants(q, k, v, g, do, scale):
     from fla.ops.gla import chunk_gla
 
     from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
-    B, _, H, K = q.shape
-    gen = torch.Generator(device=q.device).manual_seed(1)
-    S_in = torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
-    G = 0.1 * torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
+    S_in, G = middle_rank_state(q, v)
     leaves = (q, k, v, g)
 
     def fla():
@@ -72,14 +71,11 @@ def packed_variants(q, k, v, g, do, scale, doc_len):
 
     from lingua_zeco.sp.fused_zeco import fused_zeco_apply
     from lingua_zeco.sp.varlen import LocalSegments
-    B, T, H, K = q.shape
-    first = doc_len // 2
+    T, first = q.shape[1], doc_len // 2
     bounds = [0, *range(first, T, doc_len), T]
     cu = torch.tensor(bounds, device=q.device)
     seg = LocalSegments(cu, first, len(bounds) - 1)
-    gen = torch.Generator(device=q.device).manual_seed(1)
-    S_in = torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
-    G = 0.1 * torch.randn(B, H, K, v.shape[-1], device=q.device, generator=gen)
+    S_in, G = middle_rank_state(q, v)
     leaves = (q, k, v, g)
 
     def fla_packed():
@@ -90,84 +86,36 @@ def packed_variants(q, k, v, g, do, scale, doc_len):
     return {"fla_chunk_gla_packed": fla_packed, "zeco_fused_packed": zeco_packed}
 
 
-def cuda_graph(fn):
-    """Capture fn in a CUDA graph (after warm-up on a side stream, as torch asks); returns replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
+    q, k, v, g, do = inputs
+    fns = variants(q, k, v, g, do, args.head_k ** -0.5)
+    packed = packed_variants(q, k, v, g, do, args.head_k ** -0.5, args.doc_len) if args.doc_len else {}
+    timed = time_interleaved(fns | packed, args.warmup, args.iters)
+    row = dict(T_local=T)
+    for name, (gpu_ms, host_ms) in timed.items():
+        row[f"{name}_ms"] = round(statistics.median(gpu_ms), 4)
+        row[f"{name}_host_ms"] = round(statistics.median(host_ms), 4)
+    row["extra_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_ms"] - 1), 2)
+    row["extra_vs_h0_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_h0_ms"] - 1), 2)
+    if packed:  # eager only: fla's varlen stages read sizes back to the host (no graph capture)
+        row["packed_vs_dense_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["zeco_fused_ms"] - 1), 2)
+        row["packed_extra_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["fla_chunk_gla_packed_ms"] - 1), 2)
+    if args.graphs:
+        try:
+            graphed = {n: cuda_graph(fn) for n, fn in fns.items()}
+        except Exception as e:  # report, keep the eager numbers
+            row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
+        else:
+            for name, (gpu_ms, _) in time_interleaved(graphed, args.warmup, args.iters).items():
+                row[f"{name}_graph_ms"] = round(statistics.median(gpu_ms), 4)
+            row["graph_extra_pct"] = round(100 * (row["zeco_fused_graph_ms"] / row["fla_chunk_gla_graph_ms"] - 1), 2)
+            del graphed
+    return row
 
 
-def time_interleaved(fns: dict, warmup: int, iters: int):
-    """{name: (gpu ms list, host ms list)}; one call of each per round, rounds after warm-up."""
-    out = {n: ([], []) for n in fns}
-    for it in range(warmup + iters):
-        for name, fn in fns.items():  # interleaved: clock and thermal drift hit every variant alike
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            fn()
-            host = time.perf_counter() - t0
-            end.record()
-            torch.cuda.synchronize()
-            if it >= warmup:
-                out[name][0].append(start.elapsed_time(end))
-                out[name][1].append(host * 1e3)
-    return out
-
-
-def save_rows(out: str, stem: str, args, rows: list[dict]) -> None:
-    """<out or docs/results/raw/<date>-<gpu>>/<stem>.json: the args, the device, the rows."""
-    gpu = torch.cuda.get_device_name()
-    out_dir = out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu.split()[-1].lower())
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(dict(args=asdict(args), device=gpu, torch=torch.__version__, time=time.strftime("%Y-%m-%d %H:%M:%S"),
-                       rows=rows), f, indent=1)
-    print(f"wrote {path}")
-
-
-def main(argv=None):
-    args = parse_dataclass(BenchFusedArgs, argv, __doc__)
-    dev = torch.device("cuda")
-    rows = []
-    for T in args.t_local:
-        q, k, v, g, do = gla_inputs(T, args.heads, args.head_k, args.head_v, dev)
-        fns = variants(q, k, v, g, do, args.head_k ** -0.5)
-        packed = packed_variants(q, k, v, g, do, args.head_k ** -0.5, args.doc_len) if args.doc_len else {}
-        timed = time_interleaved(fns | packed, args.warmup, args.iters)
-        row = dict(T_local=T)
-        for name, (gpu_ms, host_ms) in timed.items():
-            row[f"{name}_ms"] = round(statistics.median(gpu_ms), 4)
-            row[f"{name}_host_ms"] = round(statistics.median(host_ms), 4)
-        row["extra_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_ms"] - 1), 2)
-        row["extra_vs_h0_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_h0_ms"] - 1), 2)
-        if packed:  # eager only: fla's varlen stages read sizes back to the host (no graph capture)
-            row["packed_vs_dense_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["zeco_fused_ms"] - 1), 2)
-            row["packed_extra_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["fla_chunk_gla_packed_ms"] - 1), 2)
-        if args.graphs:
-            try:
-                graphed = {n: cuda_graph(fn) for n, fn in fns.items()}
-            except Exception as e:  # report, keep the eager numbers
-                row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
-            else:
-                for name, (gpu_ms, _) in time_interleaved(graphed, args.warmup, args.iters).items():
-                    row[f"{name}_graph_ms"] = round(statistics.median(gpu_ms), 4)
-                row["graph_extra_pct"] = round(100 * (row["zeco_fused_graph_ms"] / row["fla_chunk_gla_graph_ms"] - 1), 2)
-                del graphed
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-        del q, k, v, g, do, fns
-        torch.cuda.empty_cache()
-    save_rows(args.out, "bench_fused", args, rows)
+main = slices_main(BenchFusedArgs, "bench_fused", measure_one)
 
 
 if __name__ == "__main__":
-    main()
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

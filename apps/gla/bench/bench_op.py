@@ -1,7 +1,7 @@
 """Tables 3-4: forward + backward time of one sequence-parallel GLA operator per method.
 
-    torchrun --nproc_per_node=8 -m apps.gla.bench.bench_op --out results/bench_op
-    python -m apps.gla.bench.bench_op --out /tmp/o --t-local 128 --heads 2 --head-k 16 --head-v 16
+    torchrun --nproc_per_node=8 -m apps.gla.bench.bench_op out=results/bench_op
+    python -m apps.gla.bench.bench_op out=/tmp/o t_local=128 heads=2 head_k=16 head_v=16
 
 Each rank holds T_local tokens of one sequence of P * T_local, B=1, H=16, K=V=128 (paper d=2048),
 bf16 on CUDA and fp32 on CPU; gates g = logsigmoid(randn). Methods: sp_gla zeco / lasp1 / lasp2 over
@@ -12,34 +12,29 @@ peak memory on CUDA. Writes <out>/op_P<world>.json and .md (rank 0); the JSON's
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from lingua_zeco import reliability
 from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.sp import sp_gla
 
-from .common import (env_info, finish, init_distributed, markdown_table, parse_dataclass, peak_memory_mib,
-                     reset_peak_memory, summarize, time_iters, write_outputs)
+from .common import (SliceArgs, bench_main, device_name, markdown_table, peak_memory_mib, reset_peak_memory, summarize,
+                     time_iters)
 
 
 @dataclass
-class BenchOpArgs:
-    out: str = "results/bench_op"
-    t_local: tuple = (16384, 32768)
-    batch: int = 1
-    heads: int = 16
-    head_k: int = 128
-    head_v: int = 128
+class BenchOpArgs(SliceArgs):
+    out: str = "results/bench_op"  # output folder
+    batch: int = 1  # sequences per rank
     # also: zeco_tree (Hillis-Steele All-Scan), zeco_composed (no overlap: the reference build)
-    methods: tuple = ("none", "zeco", "lasp1", "lasp2", "fla")  # fla: CUDA only, skipped elsewhere
+    methods: tuple[str, ...] = ("none", "zeco", "lasp1", "lasp2", "fla")  # fla: CUDA only, skipped elsewhere
     n_blocks: int = 0  # chain All-Scan pipelining depth for zeco (0: chosen by the alpha-beta model)
     dtype: str = ""  # "" = bf16 on CUDA, fp32 on CPU
-    warmup: int = 5
-    iters: int = 20
-    seed: int = 0
+    seed: int = 0  # seed of the random inputs (plus 1000 x rank)
 
 
 MODEL_SHAPE = dict(batch=1, heads=16, head_k=128, head_v=128)  # the shape perf_model's kernel_ms means
@@ -82,26 +77,15 @@ def sp_kwargs(method: str, n_blocks: int, self_group) -> dict:
 
 
 def step_fn(method: str, inputs, self_group, n_blocks: int = 0):
+    """One timed call: the gradients cleared, `method`'s forward, backward."""
     q, k, v, g, do = inputs
+    chunk_gla, kw = (_fla_chunk_gla(), None) if method == "fla" else (None, sp_kwargs(method, n_blocks, self_group))
 
-    def clear():
+    def run():
         for t in (q, k, v, g):
             t.grad = None
-
-    if method == "fla":
-        chunk_gla = _fla_chunk_gla()
-
-        def run():
-            clear()
-            o, _ = chunk_gla(q, k, v, g)
-            o.backward(do)
-    else:
-        kw = sp_kwargs(method, n_blocks, self_group)
-
-        def run():
-            clear()
-            o = sp_gla(q, k, v, g, **kw)
-            o.backward(do)
+        o = chunk_gla(q, k, v, g)[0] if chunk_gla else sp_gla(q, k, v, g, **kw)
+        o.backward(do)
     return run
 
 
@@ -119,9 +103,7 @@ def burn_in_cross_checks(args: BenchOpArgs, device, dtype) -> None:
             sp_gla(qk, qk, v, qk, method="lasp2")
 
 
-def main(argv: list[str] | None = None) -> str | None:
-    args = parse_dataclass(BenchOpArgs, argv, __doc__)
-    device = init_distributed()
+def measure(args: BenchOpArgs, device: torch.device) -> tuple[str, dict, str]:
     dtype = {"": torch.bfloat16 if device.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
              "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     P, rank = dist.get_world_size(), dist.get_rank()
@@ -142,14 +124,15 @@ def main(argv: list[str] | None = None) -> str | None:
     base = "fla" if "fla" in methods else "none"
     if all(getattr(args, k) == v for k, v in MODEL_SHAPE.items()) and dtype == torch.bfloat16:
         cal["kernel_ms"] = {str(r["T_local"]): r["median_ms"] for r in rows if r["method"] == base}
-    payload = dict(bench="op", args=asdict(args), env=env_info(device), world_size=P, baseline=base,
-                   results=rows, calibration=cal)
-    md = f"# bench_op, P={P} ({payload['env']['device']}, {rows[0]['dtype'] if rows else ''})\n\n"
+    results = dict(bench="op", world_size=P, baseline=base, results=rows, calibration=cal)
+    md = f"# bench_op, P={P} ({device_name(device)}, {rows[0]['dtype'] if rows else ''})\n\n"
     md += markdown_table(rows, ["method", "T_local", "P", "H", "median_ms", "p10_ms", "p90_ms", "peak_mem_MiB"])
-    path = write_outputs(args.out, f"op_P{P}", payload, md)
-    finish()
-    return path
+    return f"op_P{P}", results, md
+
+
+main = bench_main(BenchOpArgs, measure)
 
 
 if __name__ == "__main__":
-    main()
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

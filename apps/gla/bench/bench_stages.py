@@ -5,33 +5,29 @@ call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the 
     python -m apps.gla.bench.bench_stages          # writes docs/results/raw/<date>-<gpu>/bench_stages.json
 
 Each call is replayed from a CUDA graph (a ~150 µs kernel timed eagerly would include its launch),
-CUDA events after warm-up, medians, the variants interleaved (bench_fused.time_interleaved).
+CUDA events after warm-up, medians, the variants interleaved (common.time_interleaved).
 """
 from __future__ import annotations
 
-import json
 import statistics
 from dataclasses import dataclass
 
 import torch
 
-from .bench_fused import cuda_graph, save_rows, time_interleaved
-from .common import gla_inputs, parse_dataclass
+from lingua_zeco import reliability
+
+from .common import SliceArgs, cuda_graph, slices_main, time_interleaved
 
 
 @dataclass
-class BenchStagesArgs:
+class BenchStagesArgs(SliceArgs):
     out: str = ""  # empty: docs/results/raw/<date>-<gpu>
-    t_local: tuple = (16384, 32768)
-    heads: int = 16
-    head_dim: int = 128
-    runs: tuple = (132, 264, 528)
-    warmup: int = 5
-    iters: int = 50
-    per_config: bool = True
+    runs: tuple[int, ...] = (132, 264, 528)  # programs per zeco_dS_in call, one measurement each
+    iters: int = 50  # timed replays (medians over these)
+    per_config: bool = True  # also time every autotune config of the kernel at the default runs
 
 
-def _time_configs(Z, q, g, Gx, do, BT, args) -> dict:
+def _time_configs(stages, q, g, Gx, do, BT, args) -> dict:
     """{config: median µs} of `_dS_in_kernel` on the raw gates for each of its autotune configs
     (the partial sums only)."""
     import triton
@@ -42,48 +38,47 @@ def _time_configs(Z, q, g, Gx, do, BT, args) -> dict:
     NS = triton.cdiv(NT, CPS)
     dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
     fns = {}
-    for cfg in Z._dS_in_kernel.configs:
+    for cfg in stages._dS_in_kernel.configs:
         kw = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         tiles = triton.cdiv(K, kw["BK"]) * triton.cdiv(V, kw["BV"])
         grid = (B * H, NS, tiles) if kw["HF"] else (tiles, NS, B * H)
-        fns[str(cfg)] = (lambda grid=grid, kw=kw: Z._dS_in_kernel.fn[grid](
+        fns[str(cfg)] = (lambda grid=grid, kw=kw: stages._dS_in_kernel.fn[grid](
             q, g, Gx, do, dp, 0.1, T, NT, CPS, B, H=H, K=K, V=V, BT=BT, RAW=True, **kw))
     timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, 2, 20)
     return {name: round(1e3 * statistics.median(ms), 2) for name, (ms, _) in sorted(
         timed.items(), key=lambda kv: statistics.median(kv[1][0]))}
 
 
-def main(argv=None):
+def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     from fla.ops.utils.constant import RCP_LN2
     from fla.ops.utils.cumsum import chunk_local_cumsum
 
-    from lingua_zeco.kernels import zeco_stages as Z
-    args = parse_dataclass(BenchStagesArgs, argv, __doc__)
-    dev = torch.device("cuda")
-    rows = []
-    for T in args.t_local:
-        q, _, v, g, do = gla_inputs(T, args.heads, args.head_dim, args.head_dim, dev)
-        BT = Z.fla_chunk_size(T)
-        g_cs = chunk_local_cumsum(g.detach(), BT, scale=RCP_LN2)  # base 2, as FusedZeCOGLA
-        Gx, _ = Z.chunk_decay_prefix(g_cs, BT)
-        q, v = q.detach(), v.detach()
-        g = g.detach()
-        fns = {f"dS_in_runs{r}": (lambda r=r: Z.zeco_dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
-        fns |= {f"dS_in_raw_runs{r}": (lambda r=r: Z.zeco_dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
-                for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
-        timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, args.warmup, args.iters)
-        row = dict(T_local=T, BT=BT, best_config=str(Z._dS_in_kernel.best_config))
-        for name, (gpu_ms, _) in timed.items():
-            nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes
-            us = 1e3 * statistics.median(gpu_ms)
-            row[f"{name}_us"] = round(us, 2)
-            row[f"{name}_TBps"] = round(nbytes / us * 1e-6, 3)
-        if args.per_config:  # every autotune candidate launched directly, at the default runs
-            row["per_config_us"] = _time_configs(Z, q, g, Gx, do, BT, args)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    save_rows(args.out, "bench_stages", args, rows)
+    from lingua_zeco.kernels import zeco_stages
+    q, _, v, g, do = inputs
+    BT = zeco_stages.fla_chunk_size(T)
+    g_cs = chunk_local_cumsum(g.detach(), BT, scale=RCP_LN2)  # base 2, as FusedZeCOGLA
+    Gx, _ = zeco_stages.chunk_decay_prefix(g_cs, BT)
+    q, v = q.detach(), v.detach()
+    g = g.detach()
+    dS_in = zeco_stages.zeco_dS_in
+    fns = {f"dS_in_runs{r}": (lambda r=r: dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
+    fns |= {f"dS_in_raw_runs{r}": (lambda r=r: dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
+            for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
+    timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, args.warmup, args.iters)
+    row = dict(T_local=T, BT=BT, best_config=str(zeco_stages._dS_in_kernel.best_config))
+    for name, (gpu_ms, _) in timed.items():
+        nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes
+        us = 1e3 * statistics.median(gpu_ms)
+        row[f"{name}_us"] = round(us, 2)
+        row[f"{name}_TBps"] = round(nbytes / us * 1e-6, 3)
+    if args.per_config:  # every autotune candidate launched directly, at the default runs
+        row["per_config_us"] = _time_configs(zeco_stages, q, g, Gx, do, BT, args)
+    return row
+
+
+main = slices_main(BenchStagesArgs, "bench_stages", measure_one)
 
 
 if __name__ == "__main__":
-    main()
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

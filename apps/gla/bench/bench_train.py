@@ -2,35 +2,33 @@
 and the SP methods against data parallelism under torchrun.
 
     python -m apps.gla.bench.bench_train                                  # fla + ours at 16K
-    python -m apps.gla.bench.bench_train --variants ours,ours_nofsdp --seq-len 262144 --overrides model.activation_checkpointing=full
-    python -m apps.gla.bench.bench_train --profile fla,ours               # + kernel time by category
-    torchrun --nproc_per_node=2 -m apps.gla.bench.bench_train --variants ours,sp_zeco,sp_lasp1,sp_lasp2
+    python -m apps.gla.bench.bench_train variants=ours,ours_nofsdp seq_len=262144 overrides=model.activation_checkpointing=full
+    python -m apps.gla.bench.bench_train profile=fla,ours                 # + kernel time by category
+    torchrun --nproc_per_node=2 -m apps.gla.bench.bench_train variants=ours,sp_zeco,sp_lasp1,sp_lasp2
 
 Every variant runs in this one process, one after another, on the same random tokens: warm-up
-steps, then `--steps` back-to-back steps with a CUDA event after each and no synchronisation in
+steps, then `steps` back-to-back steps with a CUDA event after each and no synchronisation in
 between (a host sync inside a step shows as a longer step); the table gives the median step time,
 tok/s and the peak memory. "ours*" variants call `apps.gla.train.train_step` (FSDP2, autocast,
 clipping, the non-finite guard, AdamW) on a model built by `apps.gla.train.build_model` from
-`--config` plus the variant's overrides. "fla" is fla's `GLAForCausalLM` of the same shape (fp32
+`config` plus `overrides` and the variant's own. "fla" is fla's `GLAForCausalLM` of the same shape (fp32
 weights, bf16 autocast, fused AdamW, clipping): the reference of issue 5.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import gc
-import itertools
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from apps.gla.bench.common import (env_info, finish, init_distributed, markdown_table, parse_dataclass,
-                                   peak_memory_mib, reset_peak_memory, summarize, write_outputs)
+from apps.gla.bench.common import (bench_main, markdown_table, peak_memory_mib, random_tokens, reset_peak_memory,
+                                   summarize, trainer_step)
+from lingua_zeco import reliability
+from lingua_zeco.args import ConfigError, parse_args
 
-# name -> extra overrides on top of --config and --overrides
+# name -> extra overrides on top of `config` and `overrides`
 VARIANTS = {
     "fla": None,
     "ours": [],
@@ -47,79 +45,50 @@ VARIANTS = {
 
 @dataclass
 class BenchTrainArgs:
-    config: str = "gla_1b_dp.yaml"
-    variants: tuple = ("fla", "ours")
-    overrides: tuple = ()  # applied to every ours* variant, e.g. model.activation_checkpointing=full
-    seq_len: int = 16384
-    warmup: int = 3
-    steps: int = 8
-    profile: tuple = ()  # variant names: also profile one step of each and print kernel time by category
-    out_dir: str = "bench_out"
-    stem: str = "train"
+    config: str = "gla_1b_dp.yaml"  # the trainer's config (configs/ or a path): model shape, optimizer
+    variants: tuple[str, ...] = ("fla", "ours")  # names of VARIANTS, timed one after another
+    overrides: tuple[str, ...] = ()  # applied to every ours* variant, e.g. model.activation_checkpointing=full
+    seq_len: int = 16384  # tokens per step and GPU
+    warmup: int = 3  # untimed steps first
+    steps: int = 8  # timed steps
+    profile: tuple[str, ...] = ()  # variant names: also profile one step of each and print kernel time by category
+    out: str = "bench_out"  # output folder
+    stem: str = "train"  # output file names: <out>/<stem>.json and .md
 
 
 # ------------------------------------------------------------------------------------- variants
-def _tokens(vocab: int, T: int, device, seed: int = 0):
-    gen = torch.Generator(device=device).manual_seed(seed)
-    ids = torch.randint(0, vocab, (1, T + 1), device=device, generator=gen)
-    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
-
-
 class _NoSyncGuard:
     """Always applies the update: the guard's whole cost shows as the difference to "ours"."""
 
     skipped = 0
 
     def check(self, *args, **kwargs):
-        from lingua_zeco.reliability import Verdict
-
-        return Verdict(apply=True, stop=False)
+        return reliability.Verdict(apply=True, stop=False)
 
 
 def build_ours(name: str, a: BenchTrainArgs):
     """(step function, n_params, objects to keep alive) of the trainer's step for variant `name`."""
-    from apps.gla import train as T
-    from lingua_zeco import distributed as D
-    from lingua_zeco import reliability as R
-    from lingua_zeco.args import parse_args
-    from lingua_zeco.optim import build_optimizer
-
     argv = [f"config={a.config}", f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1",
             *a.overrides, *VARIANTS[name]]
     if name.startswith("sp_"):
         argv.append(f"distributed.sp_size={dist.get_world_size()}")
-    args = parse_args(T.TrainArgs, argv)
-    env = D.setup(args.distributed)
-    model = T.build_model(args, env)
-    optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
-    guard = _NoSyncGuard() if name == "ours_noguard" else R.StepGuard(args.reliability)
-    x, y = _tokens(args.model.vocab_size, a.seq_len, torch.device("cpu"))  # on the host, as the loader gives them
-    data = itertools.repeat({"input_ids": x, "labels": y})
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
-                else contextlib.nullcontext())
-    counter = itertools.count()
-
-    def step():
-        T.train_step(model, optimizer, scheduler, data, env, args, autocast, guard, next(counter))
-
-    n_params = sum(p.numel() for p in model.parameters())
-    return step, n_params, (model, optimizer)
+    step, _, _, model, opt = trainer_step(argv, a.seq_len, guard=_NoSyncGuard() if name == "ours_noguard" else None)
+    return step, sum(p.numel() for p in model.parameters()), (model, opt)
 
 
 def build_fla(a: BenchTrainArgs, device):
-    """fla's GLAForCausalLM with the shape of --config's model section."""
-    from apps.gla import train as T
+    """fla's GLAForCausalLM with the shape of `config`'s model section."""
+    from apps.gla import train
     from fla.models import GLAConfig, GLAForCausalLM
-    from lingua_zeco.args import parse_args
 
-    m = parse_args(T.TrainArgs, [f"config={a.config}"]).model
+    m = parse_args(train.TrainArgs, [f"config={a.config}"]).model
     cfg = GLAConfig(hidden_size=m.dim, expand_k=m.expand_k, expand_v=m.expand_v, intermediate_size=m.ffn_dim,
                     num_hidden_layers=m.n_layers, num_heads=m.n_heads, vocab_size=m.vocab_size,
                     norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, use_cache=False)
     model = GLAForCausalLM(cfg).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-    x, _ = _tokens(m.vocab_size, a.seq_len, device)
+    x, _ = random_tokens(m.vocab_size, a.seq_len, device)
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -150,7 +119,7 @@ def kernel_breakdown(step, steps: int = 1) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
-        raise SystemExit("--profile needs a CUDA GPU")
+        raise ConfigError("profile= needs a CUDA GPU")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
@@ -200,9 +169,8 @@ def steady_state_times(step, device, warmup: int, steps: int) -> list[float]:
 
 # ----------------------------------------------------------------------------------------- main
 def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
+    from apps.gla import train
     from apps.gla.model import flops_per_token
-    from apps.gla import train as T
-    from lingua_zeco.args import parse_args
     from lingua_zeco.metrics import peak_flops
 
     if name not in VARIANTS:
@@ -211,7 +179,7 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     step, n_params, keep = build_fla(a, device) if name == "fla" else build_ours(name, a)
     times = steady_state_times(step, device, a.warmup, a.steps)
     s = summarize(times)
-    m = parse_args(T.TrainArgs, [f"config={a.config}", *a.overrides]).model
+    m = parse_args(train.TrainArgs, [f"config={a.config}", *a.overrides]).model
     fpt = flops_per_token(m)
     tok_s = a.seq_len / (s["median_ms"] / 1e3)
     peak, mem = peak_flops(device), peak_memory_mib(device)
@@ -226,11 +194,9 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     return row
 
 
-def main(argv: list[str] | None = None) -> None:
-    a = parse_dataclass(BenchTrainArgs, argv, __doc__)
-    device = init_distributed()
+def measure(a: BenchTrainArgs, device) -> tuple[str, dict, str]:
     if device.type != "cuda" and "fla" in a.variants:
-        raise SystemExit("the fla reference needs a CUDA GPU (its kernels are Triton); drop it from --variants")
+        raise ConfigError("the fla reference needs a CUDA GPU (its kernels are Triton); drop it from variants")
     rows = []
     for name in a.variants:
         rows.append(run_variant(name, a, device))
@@ -244,9 +210,12 @@ def main(argv: list[str] | None = None) -> None:
         if "profile" in r:
             md += f"\nKernel time of one `{r['variant']}` step by category (ms):\n\n"
             md += markdown_table(r["profile"], ["category", "ms", "share", "top"])
-    write_outputs(a.out_dir, a.stem, dict(env=env_info(device), args=dataclasses.asdict(a), rows=rows), md)
-    finish()
+    return a.stem, dict(rows=rows), md
+
+
+main = bench_main(BenchTrainArgs, measure)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -1,14 +1,16 @@
-"""Shared plumbing of the benchmark programs: process group, timing, statistics, output files.
+"""Shared plumbing of the benchmark programs: arguments, process group, timing, statistics, output files.
 
-Runs under `torchrun` (NCCL on CUDA, gloo on CPU), as a plain single process (a world of one), or
-inside a process group somebody else already set up (tests). Times are taken per iteration after a
-barrier (CUDA events on GPU, perf_counter on CPU) and reduced with MAX over ranks: a collective is
-done when its slowest rank is done.
+Every program takes `key=value` arguments (lingua_zeco.args: a list key takes `key=a,b`, `--help`
+lists the keys) and runs under `torchrun` (NCCL on CUDA, gloo on CPU), as a plain single process (a
+world of one), or inside a process group somebody else already set up (tests). Times are taken per
+iteration after a barrier (CUDA events on GPU, perf_counter on CPU) and reduced with MAX over ranks:
+a collective is done when its slowest rank is done.
 """
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -16,54 +18,64 @@ import platform
 import socket
 import statistics
 import time
-from datetime import timedelta
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from lingua_zeco import distributed
+from lingua_zeco.args import parse_args
+
 
 # ------------------------------------------------------------------------------------ arguments
-def parse_dataclass(cls, argv: list[str] | None, description: str = ""):
-    """`--field value` for every field of `cls`; tuple/list fields take comma-separated values."""
-    ap = argparse.ArgumentParser(description=description)
-    defaults = cls()
-    for f in dataclasses.fields(cls):
-        val = getattr(defaults, f.name)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(val, bool):
-            ap.add_argument(flag, type=lambda s: s.lower() in ("1", "true", "yes"), default=val, metavar="BOOL")
-        elif isinstance(val, (tuple, list)):
-            elem = type(val[0]) if val else str
-            ap.add_argument(flag, type=lambda s, e=elem: tuple(e(x) for x in s.split(",") if x), default=tuple(val))
-        else:
-            ap.add_argument(flag, type=type(val), default=val)
-    return cls(**vars(ap.parse_args(argv)))
+@dataclass
+class HeadArgs:
+    """Keys of every operator benchmark: where its output goes, the per-head state, how many calls."""
+    out: str = ""  # output folder
+    head_k: int = 128  # key dim per head
+    head_v: int = 128  # value dim per head
+    warmup: int = 5  # untimed calls first
+    iters: int = 20  # timed calls (statistics over these)
+
+
+@dataclass
+class SliceArgs(HeadArgs):
+    """One rank's slice of a sequence: T_local tokens (one measurement per entry), `heads` heads."""
+    t_local: tuple[int, ...] = (16384, 32768)  # tokens per GPU, one measurement each
+    heads: int = 16  # attention heads
+
+    def inputs(self, T: int, device, seed: int = 0):
+        """gla_inputs of this shape at T tokens: leaf q, k, v, g (bf16) and an output gradient."""
+        return gla_inputs(T, self.heads, self.head_k, self.head_v, device, seed=seed)
+
+
+def bench_main(cls, measure: Callable) -> Callable:
+    """A benchmark's main(argv=None): the arguments into `cls`, the process group joined, `measure(args,
+    device)` -> (stem, results dict, markdown); rank 0 writes <args.out>/<stem>.json (args, env, the
+    results) and .md. main returns the JSON's path there (None on other ranks)."""
+    def main(argv: list[str] | None = None) -> str | None:
+        args = parse_args(cls, argv)
+        device = init_distributed()
+        stem, results, md = measure(args, device)
+        path = write_outputs(args.out, stem, dict(args=dataclasses.asdict(args), env=env_info(device), **results), md)
+        finish()
+        return path
+    return main
 
 
 # -------------------------------------------------------------------------------- process group
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _OWN_GROUP = False  # did init_distributed create the default group (then finish() tears it down)?
 
 
 def init_distributed(timeout_s: int = 300) -> torch.device:
-    """Join (or create) the default process group and return this rank's device."""
+    """Join (or create: the trainer's rules, lingua_zeco.distributed) the default process group and
+    return this rank's device."""
     global _OWN_GROUP
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        if "RANK" not in os.environ:  # plain `python -m ...`: a world of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
-        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
-        _OWN_GROUP = True
+    _OWN_GROUP = distributed.init_process_group(distributed.DistributedArgs(timeout_s=timeout_s)) or _OWN_GROUP
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
@@ -71,10 +83,13 @@ def local_world_size() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
 
 
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+
+
 def env_info(device: torch.device) -> dict:
     return dict(torch=torch.__version__, backend=dist.get_backend(), world_size=dist.get_world_size(),
-                local_world_size=local_world_size(), device=torch.cuda.get_device_name(device)
-                if device.type == "cuda" else platform.processor() or "cpu", host=socket.gethostname(),
+                local_world_size=local_world_size(), device=device_name(device), host=socket.gethostname(),
                 time=time.strftime("%Y-%m-%d %H:%M:%S"))
 
 
@@ -137,6 +152,100 @@ def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+
+
+# ------------------------------------------------------------------------------ the trainer's step
+def random_tokens(vocab: int, T: int, device, seed: int = 0):
+    """(input_ids, labels) [1, T] of T + 1 seeded random tokens."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = torch.randint(0, vocab, (1, T + 1), device=device, generator=gen)
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync: bool = False):
+    """The trainer's step (apps.gla.train.train_step: FSDP2, autocast, clipping, the non-finite guard or
+    `guard`, AdamW) of the model the trainer's `key=value`s build, on the same seq_len random tokens
+    each step, in host memory as the loader gives them. Returns (step, args, env, model, optimizer)."""
+    from apps.gla import train
+    from lingua_zeco.optim import build_optimizer
+    from lingua_zeco.reliability import StepGuard
+
+    args = parse_args(train.TrainArgs, argv)
+    env = distributed.setup(args.distributed)
+    model = train.build_model(args, env)
+    optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
+    guard = StepGuard(args.reliability) if guard is None else guard
+    x, y = random_tokens(args.model.vocab_size, seq_len, torch.device("cpu"), seed)
+    data = itertools.repeat({"input_ids": x, "labels": y})
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
+    counter = itertools.count()
+
+    def step():
+        train.train_step(model, optimizer, scheduler, data, env, args, autocast, guard, next(counter), sync=sync)
+
+    return step, args, env, model, optimizer
+
+
+# ------------------------------------------------------------------------ one GPU, no group
+def slices_main(cls, stem: str, measure_one: Callable) -> Callable:
+    """A one-GPU benchmark's main(argv=None): the arguments into `cls` (SliceArgs), `measure_one(args, T,
+    inputs)` -> one row for each T of t_local (inputs: args.inputs(T) on the GPU), printed; save_rows."""
+    def main(argv: list[str] | None = None) -> None:
+        args = parse_args(cls, argv)
+        rows = []
+        for T in args.t_local:
+            rows.append(measure_one(args, T, args.inputs(T, torch.device("cuda"))))
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
+        save_rows(args.out, stem, args, rows)
+    return main
+
+
+def cuda_graph(fn):
+    """Capture fn in a CUDA graph (after warm-up on a side stream, as torch asks); returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def time_interleaved(fns: dict, warmup: int, iters: int, before: Callable | None = None):
+    """{name: (gpu ms list, host ms list)}; one call of each per round (after `before()`, e.g. a barrier),
+    rounds after warm-up."""
+    out = {n: ([], []) for n in fns}
+    for it in range(warmup + iters):
+        for name, fn in fns.items():  # interleaved: clock and thermal drift hit every variant alike
+            if before is not None:
+                before()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            t0 = time.perf_counter()
+            fn()
+            host = time.perf_counter() - t0
+            end.record()
+            torch.cuda.synchronize()
+            if it >= warmup:
+                out[name][0].append(start.elapsed_time(end))
+                out[name][1].append(host * 1e3)
+    return out
+
+
+def save_rows(out: str, stem: str, args, rows: list[dict]) -> None:
+    """<out or docs/results/raw/<date>-<gpu>>/<stem>.json: the args, the device, the rows."""
+    gpu = torch.cuda.get_device_name()
+    out_dir = out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu.split()[-1].lower())
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, stem + ".json")
+    with open(path, "w") as f:
+        json.dump(dict(args=dataclasses.asdict(args), device=gpu, torch=torch.__version__,
+                       time=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows), f, indent=1)
+    print(f"wrote {path}")
 
 
 # -------------------------------------------------------------------------------------- output

@@ -2,7 +2,7 @@
 measured points from bench_comm / bench_op JSON files, lines from lingua_zeco.perf_model calibrated
 with the same files (P2P alpha/beta, baseline kernel time).
 
-    python -m apps.gla.bench.plot --comm results/bench_comm --op results/bench_op --out docs/figures
+    python -m apps.gla.bench.plot comm=results/bench_comm op=results/bench_op out=docs/figures
 """
 from __future__ import annotations
 
@@ -13,18 +13,14 @@ import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from lingua_zeco.perf_model.links import (Topology, TopologyArgs, apply_link_calibration, default_links,  # noqa: E402
+from apps.gla.plot_metrics import pyplot, save_figure
+from lingua_zeco import reliability
+from lingua_zeco.args import ConfigError, parse_args
+from lingua_zeco.perf_model.links import (Topology, TopologyArgs, apply_link_calibration, default_links,
                                           load_calibration)
-from lingua_zeco.perf_model.op_model import OpArgs, op_times  # noqa: E402
-from lingua_zeco.perf_model.schedules import (DeviceArgs, StateArgs, allgather_scan, allreduce_state,  # noqa: E402
-                                              chain_sim, hier_scan, tree_sim)
-
-from .common import parse_dataclass  # noqa: E402
+from lingua_zeco.perf_model.op_model import OpArgs, op_times
+from lingua_zeco.perf_model.schedules import (DeviceArgs, StateArgs, allgather_scan, allreduce_state, chain_sim,
+                                              hier_scan, tree_sim)
 
 COLORS = dict(chain1="tab:gray", chain2="tab:olive", chain4="tab:green", chain8="tab:cyan", tree="tab:purple",
               allgather="tab:red", allreduce="tab:brown", none="black", fla="tab:gray", zeco="tab:green",
@@ -37,12 +33,12 @@ PAPER_OP_16K = dict(zeco={8: 7.3, 128: 9.9}, lasp2={8: 19.4, 128: 35.7}, lasp1={
 class PlotArgs:
     comm: str = "results/bench_comm"  # folder of comm_P*.json, or comma-separated files ("" = skip)
     op: str = "results/bench_op"  # folder of op_P*.json, or comma-separated files ("" = skip)
-    out: str = "docs/figures"
+    out: str = "docs/figures"  # folder of the PNGs
     model_max_p: int = 256  # draw the model out to this P
     topology: str = ""  # "" = the measured link (one node) extended by perf_model's "hier" preset
-    gpus_per_node: int = 8
+    gpus_per_node: int = 8  # GPUs per node of the modelled topology
     scan: str = "chain"  # All-Scan the zeco model line assumes: chain | tree | auto
-    n_blocks: int = 4
+    n_blocks: int = 4  # chain All-Scan blocks of the zeco model line (0: chosen by the alpha-beta model)
     raw: str = ""  # folder of raw bench outputs: measured points from it, model calibrated by perf_model.calibrate
 
 
@@ -86,18 +82,36 @@ def p_range(measured: list[int], top: int, lowest: int = 2) -> list[int]:
     return sorted(set(ps) | {m for m in measured if m >= lowest})
 
 
-def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
+def measured(args: PlotArgs, files: list[str], comm_files: list[str]):
+    """(the files' JSON, their result rows, perf_model.calibrate's (topology, device, op) or None, the
+    topology and device of the model lines), None when the files hold no results."""
     data = [json.load(open(f)) for f in files]
     rows = [r for d in data for r in d["results"]]
     if not rows:
-        return []
+        return None
     cal = calibrated(args)
-    topo, dev = cal[:2] if cal else (model_topology(args, files), DeviceArgs())
+    topo, dev = cal[:2] if cal else (model_topology(args, comm_files), DeviceArgs())
+    return data, rows, cal, topo, dev
+
+
+def finish_axes(fig, ax, ps: list[int], ylabel: str, title: str, path: str) -> str:
+    """Log-log axes over GPUs P with a tick at each P, legend, grid; the figure written to `path`."""
+    ax.set(xscale="log", yscale="log", xlabel="GPUs P", ylabel=ylabel, title=title)
+    ax.set_xticks(ps, [str(p) for p in ps])
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(True, which="both", alpha=0.3)
+    return save_figure(fig, path, dpi=130)
+
+
+def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
+    if (got := measured(args, files, files)) is None:
+        return []
+    data, rows, cal, topo, dev = got
     bench_args = data[0]["args"]
     written = []
     for H in sorted({r["H"] for r in rows}, reverse=True):
         st = StateArgs(H=H, K=bench_args["head_k"], V=bench_args["head_v"])
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        fig, ax = pyplot().subplots(figsize=(6.4, 4.4))
         mine = [r for r in rows if r["H"] == H]
         methods = sorted({r["method"] for r in mine}, key=list(COLORS).index)
         ps = p_range(sorted({r["P"] for r in mine}), args.model_max_p)
@@ -113,22 +127,15 @@ def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
         if cal and topo.args.kind == "hier":
             ax.plot(ps, [hier_scan(P, st, topo, dev) * 1e6 for P in ps], "--", color=COLORS["hier"],
                     label="hier chain+tree model (not implemented)")
-        ax.set(xscale="log", yscale="log", xlabel="GPUs P", ylabel="time (µs)",
-               title=f"Fig. 3: state exchange, H={H}, K×V={st.K}×{st.V} fp32 ({topo.args.kind})")
-        ax.set_xticks(ps, [str(p) for p in ps])
-        ax.legend(fontsize=6, ncol=2)
-        ax.grid(True, which="both", alpha=0.3)
-        written.append(_save(fig, args.out, f"fig3_comm_H{H}.png"))
+        title = f"Fig. 3: state exchange, H={H}, K×V={st.K}×{st.V} fp32 ({topo.args.kind})"
+        written.append(finish_axes(fig, ax, ps, "time (µs)", title, os.path.join(args.out, f"fig3_comm_H{H}.png")))
     return written
 
 
 def plot_op(args: PlotArgs, op_files: list[str], comm_files: list[str]) -> list[str]:
-    data = [json.load(open(f)) for f in op_files]
-    rows = [r for d in data for r in d["results"]]
-    if not rows:
+    if (got := measured(args, op_files, comm_files)) is None:
         return []
-    cal = calibrated(args)
-    topo, dev = cal[:2] if cal else (model_topology(args, comm_files), DeviceArgs())
+    data, rows, cal, topo, dev = got
     base_by_T = defaultdict(list)
     for d in data:
         for r in d["results"]:
@@ -144,7 +151,7 @@ def plot_op(args: PlotArgs, op_files: list[str], comm_files: list[str]) -> list[
         measured_ps = sorted({r["P"] for r in mine})
         ps = p_range(measured_ps, args.model_max_p, lowest=min(measured_ps[0], 2))  # P=1: the baseline
         model = [op_times(P, T, op, topo, dev) for P in ps]
-        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        fig, ax = pyplot().subplots(figsize=(6.4, 4.4))
         for m in ("none", "fla", "zeco", "zeco_composed", "lasp1", "lasp2"):
             pts = sorted((r["P"], r["median_ms"]) for r in mine if r["method"] == m)
             if pts:
@@ -154,31 +161,18 @@ def plot_op(args: PlotArgs, op_files: list[str], comm_files: list[str]) -> list[
             if cal and T == 16384 and m in PAPER_OP_16K:
                 ax.plot(*zip(*sorted(PAPER_OP_16K[m].items())), "s", mfc="none", color=COLORS[m],
                         label=f"{m} paper (H100)")
-        ax.set(xscale="log", yscale="log", xlabel="GPUs P", ylabel="fwd+bwd (ms)",
-               title=f"Fig. 4: GLA operator, T_local={T}, H={op.H} ({topo.args.kind}, scan={args.scan})")
-        ax.set_xticks(ps, [str(p) for p in ps])
-        ax.legend(fontsize=6, ncol=2)
-        ax.grid(True, which="both", alpha=0.3)
-        written.append(_save(fig, args.out, f"fig4_op_T{T}.png"))
+        title = f"Fig. 4: GLA operator, T_local={T}, H={op.H} ({topo.args.kind}, scan={args.scan})"
+        written.append(finish_axes(fig, ax, ps, "fwd+bwd (ms)", title, os.path.join(args.out, f"fig4_op_T{T}.png")))
     return written
 
 
-def _save(fig, out_dir: str, name: str) -> str:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
-    return path
-
-
 def main(argv: list[str] | None = None) -> list[str]:
-    args = parse_dataclass(PlotArgs, argv, __doc__)
+    args = parse_args(PlotArgs, argv)
     if args.raw:
         args.comm, args.op = args.raw, args.raw
     comm_files, op_files = json_files(args.comm, "comm"), json_files(args.op, "op")
     if not comm_files and not op_files:
-        raise SystemExit(f"no comm_P*.json under {args.comm!r} and no op_P*.json under {args.op!r}")
+        raise ConfigError(f"no comm_P*.json under {args.comm!r} and no op_P*.json under {args.op!r}")
     written = plot_comm(args, comm_files) + plot_op(args, op_files, comm_files)
     for p in written:
         print(f"wrote {p}")
@@ -186,4 +180,5 @@ def main(argv: list[str] | None = None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

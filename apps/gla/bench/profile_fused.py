@@ -1,6 +1,6 @@
 """Where the fused ZeCO operator spends its time next to fla chunk_gla (torch profiler, CUDA kernels).
 
-    python -m apps.gla.bench.profile_fused --t-local 16384 --out docs/results/raw
+    python -m apps.gla.bench.profile_fused t_local=16384 out=docs/results/raw
 """
 from __future__ import annotations
 
@@ -10,28 +10,28 @@ from dataclasses import dataclass
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from lingua_zeco import reliability
+from lingua_zeco.args import parse_args
+
 from .bench_fused import variants
-from .common import gla_inputs, parse_dataclass
+from .common import SliceArgs
 
 
 @dataclass
-class ProfileFusedArgs:
-    out: str = "results/profile_fused"
-    t_local: int = 16384
-    heads: int = 16
-    head_dim: int = 128
-    iters: int = 5
+class ProfileFusedArgs(SliceArgs):
+    out: str = "results/profile_fused"  # output folder: one kernel table per variant
+    t_local: int = 16384  # tokens on this GPU
+    warmup: int = 3  # unprofiled calls of each variant first
+    iters: int = 5  # profiled calls of each variant
 
 
 def main(argv=None):
-    args = parse_dataclass(ProfileFusedArgs, argv, __doc__)
-    dev = torch.device("cuda")
-    q, k, v, g, do = gla_inputs(args.t_local, args.heads, args.head_dim, args.head_dim, dev)
-    scale = args.head_dim ** -0.5
-    fns = variants(q, k, v, g, do, scale)  # bench_fused's: fla with and without S_in, fused ZeCO on a middle rank
+    args = parse_args(ProfileFusedArgs, argv)
+    q, k, v, g, do = args.inputs(args.t_local, torch.device("cuda"))
+    fns = variants(q, k, v, g, do, args.head_k ** -0.5)  # bench_fused's: fla with and without S_in, fused ZeCO
     os.makedirs(args.out, exist_ok=True)
     for name, fn in fns.items():
-        for _ in range(3):
+        for _ in range(args.warmup):
             fn()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -45,4 +45,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
+        main()

@@ -1,0 +1,57 @@
+"""Gated Linear Attention (model.attn_variant=gla | simple_gla), sequence-parallel through
+lingua_zeco.sp.sp_gla / sp_simple_gla, with fla's parameter names (GatedLinearAttention /
+SimpleGatedLinearAttention): q, k, v, g, o projections, gk_proj the forget gate, g_norm_swish_gate.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention
+from lingua_zeco import kernels
+from lingua_zeco.sp import sp_gla, sp_simple_gla
+
+
+class GatedLinearAttention(LinearAttention):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
+        super().__init__(args, sp_group, sp_method, sp_scan)
+        d, kd, vd = args.dim, args.key_dim, args.value_dim
+        self.gate_logit_normalizer = args.gate_logit_normalizer
+        self.g_proj = nn.Linear(d, vd, bias=False)
+        self.variant = args.attn_variant
+        if self.variant == "simple_gla":  # one forget gate per head, as fla's SimpleGatedLinearAttention
+            self.gk_proj = nn.Linear(d, args.n_heads, bias=True)
+        else:  # Low-rank forget gate: hidden -> 16 -> key_dim (with bias), as in fla.
+            self.gk_proj = nn.Sequential(nn.Linear(d, args.gate_low_rank_dim, bias=False),
+                                         nn.Linear(args.gate_low_rank_dim, kd, bias=True))
+        self.o_proj = nn.Linear(vd, d, bias=False)
+        self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
+
+    def _inputs(self, x):
+        """q, k [B, T, H, K], v [B, T, H, V] and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_k, self.head_v
+        q = self.q_proj(x).view(B, T, H, K)
+        k = self.k_proj(x).view(B, T, H, K)
+        v = self.v_proj(x).view(B, T, H, V)
+        gk = F.logsigmoid(self.gk_proj(x).view(B, T, H, -1).squeeze(-1)) / self.gate_logit_normalizer
+        return q, k, v, gk
+
+    def forward(self, x, cu_seqlens=None):
+        q, k, v, gk = self._inputs(x)
+        attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
+        o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens, scan=self.sp_scan)
+        return self._output(o, x)
+
+    def _state_inputs(self, x):
+        q, k, v, g = self._inputs(x)
+        if self.variant == "simple_gla":
+            g = g[..., None].expand_as(q)  # a per-head decay is a per-key decay that is constant over K
+        return q, k, v, g
+
+    def _step(self, state, k, v, g):
+        """S <- diag(exp(g)) S + k v^T."""
+        return g.exp()[..., None] * state + k[..., None] * v[..., None, :]
+
+    def _chunk(self, q, k, v, g, state):
+        return kernels.chunk_gla(q, k, v, g.to(q.dtype), initial_state=state, output_final_state=True)

@@ -1,0 +1,138 @@
+"""What the model (apps/gla/model.py) and its attention variants (attention_gla.py, gated_deltanet.py)
+share: the model's arguments, the norms, fla's fused modules, and the base of the attention layers.
+Nothing here imports the model or a variant: model.py picks the variant, the variants import this.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GLAArgs:
+    dim: int = 2048  # hidden size
+    n_layers: int = 20  # blocks of attention + SwiGLU MLP
+    n_heads: int = 16  # attention heads (each with a head_k x head_v state)
+    expand_k: float = 1.0  # key dim = dim * expand_k (fla's convention)
+    expand_v: float = 1.0  # value dim = dim * expand_v
+    ffn_hidden: int = 5632  # 0 = fla's rule: 8/3 * dim rounded up to a multiple of 256
+    vocab_size: int = 32000  # 0 = the tokenizer's n_words
+    norm_eps: float = 1e-6  # RMSNorm epsilon
+    gate_low_rank_dim: int = 16  # gla: rank of the forget-gate projection (fla: 16)
+    gate_logit_normalizer: int = 16  # log forget gate = logsigmoid(.) / this (fla: 16)
+    tie_embeddings: bool = False  # the LM head shares the embedding matrix
+    init_std: float = 0.02  # std of the normal init of every matrix
+    fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
+    activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
+    chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
+    # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
+    # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads);
+    # gated_deltanet: the gated delta rule (apps/gla/gated_deltanet.py)
+    attn_variant: str = "gla"
+    # parameter / compute dtype off CUDA: fp32 | fp64 (exactness checks such as SP-size parity; the
+    # norms and the loss compute in at least fp32, so fp64 stays fp64). CUDA runs keep fp32 + bf16 autocast.
+    dtype: str = "fp32"
+
+    @property
+    def key_dim(self) -> int:
+        return _exact(self.dim * self.expand_k, "dim * expand_k")
+
+    @property
+    def value_dim(self) -> int:
+        return _exact(self.dim * self.expand_v, "dim * expand_v")
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden > 0:
+            return self.ffn_hidden
+        return 256 * math.ceil(int(self.dim * 8 / 3) / 256)
+
+
+def _exact(x: float, what: str) -> int:
+    if not math.isclose(x, round(x)):
+        raise ValueError(f"{what} must be an integer, got {x}")
+    return round(x)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Compute dtype of the norms, the gates and the loss: fp32 at least (bf16 -> fp32, fp64 stays fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def fla_modules():
+    """fla's fused modules, imported only when a CUDA tensor needs them (the import is slow)."""
+    from fla.modules.activations import swiglu_linear
+    from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+    from fla.modules.norm.layernorm import rms_norm
+
+    return rms_norm, rms_norm_gated, swiglu_linear, FusedLinearCrossEntropyLoss
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, fused: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.fused = eps, fused
+
+    def forward(self, x):
+        if self.fused and x.is_cuda:
+            return fla_modules()[0](x, self.weight, None, eps=self.eps)
+        xf = x.to(acc_dtype(x.dtype))
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.to(xf.dtype)).to(x.dtype)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm(o) * swish(g) over each head's value vector (fla's FusedRMSNormGated)."""
+
+    def forward(self, x, g):
+        if self.fused and x.is_cuda:
+            return fla_modules()[1](x, g, self.weight, None, activation="swish", eps=self.eps)
+        y = super().forward(x).to(acc_dtype(x.dtype))
+        return (y * F.silu(g.to(y.dtype))).to(x.dtype)
+
+
+class LinearAttention(nn.Module):
+    """Base of the attention variants: heads of a [head_k, head_v] state, SP settings, q/k/v projections
+    (registered first, as in fla), the output o_proj(norm(o) * swish(g_proj x)) (the norm: submodule
+    `out_norm`), generation. A variant adds its parameters, `forward` and, for generation, `_state_inputs`
+    (q, k, v, its gates), `_step` (one token's state update), `_chunk` (a prompt, from a state)."""
+
+    out_norm = "g_norm_swish_gate"
+
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
+        super().__init__()
+        d, kd, vd, H = args.dim, args.key_dim, args.value_dim, args.n_heads
+        if kd % H or vd % H:
+            raise ValueError(f"key dim {kd} and value dim {vd} must be divisible by n_heads={H}")
+        self.n_heads, self.head_k, self.head_v = H, kd // H, vd // H
+        self.sp_group, self.sp_method, self.sp_scan = sp_group, sp_method, sp_scan  # sp_scan: AllScanArgs
+        self.q_proj = nn.Linear(d, kd, bias=False)
+        self.k_proj = nn.Linear(d, kd, bias=False)
+        self.v_proj = nn.Linear(d, vd, bias=False)
+
+    def _output(self, o, x):
+        B, T, _ = x.shape
+        norm = getattr(self, self.out_norm)
+        o = norm(o.to(x.dtype), self.g_proj(x).view(B, T, self.n_heads, self.head_v))
+        return self.o_proj(o.reshape(B, T, -1))
+
+    @torch.no_grad()
+    def forward_with_state(self, x, state=None):
+        """Generation: x [B, T, D] continuing from `state` [B, H, K, V] (None = zeros), one device, no SP.
+        Returns (output, new state in fp32 at least). One token costs one state update, o = scale S^T q;
+        a prompt, the chunked kernel started from the state."""
+        q, k, v, *gates = self._state_inputs(x)
+        if x.shape[1] == 1 and state is not None:
+            q1, k1, v1, *gates1 = (t[:, 0].to(state.dtype) for t in (q, k, v, *gates))
+            state = self._step(state, k1, v1, *gates1)
+            o = (self.head_k ** -0.5) * torch.einsum("bhk,bhkv->bhv", q1, state)[:, None]
+        else:
+            o, state = self._chunk(q, k, v, *gates, state)
+            state = state.to(acc_dtype(q.dtype))
+        return self._output(o, x), state

@@ -1,0 +1,66 @@
+"""What every GLA-family backend shares: the choice of backend, the accumulation dtype, the segments.
+
+The backend follows the device (CUDA with fla importable → fla, otherwise torch); force one with
+`backend=` or the environment variable LINGUA_ZECO_GLA_BACKEND.
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BACKENDS = ("fla", "torch")
+
+
+@functools.lru_cache(maxsize=1)
+def fla_available() -> bool:
+    try:
+        import fla.ops.gla  # noqa: F401
+    except Exception:  # ImportError, or Triton refusing this platform
+        return False
+    return torch.cuda.is_available()
+
+
+def pick_backend(device: torch.device, backend: str | None = None) -> str:
+    backend = backend or os.environ.get("LINGUA_ZECO_GLA_BACKEND") or None
+    if backend is None:
+        return "fla" if device.type == "cuda" and fla_available() else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"GLA backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "fla" and not (device.type == "cuda" and fla_available()):
+        raise RuntimeError("GLA backend 'fla' needs a CUDA tensor and an importable fla (pip install "
+                           "flash-linear-attention); use backend='torch' on this machine")
+    return backend
+
+
+def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The dtype states, decays and sums accumulate in: fp32 at least, fp64 when an input is fp64
+    (the exactness checks run in fp64)."""
+    return functools.reduce(torch.promote_types, dtypes, torch.float32)
+
+
+def segments(B: int, T: int, cu_seqlens) -> list[tuple[int, int, int]]:
+    """(batch row, start, end) of each sequence: the B rows, or the documents of a packed row (B = 1)."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    bounds = [int(c) for c in cu_seqlens.tolist()]
+    return [(0, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
+
+
+def by_segments(fixed, q, *inputs, scale, initial_state, output_final_state, cu_seqlens, chunk: int):
+    """fla's contract from `fixed(q, *inputs, scale, h0, chunk) -> (o, final state)` on equal-length
+    sequences: the batch at once, or each packed document from its own initial state. fp32 inside
+    whatever the autocast state, as fla's kernels accumulate (autocast would cast the matmuls)."""
+    with torch.autocast(q.device.type, enabled=False):
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        if cu_seqlens is None:
+            o, ht = fixed(q, *inputs, scale, initial_state, chunk)
+            return o.to(q.dtype), (ht if output_final_state else None)
+        outs, finals = [], []
+        for n, (_, s, e) in enumerate(segments(1, q.shape[1], cu_seqlens)):
+            h0 = None if initial_state is None else initial_state[n:n + 1]
+            o, ht = fixed(*(t[:, s:e] for t in (q, *inputs)), scale, h0, chunk)
+            outs.append(o)
+            finals.append(ht)
+        return torch.cat(outs, dim=1).to(q.dtype), (torch.cat(finals) if output_final_state else None)
