@@ -116,21 +116,23 @@ def test_init_ckpt_path_loads_weights_only(tmp_path):
         mgr.load_model_only(str(tmp_path / "nothing"), dst)
 
 
+def _sharded(seed, mesh):
+    """_model(seed) under FSDP2 on `mesh`: its two linear layers, then the root."""
+    from torch.distributed.fsdp import fully_shard
+    m = _model(seed)
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
 def _two_ranks(rank, world, root):
     """Plain replicated model + FSDP2-sharded model on gloo: round trip, per-rank state, agreed fallback."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh("cpu", (world,))
 
-    def sharded(seed):
-        m = _model(seed)
-        for layer in (m[0], m[2]):
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(m, mesh=mesh)
 
     out = {}
-    for kind, make in (("plain", _model), ("fsdp", sharded)):
+    for kind, make in (("plain", _model), ("fsdp", lambda seed: _sharded(seed, mesh))):
         mgr = CheckpointManager(CheckpointArgs(dump=SaveEvery(keep=0)), os.path.join(root, kind))
         m = make(0)
         o = _opt(m)

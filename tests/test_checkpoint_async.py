@@ -17,7 +17,7 @@ from lingua_zeco.checkpoint import MARKER, CheckpointArgs, CheckpointManager, Sa
 from lingua_zeco.checkpoint_async import WRITE_DELAY_ENV
 from lingua_zeco.reliability import StorageError
 from lingua_zeco.testing import run_on_ranks
-from test_checkpoint import _model, _opt, _same_optim, _same_params, _train
+from test_checkpoint import _model, _opt, _same_optim, _same_params, _sharded, _train
 from test_reliability import _ckpt, _finish, _losses, _popen, _same, _state
 
 
@@ -139,15 +139,8 @@ def _two_ranks(rank, world, root):
     """Rank 1's write is held back: both ranks must finalise at the same poll (a rank finalising alone
     would wait in a collective the other never joins). Plain and FSDP2 models; async equals sync."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh("cpu", (world,))
 
-    def sharded(seed):
-        m = _model(seed)
-        for layer in (m[0], m[2]):
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(m, mesh=mesh)
 
     def full(mod):
         return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in mod.state_dict().items()}
@@ -155,7 +148,7 @@ def _two_ranks(rank, world, root):
     if rank == 1:
         os.environ[WRITE_DELAY_ENV] = "0.5"
     out = {}
-    for kind, make in (("plain", _model), ("fsdp", sharded)):
+    for kind, make in (("plain", _model), ("fsdp", lambda seed: _sharded(seed, mesh))):
         m = make(0)
         o = _opt(m)
         _train(m, o, 2)
