@@ -157,7 +157,7 @@ def evaluate(model, data: DataArgs, ev: EvalArgs, *, device, dp_rank: int = 0, d
                 cu = batch.get("cu_seqlens")
                 with autocast or contextlib.nullcontext():
                     loss, n = model(batch["input_ids"].to(device), labels=batch["labels"].to(device),
-                                    cu_seqlens=cu.to(device) if cu is not None else None)
+                                    cu_seqlens=cu)  # host boundaries: the model plans them once
                 totals += torch.stack([loss.detach().double(), n.double()])
                 if by_pos:
                     by_pos.add(*tokens.take(), offset=offset)

@@ -77,7 +77,7 @@ def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=Non
     for p in range(P):
         sl = slice(p * T_local, (p + 1) * T_local)
         leaves.append([t[:, sl].clone().requires_grad_() for t in (q, k, v, g)])
-        seg = local_segments(cu_seqlens, p, T_local, q.device)
+        seg = local_segments(None if cu_seqlens is None else cu_seqlens.tolist(), p, T_local, q.device)
         outs.append(fused_zeco_apply(*leaves[p], q.shape[-1] ** -0.5, scan.scan_fn(p), seg))
     results = [None] * P
     for p in reversed(range(P)):
@@ -144,6 +144,66 @@ def test_fused_packed_documents_on_virtual_ranks(dtype):
         bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream=True, drop=drop, cu_seqlens=cu)
         errs = {n: _rel(a[:, near], b[:, near]) for n, a, b in zip(NAMES, bad[p], ref[p])}
         assert all(errs[n] > 5 * tol for n in hit), f"dropping {drop} was not caught on rank {p}: {errs}"
+
+
+def test_packed_state_launchers_equal_fla_stages():
+    """chunk_fwd_h_packed / chunk_bwd_dh_packed (fla's kernels, chunk tables planned on the host) give
+    fla's chunk_fwd_h / chunk_bwd_dh with cu_seqlens bit for bit; a wrong table is caught."""
+    from lingua_zeco.kernels import fla_stages as fla
+    from lingua_zeco.sp.varlen import local_segments
+    q, k, v, g, do = _inputs(4096)
+    BT = 64
+    seg = local_segments([0, 5, 70, 70, 1000, 1001, 4096], 0, 4096, "cuda")
+    ci, co, NT = seg.chunk_index(BT)
+    cu = seg.cu_seqlens
+    g_cs = fla.gate_cumsum(g, BT, cu, ci)
+    h0 = torch.randn(seg.n_segments, 16, 128, 128, device="cuda")
+    h_ref, ht_ref = fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=True, cu_seqlens=cu, chunk_size=BT)
+    h, ht = fla.chunk_fwd_h_packed(k, v, g_cs, h0, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT, chunk_size=BT,
+                                   output_final_state=True)
+    assert torch.equal(h, h_ref) and torch.equal(ht, ht_ref)
+    dht = torch.randn_like(h0)
+    dh_ref, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht, scale=0.1, gk=g_cs, cu_seqlens=cu,
+                                 chunk_size=BT, states_in_fp32=True)
+    dh = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, scale=0.1, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
+                                 chunk_size=BT)
+    assert torch.equal(dh, dh_ref)
+    shifted = co.clone()
+    shifted[1:-1] += 1  # every document's states written one chunk late
+    h_bad, _ = fla.chunk_fwd_h_packed(k, v, g_cs, h0, cu_seqlens=cu, chunk_offsets=shifted, n_chunks=NT,
+                                      chunk_size=BT, output_final_state=True)
+    assert not torch.equal(h_bad, h_ref)
+
+
+def test_fused_packed_operator_makes_no_host_sync():
+    """A slice where documents start, planned once: forward + backward capture in a CUDA graph (a read
+    back to the host would fail the capture), and the replay gives the eager result."""
+    from lingua_zeco.sp.fused_zeco import fused_zeco_apply
+    from lingua_zeco.sp.varlen import local_segments
+    from lingua_zeco.sp.virtual_ranks import middle_rank_scan
+    q, k, v, g, do = _inputs(8192)
+    seg = local_segments([0, 8192 + 1000, 8192 + 5096, 16384], 1, 8192, "cuda")
+    S_in = torch.randn(1, 16, 128, 128, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
+
+    def step():
+        o = fused_zeco_apply(*leaves, 128 ** -0.5, middle_rank_scan(S_in, 0.1 * S_in), seg)
+        return (o, *torch.autograd.grad(o, leaves, do))
+
+    side = torch.cuda.Stream()  # warm-up on a side stream, then capture, as torch asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(captured, eager):  # (atomics may reorder sums: not bitwise)
+        assert _rel(a, b) < 1e-3
 
 
 def test_side_stream_scan_is_waited_for():

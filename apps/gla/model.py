@@ -20,6 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from apps.gla.attention_gla import GatedLinearAttention
 from apps.gla.gated_deltanet import GatedDeltaNet
 from apps.gla.layers import GLAArgs, RMSNorm, acc_dtype, fla_modules
+from lingua_zeco.comm import group_rank_size
+from lingua_zeco.sp.varlen import as_packing
 
 AC_MODES = ("none", "full", "selective")
 ATTENTION = {"gla": GatedLinearAttention, "simple_gla": GatedLinearAttention, "gated_deltanet": GatedDeltaNet}
@@ -81,11 +83,15 @@ class GLAModel(nn.Module):
         self.embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(GLABlock(args, sp_group, sp_method, sp_scan) for _ in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
+        self.sp_group = sp_group
 
     def forward(self, input_ids, cu_seqlens=None):
+        # packed documents planned once for every layer (no host sync inside the layers)
+        rank, P = group_rank_size(self.sp_group)
+        packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=input_ids.shape[1], device=input_ids.device)
         h = self.embeddings(input_ids)
         for layer in self.layers:
-            h = layer(h, cu_seqlens)
+            h = layer(h, packing)
         return self.norm(h)
 
 

@@ -101,8 +101,9 @@ def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
     td = time.perf_counter()  # host-side wait only: no device sync inside the step
     batches = [next(data) for _ in range(args.grad_acc_steps)]
     data_wait = time.perf_counter() - td
-    batches = [{k: _to_device(b[k], env.device) for k in ("input_ids", "labels", "cu_seqlens") if k in b}
-               for b in batches]
+    # cu_seqlens stay on the host: the model plans the packed documents from them once per micro-batch
+    batches = [{k: _to_device(b[k], env.device) if k != "cu_seqlens" else b[k]
+                for k in ("input_ids", "labels", "cu_seqlens") if k in b} for b in batches]
     n_global = torch.stack([(b["labels"] != IGNORE_INDEX).sum() for b in batches]).sum().to(torch.float64)
     dist.all_reduce(n_global)  # one scalar per step, on the device (no host sync)
     # FSDP's reduce-scatter (and allreduce_grads) average over the world (dp x sp ranks): x world

@@ -7,6 +7,9 @@ with cu_seqlens); gates kept as the chunk-local base-2 cumsum g_cs; every stage 
 """
 from __future__ import annotations
 
+import torch
+import triton
+
 # ---- forward
 # h_n = the state entering chunk n from h0 (None: zero), and the final state(s) if asked
 from fla.ops.common.chunk_h import chunk_fwd_h
@@ -27,13 +30,50 @@ from fla.ops.gla.chunk import chunk_gla_bwd_dv
 from fla.ops.gla.chunk import chunk_gla_bwd_dqkg
 from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
+# ---- the kernels behind chunk_fwd_h / chunk_bwd_dh, launched directly for packed documents
+from fla.ops.common.chunk_h import chunk_bwd_kernel_dh, chunk_fwd_kernel_h
 
 
-def gate_cumsum(g, BT: int, cu_seqlens=None):
+def gate_cumsum(g, BT: int, cu_seqlens=None, chunk_indices=None):
     """g_cs: the cumsum of the log gates inside each chunk (per document with cu_seqlens), in base 2
     (× log2 e), fp32: fla's first stage."""
-    return chunk_local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu_seqlens)
+    return chunk_local_cumsum(g, BT, scale=RCP_LN2, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
 
 
-__all__ = ["chunk_bwd_dh", "chunk_fwd_h", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg",
+# Packed documents: fla's chunk_fwd_h / chunk_bwd_dh size h and dh with `chunk_offsets[-1].item()`, a
+# host sync in every call. With the chunk table planned once per step on the host
+# (lingua_zeco.sp.varlen.LocalSegments.chunk_index) the same kernels are launched as fla's wrappers
+# launch them (GLA: per-key gates gk only, states [K, V]), without the sync.
+def _state_grid(K, V, N, H):
+    return lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
+
+
+def chunk_fwd_h_packed(k, v, gk, h0, *, cu_seqlens, chunk_offsets, n_chunks: int, chunk_size: int,
+                       output_final_state: bool, states_in_fp32: bool = False):
+    """= chunk_fwd_h(k=k, v=v, gk=gk, h0=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size, ...)."""
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    N = cu_seqlens.numel() - 1
+    h = k.new_empty(B, n_chunks, H, K, V, dtype=torch.float if states_in_fp32 else k.dtype)
+    ht = k.new_empty(N, H, K, V, dtype=torch.float) if output_final_state else None
+    chunk_fwd_kernel_h[_state_grid(K, V, N, H)](
+        k=k, v=v, h=h, g=None, g_gamma=None, gk=gk, gv=None, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
+        split_offsets=chunk_offsets, T=T, H=H, K=K, V=V, BT=chunk_size, BS=chunk_size, USE_G=False,
+        USE_G_GAMMA=False, USE_GK=True, USE_GV=False, STATE_V_FIRST=False)
+    return h, ht
+
+
+def chunk_bwd_dh_packed(q, k, v, do, dht, gk, *, scale, cu_seqlens, chunk_offsets, n_chunks: int, chunk_size: int):
+    """= chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht, scale=scale, gk=gk, cu_seqlens=cu_seqlens,
+    chunk_size=chunk_size, states_in_fp32=True)[0]: dh [B, NT, H, K, V] in fp32."""
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    N = cu_seqlens.numel() - 1
+    dh = k.new_empty(B, n_chunks, H, K, V, dtype=torch.float)
+    chunk_bwd_kernel_dh[_state_grid(K, V, N, H)](
+        q=q, g=None, g_gamma=None, gk=gk, gv=None, do=do, dh=dh, dht=dht, dh0=None, cu_seqlens=cu_seqlens,
+        split_offsets=chunk_offsets, scale=scale, T=T, HQ=H, H=H, K=K, V=V, BT=chunk_size, BS=chunk_size, NG=1,
+        USE_G=False, USE_G_GAMMA=False, USE_GK=True, USE_GV=False, STATE_V_FIRST=False)
+    return dh
+
+
+__all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg",
            "chunk_gla_bwd_dv", "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "gate_cumsum"]

@@ -18,28 +18,32 @@ from .delta import sp_gated_delta  # noqa: F401  (Gated DeltaNet: lingua_zeco/sp
 from .lasp1 import lasp1
 from .reference import scan_then_correct
 from .validate import METHODS, check_across_ranks, check_local
-from .varlen import local_segments
+from .varlen import Packing, as_packing, local_segments, pack
 
 
 def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
            backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None):
-    """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V]."""
+    """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V].
+    cu_seqlens: None (one sequence), the boundaries of the whole packed sequence (a tensor or ints, the
+    same on every rank; planned on every call), or the step's `Packing` from `pack` (planned once)."""
     rank, P = group_rank_size(group)
-    check_local(q, k, v, g, method, cu_seqlens, P)
-    check_across_ranks(q, v, g, cu_seqlens, group, P)
+    packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
+    check_local(q, k, v, g, method, packing, P)
+    check_across_ranks(q, v, g, packing, group, P)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = kernels.pick_backend(q.device, backend)
     if P == 1:  # nothing to exchange: every method is plain GLA
-        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens, backend=name)[0]
-    seg = local_segments(cu_seqlens, rank, q.shape[1], q.device)
+        cu = None if packing is None else packing.cu_seqlens
+        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=name)[0]
+    seg = local_segments(None, rank, q.shape[1], q.device) if packing is None else packing.seg
     scan = scan or AllScanArgs()
     if method == "lasp1":
         return lasp1(kernels.chunk_gla, q, k, v, g, scale=scale, group=group, seg=seg, backend=name)
     if method == "local":  # diagnostic: no state passing at all (wrong on purpose; never a default)
         return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
-    # packed documents stay on the composed path until the fused packed operator (sp/fused_packed.py)
-    # has passed its GPU test (tests/test_gpu_sp.py::test_fused_packed_documents_on_virtual_ranks)
-    if method in ("zeco", "lasp2") and fused and name == "fla" and seg.carries:
+    # fla's stages reordered around the exchange: dense slices and slices inside one document take
+    # fused_zeco's operator, slices where a document starts fused_packed's
+    if method in ("zeco", "lasp2") and fused and name == "fla":
         from .fused_zeco import fused_lasp2_gla, fused_zeco_gla  # imports fla's stages
         if method == "lasp2":
             return fused_lasp2_gla(q, k, v, g, scale=scale, group=group, seg=seg)
@@ -57,12 +61,15 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
     CUDA); P > 1 runs sp_gla on the broadcast gate (a [B, T, H, K] view; dg sums over K by autograd)."""
     if g.dim() != 3 or g.shape != q.shape[:3]:
         raise ValueError(f"sp_simple_gla: g must be [B, T_local, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
-    if group_rank_size(group)[1] == 1:
-        check_local(q, k, v, g[..., None].expand_as(q), method, cu_seqlens, 1)
+    rank, P = group_rank_size(group)
+    if P == 1:
+        packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
+        check_local(q, k, v, g[..., None].expand_as(q), method, packing, 1)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        return kernels.chunk_simple_gla(q, k, v, g, scale=scale, cu_seqlens=cu_seqlens, backend=backend)[0]
+        cu = None if packing is None else packing.cu_seqlens
+        return kernels.chunk_simple_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=backend)[0]
     return sp_gla(q, k, v, g[..., None].expand_as(q), group=group, method=method, scale=scale,
                   cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan)
 
 
-__all__ = ["METHODS", "sp_gla", "sp_simple_gla"]
+__all__ = ["METHODS", "Packing", "pack", "sp_gla", "sp_simple_gla"]

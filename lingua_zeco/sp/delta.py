@@ -45,7 +45,7 @@ from lingua_zeco.kernels.delta import check_shapes, chunk_gated_delta, l2norm
 from .lasp1 import lasp1
 from .state_passing import ScanFn
 from .validate import check_across_ranks, check_local
-from .varlen import LocalSegments, local_segments
+from .varlen import LocalSegments, as_packing, local_segments
 
 
 def _widened_pass(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, *, scale, seg: LocalSegments, backend):
@@ -80,17 +80,19 @@ def sp_gated_delta(q, k, v, g, beta, *, group=None, method: str = "zeco", scale:
     check_shapes(q, k, v, g, beta, "sp_gated_delta")
     rank, P = group_rank_size(group)
     g_wide = g[..., None].expand_as(q)  # the shared checks know GLA's per-key gate shape
-    check_local(q, k, v, g_wide, method, cu_seqlens, P)
+    packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
+    check_local(q, k, v, g_wide, method, packing, P)
     if beta.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"sp_gated_delta: beta must be floating, got {beta.dtype}")
-    check_across_ranks(q, v, g_wide, cu_seqlens, group, P)
+    check_across_ranks(q, v, g_wide, packing, group, P)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     name = kernels.pick_backend(q.device, backend)
     if P == 1:
-        return chunk_gated_delta(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, backend=name)[0]
-    seg = local_segments(cu_seqlens, rank, q.shape[1], q.device)
+        cu = None if packing is None else packing.cu_seqlens
+        return chunk_gated_delta(q, k, v, g, beta, scale=scale, cu_seqlens=cu, backend=name)[0]
+    seg = local_segments(None, rank, q.shape[1], q.device) if packing is None else packing.seg
     if method == "local":  # diagnostic: every rank alone, S_in dropped (wrong on purpose)
         return chunk_gated_delta(q, k, v, g, beta, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
     if method == "lasp1":  # serial hand-over: no M needed, the slice simply runs from the received state

@@ -4,7 +4,8 @@ Rules (DESIGN §3, packed documents): a document starting inside the slice reset
 slice's outgoing state is its last document's final state alone (b_end = 0, the scan pair is
 (0, S_last)), and the incoming state S_in reaches only the prefix [0, t0) that continues the previous
 rank's document (t0 = seg.first_end, 0 when a document starts at the slice's first token).
-The prefix is fla's first varlen segment, so its chunks are aligned as in the dense layout and the
+The boundaries and fla's chunk tables come planned from the host once per step (sp/varlen.py), so
+no stage here syncs with the host. The prefix is fla's first varlen segment, so its chunks are aligned as in the dense layout and the
 dense ZeCO stages apply to it unchanged (prefix views of a B = 1 tensor are contiguous).
 
 Forward:  g_cs, h (zero initial states), S_last → scan starts; A and fla's output stage for the whole
@@ -24,21 +25,26 @@ from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw
 
 
 class FusedPackedZeCOGLA(torch.autograd.Function):
-    """As FusedZeCOGLA (fused_zeco.py, shapes as there), with fla's varlen stages; cu = the slice's
-    local document boundaries, t0 = the end of the prefix that continues the previous rank's document."""
+    """As FusedZeCOGLA (fused_zeco.py, shapes as there), with fla's varlen stages; seg = the slice's
+    LocalSegments, planned once per step (its boundaries and fla's chunk tables are already on the
+    GPU: nothing here reads the GPU back), seg.first_end = t0 = the end of the prefix that continues
+    the previous rank's document."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn, cu, t0):
+    def forward(ctx, q, k, v, g, scale, scan_fn, seg):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
-        g_cs_BTHK = fla.gate_cumsum(g, BT, cu)
-        h_BNHKV, ht_NHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, cu_seqlens=cu,
-                                           chunk_size=BT)
+        cu, t0 = seg.cu_seqlens, seg.first_end
+        ci, co, NT = seg.chunk_index(BT)
+        g_cs_BTHK = fla.gate_cumsum(g, BT, cu, ci)
+        h_BNHKV, ht_NHKV = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, None, cu_seqlens=cu, chunk_offsets=co,
+                                                  n_chunks=NT, chunk_size=BT, output_final_state=True)
         b_end_BHK = ht_NHKV.new_zeros(ht_NHKV[-1:].shape[:-1])  # a document starts here: S_in stops
         work = scan_fn(ht_NHKV[-1:].contiguous(), b_end_BHK, False)
-        A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, cu_seqlens=cu, chunk_size=BT)
+        A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, cu_seqlens=cu, chunk_size=BT,
+                                            chunk_indices=ci)
         o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs_BTHK, A=A_BTHC, h=h_BNHKV, scale=scale, cu_seqlens=cu,
-                                   chunk_size=BT)
+                                   chunk_size=BT, chunk_indices=ci)
         S_in_BHKV = work.wait()
         Gx0_BNHK = None
         if t0 > 0:  # the prefix again, now with S_in folded into its chunk states
@@ -46,14 +52,16 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
             Gx0_BNHK, _ = chunk_decay_prefix(g_cs_BTHK[:, :t0], BT)
             o[:, :t0] = zeco_fwd_o(q[:, :t0], v[:, :t0], g_cs_BTHK[:, :t0], A_BTHC[:, :t0], h_BNHKV[:, :n0],
                                    S_in_BHKV.to(h_BNHKV.dtype), Gx0_BNHK, scale, BT)
-        ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu)
-        ctx.scale, ctx.scan_fn, ctx.BT, ctx.t0 = scale, scan_fn, BT, t0
+        ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK)
+        ctx.scale, ctx.scan_fn, ctx.BT, ctx.seg = scale, scan_fn, BT, seg
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK, cu = ctx.saved_tensors
-        scale, BT, t0 = ctx.scale, ctx.BT, ctx.t0
+        q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK = ctx.saved_tensors
+        scale, BT, seg = ctx.scale, ctx.BT, ctx.seg
+        cu, t0 = seg.cu_seqlens, seg.first_end
+        ci, co, NT = seg.chunk_index(BT)
         do = do.contiguous()
         if t0 > 0:  # D of the prefix first, so that the reverse scan starts early
             g0 = g[:, :t0]
@@ -62,21 +70,23 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
         else:
             D_BHKV = torch.zeros_like(S_in_BHKV)
         work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
-        g_cs_BTHK = fla.gate_cumsum(g, BT, cu)
-        N = cu.numel() - 1
+        g_cs_BTHK = fla.gate_cumsum(g, BT, cu, ci)
+        N = seg.n_segments
         h0_NHKV = S_in_BHKV.new_zeros(N, *S_in_BHKV.shape[1:])
         if t0 > 0:
             h0_NHKV[0] = S_in_BHKV[0]
-        h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=h0_NHKV, output_final_state=False, cu_seqlens=cu,
-                                     chunk_size=BT, states_in_fp32=True)
-        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT)
-        dq, dk = fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs_BTHK, dA=dA_BTHC, cu_seqlens=cu, chunk_size=BT)
+        h_BNHKV, _ = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, h0_NHKV, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
+                                            chunk_size=BT, output_final_state=False, states_in_fp32=True)
+        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+        dq, dk = fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs_BTHK, dA=dA_BTHC, cu_seqlens=cu, chunk_size=BT,
+                                             chunk_indices=ci)
         G_BHKV = work.wait()
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]
-        dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht_NHKV, scale=scale, gk=g_cs_BTHK,
-                                       cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
-        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, cu_seqlens=cu, chunk_size=BT)
+        dh_BNHKV = fla.chunk_bwd_dh_packed(q, k, v, do, dht_NHKV, g_cs_BTHK, scale=scale, cu_seqlens=cu,
+                                           chunk_offsets=co, n_chunks=NT, chunk_size=BT)
+        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, cu_seqlens=cu, chunk_size=BT,
+                                  chunk_indices=ci)
         dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
-                                            scale=scale, cu_seqlens=cu, chunk_size=BT)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None, None
+                                            scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None

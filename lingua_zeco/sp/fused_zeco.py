@@ -105,4 +105,4 @@ def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg):
     """The fused operator for this slice: dense (also a slice inside one packed document) or packed."""
     if seg.carries:
         return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn)
-    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg.cu_seqlens, seg.first_end)
+    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg)

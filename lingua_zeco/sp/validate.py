@@ -18,7 +18,8 @@ _calls = {"n": 0}
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 
-def check_local(q, k, v, g, method, cu_seqlens, P):
+def check_local(q, k, v, g, method, packing, P):
+    """packing: None or the step's lingua_zeco.sp.varlen.Packing (its boundaries were checked when planned)."""
     if method not in METHODS:
         raise ValueError(f"sp_gla: method must be one of {METHODS}, got {method!r}")
     if method == "none" and P > 1:
@@ -32,28 +33,23 @@ def check_local(q, k, v, g, method, cu_seqlens, P):
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES or g.dtype not in _DTYPES:
         raise ValueError(f"sp_gla: q, k, v need one floating dtype and g a floating dtype; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}, g {g.dtype}")
-    if cu_seqlens is not None:
+    if packing is not None:
         if q.shape[0] != 1:
             raise ValueError(f"sp_gla: cu_seqlens needs B = 1 (pack the documents into one sequence); got B = {q.shape[0]}")
-        cu = cu_seqlens.tolist()
-        total = P * q.shape[1]
-        if cu_seqlens.dim() != 1 or cu[0] != 0 or cu[-1] != total or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(f"sp_gla: cu_seqlens must be the non-decreasing boundaries of the whole packed sequence, "
-                             f"from 0 to P·T_local = {total}; got {cu[:4]}...{cu[-2:]}")
 
 
-def _signature(q, v, g, cu_seqlens) -> list[int]:
+def _signature(q, v, g, packing) -> list[int]:
     B, T, H, K = q.shape
-    cu = 0 if cu_seqlens is None else hash(tuple(cu_seqlens.tolist())) % (1 << 31)
+    cu = 0 if packing is None else hash(packing.boundaries) % (1 << 31)
     return [B, T, H, K, v.shape[-1], _DTYPES.index(q.dtype), _DTYPES.index(g.dtype), cu]
 
 
-def check_across_ranks(q, v, g, cu_seqlens, group, P):
+def check_across_ranks(q, v, g, packing, group, P):
     _calls["n"] += 1
     if P == 1 or (_calls["n"] > CROSS_CHECK_CALLS and os.environ.get("LINGUA_ZECO_SP_CHECK") != "1"):
         return
     device = q.device if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    mine = torch.tensor(_signature(q, v, g, cu_seqlens), dtype=torch.long, device=device)
+    mine = torch.tensor(_signature(q, v, g, packing), dtype=torch.long, device=device)
     every = [torch.empty_like(mine) for _ in range(P)]
     dist.all_gather(every, mine, group=group)
     rows = [t.tolist() for t in every]

@@ -10,7 +10,8 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
   fla_chunk_gla_h0   fla's chunk_gla from S_in with final-state gradient G (what LASP-1 computes)
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco)
   fla_chunk_gla_packed, zeco_fused_packed: the same on packed documents of `doc_len` tokens, the slice
-                     starting mid-document (eager only; `packed_vs_dense_pct` against zeco_fused)
+                     starting mid-document (`packed_vs_dense_pct` against zeco_fused; fla's varlen
+                     chunk_gla reads sizes back to the host and is timed eagerly only)
 Each is timed eagerly (the host enqueue time of a call, perf_counter without a sync, is reported
 too) and replayed from a CUDA graph (GPU time alone, no host in the way). `extra_pct` is the
 eager zeco_fused against fla_chunk_gla; `graph_extra_pct` the same from the graphs.
@@ -70,11 +71,11 @@ def packed_variants(q, k, v, g, do, scale, doc_len):
     from fla.ops.gla import chunk_gla
 
     from lingua_zeco.sp.fused_zeco import fused_zeco_apply
-    from lingua_zeco.sp.varlen import LocalSegments
+    from lingua_zeco.sp.varlen import local_segments
     T, first = q.shape[1], doc_len // 2
-    bounds = [0, *range(first, T, doc_len), T]
-    cu = torch.tensor(bounds, device=q.device)
-    seg = LocalSegments(cu, first, len(bounds) - 1)
+    # rank 1 of 2 of a sequence of documents that start at doc_len/2 + i·doc_len (global coordinates)
+    seg = local_segments([0, *range(T + first, 2 * T, doc_len), 2 * T], 1, T, q.device)
+    cu = seg.cu_seqlens
     S_in, G = middle_rank_state(q, v)
     leaves = (q, k, v, g)
 
@@ -97,18 +98,23 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
         row[f"{name}_host_ms"] = round(statistics.median(host_ms), 4)
     row["extra_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_ms"] - 1), 2)
     row["extra_vs_h0_pct"] = round(100 * (row["zeco_fused_ms"] / row["fla_chunk_gla_h0_ms"] - 1), 2)
-    if packed:  # eager only: fla's varlen stages read sizes back to the host (no graph capture)
+    if packed:
         row["packed_vs_dense_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["zeco_fused_ms"] - 1), 2)
         row["packed_extra_pct"] = round(100 * (row["zeco_fused_packed_ms"] / row["fla_chunk_gla_packed_ms"] - 1), 2)
     if args.graphs:
         try:
             graphed = {n: cuda_graph(fn) for n, fn in fns.items()}
+            if packed:  # planned on the host, it captures (a host sync inside would fail here)
+                graphed["zeco_fused_packed"] = cuda_graph(packed["zeco_fused_packed"])
         except Exception as e:  # report, keep the eager numbers
             row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
         else:
             for name, (gpu_ms, _) in time_interleaved(graphed, args.warmup, args.iters).items():
                 row[f"{name}_graph_ms"] = round(statistics.median(gpu_ms), 4)
             row["graph_extra_pct"] = round(100 * (row["zeco_fused_graph_ms"] / row["fla_chunk_gla_graph_ms"] - 1), 2)
+            if packed:
+                row["graph_packed_vs_dense_pct"] = round(
+                    100 * (row["zeco_fused_packed_graph_ms"] / row["zeco_fused_graph_ms"] - 1), 2)
             del graphed
     return row
 
