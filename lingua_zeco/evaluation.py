@@ -160,7 +160,7 @@ def evaluate(model, data: DataArgs, ev: EvalArgs, *, device, dp_rank: int = 0, d
                                     cu_seqlens=cu)  # host boundaries: the model plans them once
                 totals += torch.stack([loss.detach().double(), n.double()])
                 if by_pos:
-                    by_pos.add(*tokens.take(), offset=offset)
+                    by_pos.add(*tokens.take(), offset=offset, cu_seqlens=cu)
     finally:
         loader.close()
         model.train(was_training)

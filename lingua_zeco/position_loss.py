@@ -1,4 +1,6 @@
-"""Validation loss by token position: power-of-two buckets of the global position in the sequence.
+"""Validation loss by token position: power-of-two buckets of the global position in the sequence, or,
+with packed documents, of the position inside the token's document (the model's state restarts at
+every document start, so that is the context the token was predicted from).
 
 Bucket b holds positions [0, 1) for b = 0 and [2^(b-1), 2^b) for b >= 1, the last one cut at the
 context N = sp_size · seq_len: bit_length(N - 1) + 1 buckets. SP rank p holds positions
@@ -38,12 +40,18 @@ class PositionLoss:
         self.context = context
         self.sums_3B = torch.zeros(3, n_buckets(context), dtype=torch.float64, device=device)
 
-    def add(self, loss_N: torch.Tensor, hit_N: torch.Tensor, mask_BT: torch.Tensor, offset: int) -> None:
-        """One batch of this rank: loss_N / hit_N of the tokens where mask_BT is set (row-major)."""
+    def add(self, loss_N: torch.Tensor, hit_N: torch.Tensor, mask_BT: torch.Tensor, offset: int,
+            cu_seqlens: torch.Tensor | None = None) -> None:
+        """One batch of this rank: loss_N / hit_N of the tokens where mask_BT is set (row-major).
+        cu_seqlens: the packed documents' global boundaries (B = 1): positions count from each
+        token's document start."""
         T_local = mask_BT.shape[-1]
         if offset + T_local > self.context:
             raise ValueError(f"positions [{offset}, {offset + T_local}) run past the context {self.context}")
         pos_BT = offset + torch.arange(T_local, device=mask_BT.device).expand_as(mask_BT)
+        if cu_seqlens is not None:
+            starts = cu_seqlens.to(device=mask_BT.device, dtype=torch.long)
+            pos_BT = pos_BT - starts[torch.searchsorted(starts, pos_BT, right=True) - 1]
         b_N = bucket_of(pos_BT[mask_BT])
         self.sums_3B[0].index_add_(0, b_N, loss_N.to(torch.float64))
         self.sums_3B[1].index_add_(0, b_N, torch.ones_like(loss_N, dtype=torch.float64))

@@ -238,6 +238,13 @@ def test_position_buckets():
     assert acc.metrics() == {"val_context": 16, "val_pos8_loss": 3.0, "val_pos8_tokens": 7}
     with pytest.raises(ValueError, match="past the context"):
         acc.add(torch.zeros(8), torch.ones(8, dtype=torch.bool), torch.ones(1, 8, dtype=torch.bool), offset=12)
+    # packed documents [0, 3), [3, 3), [3, 11), [11, 16): positions 8..15 are 5, 6, 7, 0, 1, 2, 3, 4 in their documents
+    docs = PositionLoss(16, "cpu")
+    docs.add(torch.arange(8.0), torch.ones(8, dtype=torch.bool), torch.ones(1, 8, dtype=torch.bool), offset=8,
+             cu_seqlens=torch.tensor([0, 3, 3, 11, 16]))
+    assert docs.metrics() == {"val_context": 16, "val_pos0_loss": 3.0, "val_pos0_tokens": 1, "val_pos1_loss": 4.0,
+                              "val_pos1_tokens": 1, "val_pos2_loss": 5.5, "val_pos2_tokens": 2, "val_pos4_loss": 2.5,
+                              "val_pos4_tokens": 4}
 
 
 @pytest.fixture(scope="module")

@@ -73,7 +73,7 @@ def _set_rng_state(state: dict) -> None:
 
 def build_model(args: TrainArgs, env: D.DistEnv) -> GLAForCausalLM:
     model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method,
-                           sp_scan=args.distributed.all_scan)
+                           sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
     model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
     model.to(env.device)
     if args.distributed.fsdp:
@@ -221,7 +221,7 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     env.dims.world, env.dims.dp_replicate, env.dims.dp_shard, env.dims.sp, env.sp_method,
                     n["total"] / 1e6, step)
 
-    fpt = flops_per_token(args.model)
+    fpt = flops_per_token(args.model, context=env.dims.sp * args.data.seq_len)  # softmax layers see the whole sequence
     peak = peak_flops(env.device, args.logging.peak_flops)
     timer = StepTimer(env.device)
     data_wait_window = 0.0
@@ -268,10 +268,10 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     metrics.log(record)
                     if env.is_master:
                         eta = (time.perf_counter() - t_loop) / max(step - start_step, 1) * (args.steps - step)
-                        logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu mfu %.1f%% eta %s",
+                        mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""  # unknown peak: none
+                        logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu%s eta %s",
                                     step, args.steps, loss, record["lr"], record["grad_norm"],
-                                    record["tok_per_s_per_gpu"], 100 * record.get("mfu", 0.0),
-                                    time.strftime("%H:%M:%S", time.gmtime(eta)))
+                                    record["tok_per_s_per_gpu"], mfu, time.strftime("%H:%M:%S", time.gmtime(eta)))
 
                 if E.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
                     metrics.log({"step": step, **E.evaluate(model, args.data, args.eval, device=env.device, autocast=autocast,
