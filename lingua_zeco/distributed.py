@@ -23,12 +23,16 @@ logger = logging.getLogger(__name__)
 SP_METHODS = ("zeco", "lasp1", "lasp2", "none")
 # "local" drops the state from earlier ranks (wrong on purpose): tests use it to show they can fail.
 DIAGNOSTIC_METHODS = ("local",)
+SOFTMAX_SP = ("allgather", "ring")  # the softmax layers of hybrids (model.softmax_layers)
 
 
 @dataclass
 class DistributedArgs:
     sp_size: int | str = 1  # ranks per sequence-parallel group; "auto" = every rank left after dp
     sp_method: str = "zeco"  # zeco | lasp1 | lasp2 | none (none only with sp_size 1)
+    # hybrids' softmax layers: allgather (every rank gathers the keys/values before it) | ring (blocks
+    # travel rank to rank, partial results merged by log-sum-exp); passed to the model as softmax_sp
+    softmax_sp: str = "allgather"
     dp_shard: int = -1  # FSDP shard degree; -1 = whatever is left of the world
     dp_replicate: int = 1  # HSDP replicas (full copies of the sharded model)
     fsdp: bool = True  # False: replicate parameters and all-reduce gradients (debugging)
@@ -56,6 +60,8 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
         logger.warning("distributed.sp_method=%s is a diagnostic that gives WRONG results", args.sp_method)
     elif args.sp_method not in SP_METHODS:
         raise ValueError(f"distributed.sp_method={args.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
+    if args.softmax_sp not in SOFTMAX_SP:
+        raise ValueError(f"distributed.softmax_sp={args.softmax_sp!r}; choose one of {', '.join(SOFTMAX_SP)}")
     if args.dp_replicate < 1 or world % args.dp_replicate:
         raise ValueError(f"distributed.dp_replicate={args.dp_replicate} does not divide the world size {world}")
     if args.sp_size == "auto":

@@ -7,18 +7,26 @@ import pytest
 import torch
 
 from apps.gla.generate import forward_with_state, generate, sample_next
+from apps.gla.attention_softmax import SoftmaxAttention
 from apps.gla.model import GLAArgs, GLAForCausalLM
 
 TINY = GLAArgs(dim=64, n_layers=2, n_heads=4, ffn_hidden=128, vocab_size=97)
 
 
+# hybrids: GLA with softmax attention at layer 1 (a KV cache), full causal or a sliding window of 5
+HYBRIDS = {"hybrid": dict(softmax_layers=[1]), "hybrid_window": dict(softmax_layers=[1], softmax_window=5)}
+
+
 def _model(seed=0, variant="gla"):
-    m = GLAForCausalLM(dataclasses.replace(TINY, attn_variant=variant))
+    kw = HYBRIDS.get(variant, {"attn_variant": variant})
+    m = GLAForCausalLM(dataclasses.replace(TINY, **kw))
     m.init_weights(seed)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():  # slower decay than the init's, so old tokens matter
         for layer in m.model.layers:
-            if variant == "gla":
+            if isinstance(layer.attn, SoftmaxAttention):
+                continue  # no gate
+            if variant in ("gla", *HYBRIDS):
                 layer.attn.gk_proj[1].bias.normal_(0, 2.0, generator=gen)
             elif variant == "simple_gla":
                 layer.attn.gk_proj.bias.normal_(0, 2.0, generator=gen)
@@ -27,7 +35,7 @@ def _model(seed=0, variant="gla"):
     return m.eval()
 
 
-VARIANTS = ["gla", "simple_gla", "gated_deltanet"]
+VARIANTS = ["gla", "simple_gla", "gated_deltanet", *HYBRIDS]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -66,7 +66,8 @@ def load_model(cfg: TrainArgs, ckpt: str, device: torch.device, sp_group=None,
                sp_method: str = "none") -> tuple[GLAForCausalLM, str]:
     """An unsharded fp32 model (torch kernels on CPU, fla on CUDA) with the checkpoint's weights;
     with an SP group, its attention runs sequence-parallel like the run's training."""
-    model = GLAForCausalLM(cfg.model, sp_group=sp_group, sp_method=sp_method, sp_scan=cfg.distributed.all_scan)
+    model = GLAForCausalLM(cfg.model, sp_group=sp_group, sp_method=sp_method, sp_scan=cfg.distributed.all_scan,
+                           softmax_sp=cfg.distributed.softmax_sp)
     path = CheckpointManager(CheckpointArgs(), cfg.dump_dir).load_model_only(ckpt, model)
     return model.to(device).eval(), path
 
@@ -74,7 +75,8 @@ def load_model(cfg: TrainArgs, ckpt: str, device: torch.device, sp_group=None,
 def mesh_args(cfg: TrainArgs, sp_size: int) -> D.DistributedArgs:
     """The run's SP layout (size, method, All-Scan) with plain data parallelism over the other ranks."""
     method = cfg.distributed.sp_method if cfg.distributed.sp_method != "none" else "zeco"  # any sp_size
-    return D.DistributedArgs(sp_size=sp_size or cfg.distributed.sp_size, sp_method=method, fsdp=False,
+    return D.DistributedArgs(sp_size=sp_size or cfg.distributed.sp_size, sp_method=method,
+                             softmax_sp=cfg.distributed.softmax_sp, fsdp=False,
                              timeout_s=cfg.distributed.timeout_s, all_scan=cfg.distributed.all_scan)
 
 

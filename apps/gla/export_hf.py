@@ -21,6 +21,10 @@ needed) and lingua_zeco.json (our model args and tokenizer, for load_export). Pe
 * simple_gla: fla has no simple-GLA model, so it is written as an exactly equivalent GLA: the per-head
   gate (dim -> n_heads) becomes GLA's low-rank gate (dim -> 16 -> key_dim) with each head's gate
   repeated over its key channels. Needs n_heads <= 16 (gate_low_rank_dim).
+Hybrids (model.softmax_layers) add fla's `attn` field: {layers, num_heads, num_kv_heads, qkv_bias: false,
+window_size, rope_theta}; fla builds fla.layers.attn.Attention there, with our parameter names
+(attn.{q,k,v,o}_proj) and RoPE. That layer needs flash-attn (CUDA): without it fla's model cannot even be
+built, so on CPU such a folder runs only through load_export / apps.gla.generate export=DIR.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from apps.gla.attention_softmax import softmax_layer_set
 from apps.gla.model import GLAArgs, GLAForCausalLM
 from lingua_zeco.args import ConfigError, build, parse_args
 
@@ -59,6 +64,10 @@ def fla_config(args: GLAArgs, tokenizer=None):
                   use_short_conv=False, hidden_act="swish", fuse_norm=True)
     if tokenizer is not None:
         common.update(bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id)
+    layers = sorted(softmax_layer_set(args))
+    if layers:  # fla's hybrid layout: standard attention at these layers, the native mixer elsewhere
+        common["attn"] = dict(layers=layers, num_heads=args.n_heads, num_kv_heads=args.n_heads, qkv_bias=False,
+                              window_size=args.softmax_window, rope_theta=float(args.rope_theta))
     if args.attn_variant == "gated_deltanet":
         from fla.models import GatedDeltaNetConfig
 
@@ -91,7 +100,7 @@ def fla_weights(model: GLAForCausalLM) -> tuple[GLAArgs, dict[str, torch.Tensor]
     if args.attn_variant != "simple_gla":
         return args, state
     H, K, r = args.n_heads, args.key_dim // args.n_heads, args.gate_low_rank_dim
-    for i in range(args.n_layers):
+    for i in sorted(set(range(args.n_layers)) - softmax_layer_set(args)):  # softmax layers have no gate
         pre = f"model.layers.{i}.attn.gk_proj."
         w, b = state.pop(pre + "weight"), state.pop(pre + "bias")  # [H, dim], [H]
         down = w.new_zeros(r, w.shape[1])

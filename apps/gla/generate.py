@@ -1,7 +1,10 @@
 """Sampling from a checkpoint (or an export_hf folder) with the model's recurrent state: the prompt is
 processed once (chunked kernel, fla on CUDA / torch elsewhere), then each new token costs one state
 update per layer, S [B, H, K, V] in fp32: GLA / simple GLA S <- diag(exp(g)) S + k v^T, Gated
-DeltaNet S <- exp(g) S + beta k (v - exp(g) S^T k)^T. The prefix is never re-encoded.
+DeltaNet S <- exp(g) S + beta k (v - exp(g) S^T k)^T. A hybrid's softmax layers (model.softmax_layers)
+keep a KV cache instead: the rotated keys and the values of the tokens seen so far (with
+model.softmax_window only the last window - 1), and the new tokens attend to it. The prefix is never
+re-encoded.
 
     python -m apps.gla.generate dump_dir=dumps/debug prompt="def main" max_tokens=200 temperature=0.8 top_p=0.9
     python -m apps.gla.generate export=exports/gla_1b prompt="Once"       # a folder from apps.gla.export_hf
@@ -37,8 +40,9 @@ class GenerateArgs:
 
 @torch.no_grad()
 def forward_with_state(model: GLAForCausalLM, input_ids, states=None):
-    """Logits [B, T, vocab] of `input_ids` continuing from `states` (one [B, H, K, V] per layer, or None).
-    Each attention layer (GLA, simple GLA, Gated DeltaNet) carries its own recurrent state."""
+    """Logits [B, T, vocab] of `input_ids` continuing from `states` (one per layer, or None). Each attention
+    layer carries its own state: GLA, simple GLA, Gated DeltaNet a recurrent [B, H, K, V]; a softmax layer
+    its KV cache (k, v, tokens seen)."""
     layers = model.model.layers
     states = list(states) if states is not None else [None] * len(layers)
     h = model.model.embeddings(input_ids)

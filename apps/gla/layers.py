@@ -5,7 +5,7 @@ Nothing here imports the model or a variant: model.py picks the variant, the var
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -36,6 +36,12 @@ class GLAArgs:
     # parameter / compute dtype off CUDA: fp32 | fp64 (exactness checks such as SP-size parity; the
     # norms and the loss compute in at least fp32, so fp64 stays fp64). CUDA runs keep fp32 + bf16 autocast.
     dtype: str = "fp32"
+    # Hybrid models (apps/gla/attention_softmax.py): these block indices (0-based) run causal softmax
+    # attention with RoPE instead of model.attn_variant, width dim and n_heads heads (fla's GLAConfig.attn)
+    softmax_layers: list[int] = field(default_factory=list)
+    softmax_window: int | None = None  # null: full causal; W: each query sees itself and the W-1 tokens before
+    softmax_backend: str = "auto"  # sdpa | xformers | auto (xformers for masked cases when it runs on this GPU)
+    rope_theta: float = 10000.0  # RoPE base of the softmax layers
 
     @property
     def key_dim(self) -> int:

@@ -8,7 +8,9 @@ On CUDA the norms, SwiGLU and the loss use fla's fused Triton modules; elsewhere
 plain torch. Each rank holds T_local tokens of one global sequence; the loss it returns is the *sum*
 over its tokens, with the token count, so the trainer can normalise by the global count.
 The block's attention is model.attn_variant's (ATTENTION): attention_gla.py, gated_deltanet.py;
-the arguments and the pieces they share are in layers.py.
+the arguments and the pieces they share are in layers.py. Hybrids: the blocks in model.softmax_layers
+run causal softmax attention with RoPE instead (attention_softmax.py, fla's GLAConfig.attn names),
+sequence-parallel by distributed.softmax_sp.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from apps.gla.attention_gla import GatedLinearAttention
+from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
 from apps.gla.layers import GLAArgs, RMSNorm, acc_dtype, fla_modules
 from lingua_zeco.comm import group_rank_size
@@ -45,12 +48,16 @@ class SwiGLU(nn.Module):
 
 
 class GLABlock(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None, layer_idx: int = 0,
+                 softmax_sp: str = "allgather"):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         if args.attn_variant not in ATTENTION:
             raise ValueError(f"model.attn_variant={args.attn_variant!r}; choose from {ATTN_VARIANTS}")
-        self.attn = ATTENTION[args.attn_variant](args, sp_group, sp_method, sp_scan)
+        if layer_idx in softmax_layer_set(args):
+            self.attn = SoftmaxAttention(args, sp_group, softmax_sp)
+        else:
+            self.attn = ATTENTION[args.attn_variant](args, sp_group, sp_method, sp_scan)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.mlp = SwiGLU(args.dim, args.ffn_dim, args.fused_kernels)
         if args.activation_checkpointing not in AC_MODES:
@@ -78,10 +85,13 @@ class GLABlock(nn.Module):
 
 
 class GLAModel(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None,
+                 softmax_sp: str = "allgather"):
         super().__init__()
+        softmax_layer_set(args)  # bad indices: one error before any block is built
         self.embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(GLABlock(args, sp_group, sp_method, sp_scan) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(GLABlock(args, sp_group, sp_method, sp_scan, i, softmax_sp)
+                                    for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.sp_group = sp_group
 
@@ -96,12 +106,15 @@ class GLAModel(nn.Module):
 
 
 class GLAForCausalLM(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
+    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None,
+                 softmax_sp: str = "allgather"):
+        """sp_method / sp_scan: the linear-attention layers' SP (distributed.sp_method, .all_scan);
+        softmax_sp: the softmax layers' (distributed.softmax_sp: allgather | ring)."""
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer fills 0 from the tokenizer)")
         self.args = args
-        self.model = GLAModel(args, sp_group, sp_method, sp_scan)
+        self.model = GLAModel(args, sp_group, sp_method, sp_scan, softmax_sp)
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
@@ -155,24 +168,43 @@ def count_params(args: GLAArgs) -> dict:
     gate = d * args.n_heads + args.n_heads if args.attn_variant == "simple_gla" else d * r + r * kd + kd
     if args.attn_variant == "gated_deltanet":  # a_proj, b_proj (dim -> n_heads), A_log, dt_bias
         gate = 2 * (d * args.n_heads + args.n_heads)
-    attn = d * kd * 2 + d * vd * 2 + vd * d + gate + vd // args.n_heads
-    layer = attn + 3 * d * f + 2 * d
-    body = args.n_layers * layer + d
+    linear = d * kd * 2 + d * vd * 2 + vd * d + gate + vd // args.n_heads
+    n_soft = len(softmax_layer_set(args))
+    attn = (args.n_layers - n_soft) * linear + n_soft * 4 * d * d  # softmax: q, k, v, o (dim x dim, no bias)
+    body = attn + args.n_layers * (3 * d * f + 2 * d) + d
     emb = args.vocab_size * d
     head = 0 if args.tie_embeddings else args.vocab_size * d
     return dict(total=body + emb + head, embedding=emb, head=head, non_embedding=body)
 
 
-def flops_per_token(args: GLAArgs) -> float:
-    """Training FLOPs per token (forward + backward = 3x forward), counted honestly for GLA:
+def visible_keys(context: int, window: int | None) -> float:
+    """Mean number of keys a query sees in causal attention over `context` tokens: (T + 1) / 2, or with a
+    sliding window W the mean of min(t, W) over t = 1..T."""
+    T, W = context, window if window is not None else context
+    W = min(W, T)
+    return (W * (W + 1) / 2 + (T - W) * W) / T
+
+
+def flops_per_token(args: GLAArgs, context: int | None = None) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), counted honestly:
 
     * 6 * N_non_embedding for the weight matmuls (embedding lookups cost nothing);
     * 6 * dim * vocab for the LM head (tied or not, it is a matmul);
-    * chunked GLA per layer, head and token (forward): the causal half of the intra-chunk
-      QK^T and AV blocks, C*(K+V), plus the state read q.S (2*K*V) and state update k^T v (2*K*V).
-    There is no quadratic softmax term: the cost is linear in the sequence length.
+    * chunked GLA per linear-attention layer, head and token (forward): the causal half of the
+      intra-chunk QK^T and AV blocks, C*(K+V), plus the state read q.S (2*K*V) and state update k^T v (2*K*V).
+      Linear in the sequence length: no quadratic term;
+    * softmax layers (model.softmax_layers), per layer and token (forward): QK^T and AV over the keys the
+      query sees, 2 * 2 * dim * visible_keys(context, window) (the causal half, the window when set).
+      This needs `context`, the tokens of one (global) training sequence, sp_size x seq_len; with packed
+      documents it is an upper bound (attention stops at document boundaries).
     """
     H = args.n_heads
     K, V = args.key_dim // H, args.value_dim // H
-    attn_fwd = args.n_layers * H * (args.chunk_size * (K + V) + 4 * K * V)
+    n_soft = len(softmax_layer_set(args))
+    attn_fwd = (args.n_layers - n_soft) * H * (args.chunk_size * (K + V) + 4 * K * V)
+    if n_soft:
+        if not context:
+            raise ValueError(f"flops_per_token: model.softmax_layers={list(args.softmax_layers)} cost depends on "
+                             f"the context; pass context=<tokens per sequence> (sp_size x seq_len)")
+        attn_fwd += n_soft * 4 * args.dim * visible_keys(context, args.softmax_window)
     return 6 * count_params(args)["non_embedding"] + 6 * args.dim * args.vocab_size + 3 * attn_fwd

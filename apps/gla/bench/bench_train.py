@@ -34,6 +34,8 @@ VARIANTS = {
     "ours": [],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
+    # GLA-1B as a hybrid (configs/gla_1b_hybrid.yaml): softmax attention at blocks 5, 11 and 17
+    "ours_hybrid": ["model.softmax_layers=[5,11,17]"],
     # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP
     "sp_zeco": ["distributed.sp_method=zeco"],  # the default: overlapped from 3 ranks on
     "sp_zeco_overlap": ["distributed.sp_method=zeco", "distributed.all_scan.overlap_min_ranks=2"],
@@ -179,8 +181,8 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     step, n_params, keep = build_fla(a, device) if name == "fla" else build_ours(name, a)
     times = steady_state_times(step, device, a.warmup, a.steps)
     s = summarize(times)
-    m = parse_args(train.TrainArgs, [f"config={a.config}", *a.overrides]).model
-    fpt = flops_per_token(m)
+    m = parse_args(train.TrainArgs, [f"config={a.config}", *a.overrides, *(VARIANTS[name] or [])]).model
+    fpt = flops_per_token(m, context=a.seq_len * (dist.get_world_size() if name.startswith("sp_") else 1))
     tok_s = a.seq_len / (s["median_ms"] / 1e3)
     peak, mem = peak_flops(device), peak_memory_mib(device)
     row = dict(variant=name, seq_len=a.seq_len, params_M=n_params / 1e6, step_ms=s["median_ms"],
