@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # DCP's copier (no public name)
+from torch.distributed.checkpoint.staging import AsyncStager
 
 from lingua_zeco import checkpoint_integrity as I
 
@@ -43,6 +44,37 @@ def _distributed() -> bool:
 
 def _test_delay() -> float:
     return float(os.environ.get(WRITE_DELAY_ENV) or 0)
+
+
+class _KeptStager(AsyncStager):
+    """Copies the state into host buffers that live from one save to the next (pinned on CUDA), and
+    waits for the copy: training may change the state as soon as `async_save` returns.
+
+    Not DCP's DefaultStager: the one of the GPU image's torch 2.11 closes its copier after every stage,
+    which drops the pinned buffers (every save pins 15 GB again for GLA-1B) and clears its copy
+    table, so the second save of a state holding a class object fails with `KeyError: <class 'type'>`
+    (measured, run 13; a known torch defect). Only `release` frees the buffers here."""
+
+    _synchronize_after_execute = False  # stage() returns once the copy is complete
+
+    def __init__(self, cuda: bool):
+        self._cuda = cuda
+        self._copier = StateDictStager(pin_memory=cuda, share_memory=False)
+
+    def stage(self, state_dict):
+        staged = self._copier.stage(state_dict, non_blocking=self._cuda)
+        if self._cuda:
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        return staged
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:  # DCP may call it after a save: keep the buffers for the next one
+        pass
+
+    def release(self) -> None:
+        self._copier.close()
 
 
 class _HeldWriter(FileSystemWriter):
@@ -68,7 +100,7 @@ class AsyncWriter:
     def __init__(self, timeout_s: float | None = None):
         self.timeout = timedelta(seconds=timeout_s) if timeout_s else None  # None: torch's default
         self.pending: tuple | None = None  # (step, tmp, final, t0, Future of this rank's checksums)
-        self._stager: DefaultStager | None = None
+        self._stager: _KeptStager | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._groups: tuple | None = None  # (DCP's, the done flag's)
 
@@ -77,11 +109,9 @@ class AsyncWriter:
         assert self.pending is None, "finalise the previous save first: its host buffers get reused"
         cuda = torch.cuda.is_available()
         if self._stager is None:
-            # Staging is synchronous (training may change the state as soon as we return). The stager
-            # keeps its host copies keyed by the source storages, so later saves copy into the same
-            # (pinned) buffers instead of allocating and pinning again.
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
-                                                        use_async_staging=False, use_non_blocking_copy=cuda))
+            # The stager keeps its host copies keyed by the source storages, so later saves copy into
+            # the same (pinned) buffers instead of allocating and pinning again.
+            self._stager = _KeptStager(cuda)
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
         if _distributed() and self._groups is None:
             self._groups = tuple(dist.new_group(backend="gloo", timeout=self.timeout) for _ in range(2))
@@ -125,6 +155,6 @@ class AsyncWriter:
         """Free the host buffers and the thread (the process groups live as long as the default one)."""
         self.abandon()
         if self._stager is not None:
-            self._stager.close()
+            self._stager.release()
             self._pool.shutdown(wait=True)
             self._stager = self._pool = None

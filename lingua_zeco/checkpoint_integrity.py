@@ -115,12 +115,17 @@ def _tensors(obj, prefix: str = ""):
 
 
 def nonfinite(state: dict) -> list[str]:
-    """Names of the floating tensors of `state` (this rank's shards) holding NaN or inf. One host sync."""
-    named = [(n, t) for n, t in _tensors(state) if t.numel()]
-    if not named:
-        return []
-    bad = torch.stack([~torch.isfinite(t).all() for _, t in named]).cpu()
-    return [n for (n, _), b in zip(named, bad.tolist()) if b]
+    """Names of the floating tensors of `state` (this rank's shards) holding NaN or inf. One host sync
+    per device (optimizers may keep some state on the CPU beside CUDA weights, e.g. AdamW's `step`)."""
+    by_device: dict = {}
+    for n, t in _tensors(state):
+        if t.numel():
+            by_device.setdefault(t.device, []).append((n, t))
+    bad = []
+    for named in by_device.values():
+        flags = torch.stack([~torch.isfinite(t).all() for _, t in named]).cpu()
+        bad += [n for (n, _), b in zip(named, flags.tolist()) if b]
+    return bad
 
 
 # -- storage -----------------------------------------------------------------------------------------

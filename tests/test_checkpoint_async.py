@@ -194,3 +194,19 @@ def test_stop_signal_finalises_the_last_save_before_the_trainer_returns(tmp_path
     assert train(parse_args(TrainArgs, argv))["step"] == 4
     assert (_ckpt(tmp_path, 4) / MARKER).is_file()
     assert os.listdir(tmp_path / "checkpoints") == ["step_0000000004"]
+
+
+def test_stager_keeps_its_buffers_and_copy_table_across_saves():
+    """DCP (torch 2.11) closes the stager after each stage; ours must still stage the next save into the
+    same host buffers, including a state holding a class object (DefaultStager: KeyError: <class 'type'>)."""
+    from lingua_zeco.checkpoint_async import _KeptStager
+    stager = _KeptStager(cuda=False)
+    state = {"w": torch.randn(64), "group": {"kind": torch.nn.Linear, "lr": 0.1}}
+    first = stager.stage(state)
+    stager.close()  # what DCP may do after every save
+    state["w"].add_(1.0)
+    second = stager.stage(state)
+    assert second["group"]["kind"] is torch.nn.Linear and torch.equal(second["w"], state["w"])
+    assert second["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr(), "buffers not reused"
+    assert second["w"].data_ptr() != state["w"].data_ptr(), "a staged copy must not alias the live tensor"
+    stager.release()
