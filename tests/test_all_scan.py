@@ -195,3 +195,58 @@ def _library_groups_worker(rank, world):
 def test_hier_sub_groups_must_be_made_up_front():
     for refusal, err in run_on_ranks(_library_groups_worker, 4):
         assert "init_node_groups" in refusal and err < 1e-5, (refusal, err)
+
+
+def matrix_reference(xs, As, p, reverse):
+    order = range(len(xs)) if not reverse else range(len(xs) - 1, -1, -1)
+    acc = torch.zeros_like(xs[0], dtype=torch.float64)
+    for r in order:
+        if r == p:
+            return acc
+        acc = As[r].double() @ acc + xs[r].double()
+
+
+def _scratch_worker(rank, world):
+    """Issue 15: the scans stage, send and fold in persistent scratch buffers. Repeated calls make no new
+    buffers, no result is a scratch buffer, and a result kept from an earlier call (as autograd keeps
+    them) is not overwritten by later calls; decay and matrix transitions, every algorithm."""
+    from lingua_zeco.comm import MATRIX, pair_scan
+    from lingua_zeco.comm.buffers import buffer_count, buffer_ptrs
+
+    xs, as_ = contributions(world, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    As = [0.5 * torch.randn(2, 3, 5, 5, generator=gen) for _ in range(world)]
+    calls = [(f"{algo}{nb}-{rev}", lambda algo=algo, nb=nb, rev=rev: all_scan(
+                 xs[rank], as_[rank], reverse=rev, algorithm=algo, n_blocks=nb), False, rev)
+             for algo, nb in (("chain", 1), ("chain", 3), ("tree", 1)) for rev in (False, True)]
+    calls += [(f"gather-{rev}", lambda rev=rev: gather_scan(xs[rank], as_[rank], reverse=rev), False, rev)
+              for rev in (False, True)]
+    calls += [(f"matrix-{algo}{nb}-{rev}", lambda algo=algo, nb=nb, rev=rev: pair_scan(
+                  xs[rank], As[rank], reverse=rev, args=AllScanArgs(algorithm=algo, n_blocks=nb)), True, rev)
+              for algo, nb in (("chain", 1), ("chain", 3), ("tree", 1)) for rev in (False, True)]
+    calls += [(f"matrix-gather-{rev}", lambda rev=rev: gather_scan(xs[rank], As[rank], reverse=rev,
+                                                                   transition=MATRIX), True, rev)
+              for rev in (False, True)]
+    first = {name: fn() for name, fn, _, _ in calls}
+    kept = {name: y.clone() for name, y in first.items()}
+    n_buffers = buffer_count()
+    out = {"new_buffers": 0, "aliased": [], "overwritten": [], "errors": {}}
+    for _ in range(2):
+        for name, fn, matrix, rev in calls:
+            y = fn()
+            ref = (matrix_reference(xs, As, rank, rev) if matrix else reference(xs, as_, rank, rev))
+            out["errors"][name] = max(out["errors"].get(name, 0.0), (y.double() - ref).abs().max().item())
+            if y.data_ptr() in buffer_ptrs() or first[name].data_ptr() in buffer_ptrs():
+                out["aliased"].append(name)
+    out["new_buffers"] = buffer_count() - n_buffers
+    out["overwritten"] = [n for n in first if not torch.equal(first[n], kept[n])]
+    return out
+
+
+def test_scratch_buffers_are_reused_and_never_returned():
+    for rank, res in enumerate(run_on_ranks(_scratch_worker, 3, timeout_s=120)):
+        assert res["new_buffers"] == 0, f"rank {rank}: repeated scans allocated {res['new_buffers']} new buffers"
+        assert not res["aliased"], f"rank {rank}: results that are scratch buffers: {res['aliased']}"
+        assert not res["overwritten"], f"rank {rank}: kept results changed by later scans: {res['overwritten']}"
+        bad = {k: e for k, e in res["errors"].items() if e > 1e-5}
+        assert not bad, f"rank {rank}: wrong scans {bad}"

@@ -319,3 +319,8 @@ def test_calibration_from_raw_h200x2_within_15_percent():
                                                                   rel=1e-3)
     assert all(os.path.isfile(ROOT / f) for run in notes["single_gpu"].values() for f in run["files"])
     assert math.isfinite(topo.links["ib"].alpha_s) and topo.links["ib"].alpha_s > topo.links["nvlink"].alpha_s
+    # the per-message cost split into the transport's (fastest P2P one-way) and the scan's own
+    split = notes["alpha_split"]
+    assert split["per_message_us"] == pytest.approx(topo.links["nvlink"].alpha_s * 1e6)
+    assert split["transport_us"] == pytest.approx(min(notes["p2p_one_way_us"].values()))
+    assert split["ours_us"] == pytest.approx(split["per_message_us"] - split["transport_us"]) and split["ours_us"] > 0

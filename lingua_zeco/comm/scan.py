@@ -14,6 +14,9 @@ and MATRIX, A [..., K, K] acting by A @ y (the gated delta rule). Three ways to 
 * gather_scan  LASP-2's: one all-gather of every rank's pair, then the local fold (local_scan).
 Ranks are walked in scan order: `pos` is this rank's position, `peer(pos)` the global rank there
 (scan_position; reverse=True walks the group backwards, as the backward pass needs).
+Cost per hop: what a rank sends, stages and folds lives in persistent scratch buffers (buffers.py, with
+their lifetime rule); every combine a·y + x is one fused op written in place (addcmul / baddbmm); the
+result is the only tensor a call allocates (none with `out=`).
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from .buffers import scratch
 
 
 def group_rank_size(group) -> tuple[int, int]:
@@ -45,6 +50,29 @@ def scan_position(group, rank: int, P: int, reverse: bool):
     return (P - 1 - rank if reverse else rank), peer
 
 
+def _mm3(t: torch.Tensor) -> torch.Tensor:
+    """[..., K, V] as a batch of matrices [B, K, V] (a view for the layouts the scans use)."""
+    return t.reshape(-1, t.shape[-2], t.shape[-1])
+
+
+def _decay_combine_into(x, a, y, out):  # out = a ⊙ y + x, one fused elementwise op
+    return torch.addcmul(x, a[..., None], y, out=out)
+
+
+def _matrix_combine_into(x, A, y, out):  # out = A @ y + x, one batched GEMM with bias
+    torch.baddbmm(_mm3(x), _mm3(A), _mm3(y), out=_mm3(out))
+    return out
+
+
+def _decay_then_(acc, got, tmp):  # acc ← acc·got (acc the later slice's decay)
+    return acc.mul_(got)
+
+
+def _matrix_then_(acc, got, tmp):  # acc ← acc @ got; a GEMM cannot write over its input: via tmp
+    torch.matmul(acc, got, out=tmp)
+    return acc.copy_(tmp)
+
+
 @dataclass(frozen=True)
 class Transition:
     """How a rank's transition a acts on a state y [..., K, V] and composes with the next rank's."""
@@ -58,6 +86,9 @@ class Transition:
     chain_part: Callable  # (a, start, end) -> what of a acts on x's block [start, end) along chain_dim
     hier: bool            # whether the hierarchical all_scan is built for it
     tree_sends_a: bool    # whether the α–β model counts a's bytes in a tree round (K decays beside K×V: no)
+    combine_into: Callable = _decay_combine_into  # (x, a, y, out) -> out = a·y + x, in one op
+    then_: Callable = _decay_then_                # (acc, got, tmp) -> acc = acc·got in place
+    rows: bool = True     # whether every row of x (all dims but V) is independent: the chain cuts flat rows
 
 
 DECAY = Transition(apply=lambda a, y: a[..., None] * y, then=lambda e, l: e * l, adjoint=lambda a: a,
@@ -66,7 +97,7 @@ DECAY = Transition(apply=lambda a, y: a[..., None] * y, then=lambda e, l: e * l,
 MATRIX = Transition(apply=lambda A, y: A @ y, then=lambda E, L: L @ E, adjoint=lambda A: A.transpose(-1, -2),
                     grad_a=lambda E, y: E @ y.transpose(-1, -2), a_shape=lambda s: (*s[:-1], s[-2]),
                     a_doc="[..., K, K]", chain_dim=-1, chain_part=lambda A, s, e: A, hier=False,
-                    tree_sends_a=True)
+                    tree_sends_a=True, combine_into=_matrix_combine_into, then_=_matrix_then_, rows=False)
 
 
 def check_pair(where: str, x: torch.Tensor, a: torch.Tensor, transition: Transition) -> None:
@@ -84,59 +115,119 @@ def split_blocks(n: int, n_blocks: int) -> list[tuple[int, int]]:
     return [(s, e) for s, e in zip(edges[:-1], edges[1:]) if e > s]
 
 
-def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: Transition = DECAY):
+def issue(ops: list) -> list:
+    """Post P2P ops (fn, tensor, global peer, group) with as few calls as the transport allows: one op
+    directly, several as one batch_isend_irecv (NCCL: one grouped launch). Returns the works to wait on.
+    (NCCL: a batch must not be a group's very first collective unless every rank joins it; the
+    trainer's groups have made collectives before the first scan.)"""
+    if len(ops) == 1:
+        fn, t, peer, group = ops[0]
+        return [fn(t, peer, group=group)]
+    return dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group) for fn, t, peer, group in ops]) if ops else []
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: Transition = DECAY,
+               out: torch.Tensor | None = None, reverse: bool = False):
     """The chain, pipelined in blocks: position p receives y_p block by block and, as each block
     arrives, sends that block of x_p + a_p·y_p (of x_p alone at p = 0) on to p + 1, so hop p+1 starts
-    before hop p has finished. Returns y_p (zeros at p = 0)."""
-    d = transition.chain_dim % x.dim()
-    spans = split_blocks(x.shape[d], n_blocks)
-    y = torch.zeros_like(x)
-    recvs = []
-    if pos > 0:
-        recvs = [(buf, dist.irecv(buf, src=peer(pos - 1), group=group))
-                 for buf in (x.new_empty(x.narrow(d, s, e - s).shape) for s, e in spans)]
+    before hop p has finished. Returns y_p (zeros at p = 0), in `out` if given.
+
+    Decays act row by row, so x [..., K, V] is cut along its flat rows: every block is contiguous and
+    is received straight into the result. Matrix transitions mix K: x is cut along V, and with more
+    than one block the blocks are staged in scratch buffers."""
+    y = torch.empty_like(x) if out is None else out
+    if pos == 0:
+        y.zero_()
+    if P <= 1:
+        return y
+    if transition.rows:  # rows of [..., K, V] are independent under decays: [R, V] with a [R]
+        x_, a_, y_, d = x.view(-1, x.shape[-1]), a.reshape(-1), y.view(-1, x.shape[-1]), 0
+    else:
+        x_, a_, y_, d = x, a, y, x.dim() - 1
+    spans = split_blocks(x_.shape[d], n_blocks)
+    direct = transition.rows or len(spans) == 1  # y's blocks are contiguous: receive into them
+
+    def buf(tag, j, blk):
+        return scratch(f"chain_{tag}{j}", blk.shape, x.dtype, x.device, group, reverse)
+
+    y_blks = [y_.narrow(d, s, e - s) for s, e in spans]
+    dst, src = (peer(pos + 1) if pos < P - 1 else None), (peer(pos - 1) if pos > 0 else None)
+    if pos == 0:  # nothing to combine: x's blocks go out at once, in one call
+        blks = [x_.narrow(d, s, e - s) for s, e in spans]
+        if not direct:
+            blks = [buf("send", j, b).copy_(b) for j, b in enumerate(blks)]
+        _wait(issue([(dist.isend, b, dst, group) for b in blks]))
+        return y
+    targets = y_blks if direct else [buf("recv", j, b) for j, b in enumerate(y_blks)]
+    if pos == P - 1:  # nothing to forward: every receive in one call
+        _wait(issue([(dist.irecv, t, src, group) for t in targets]))
+        if not direct:
+            for yb, t in zip(y_blks, targets):
+                yb.copy_(t)
+        return y
+    recvs = [dist.irecv(t, src=src, group=group) for t in targets]  # each block is waited for alone
     sends = []
     for j, (s, e) in enumerate(spans):
-        x_blk = x.narrow(d, s, e - s)
-        if recvs:
-            y_blk, work = recvs[j]
-            work.wait()
-            y.narrow(d, s, e - s).copy_(y_blk)
-            x_blk = x_blk + transition.apply(transition.chain_part(a, s, e), y_blk)
-        if pos < P - 1:
-            blk = x_blk.contiguous()
-            sends.append((blk, dist.isend(blk, dst=peer(pos + 1), group=group)))
-    for _, work in sends:
-        work.wait()
+        recvs[j].wait()
+        if not direct:
+            y_blks[j].copy_(targets[j])
+        send = buf("send", j, y_blks[j])
+        a_blk = a_.narrow(0, s, e - s) if transition.rows else transition.chain_part(a_, s, e)
+        transition.combine_into(x_.narrow(d, s, e - s), a_blk, targets[j], send)
+        sends.append(dist.isend(send, dst=dst, group=group))
+    _wait(sends)
     return y
 
 
-def tree_scan(x, a, group, pos: int, P: int, peer, transition: Transition = DECAY):
+def tree_scan(x, a, group, pos: int, P: int, peer, transition: Transition = DECAY,
+              out: torch.Tensor | None = None, reverse: bool = False):
     """Hillis–Steele (any P: missing partners are skipped). A position keeps the inclusive pair of
     the positions (pos−d, pos] and the exclusive pair of (pos−d, pos); the round at distance d sends
     the inclusive pair to pos + d and composes the one received from pos − d (earlier) onto both.
-    Returns y_p (zeros at p = 0)."""
-    def compose(earlier, later):
-        (ea, ex), (la, lx) = earlier, later
-        return transition.then(ea, la), transition.apply(la, ex) + lx
+    One batched send+receive per round; the aggregates live in scratch buffers and are folded in
+    place, and only while a later round still needs them. Returns y_p (zeros at p = 0)."""
+    y = torch.empty_like(x) if out is None else out
+    na, n = a.numel(), a.numel() + x.numel()
 
-    inc, exc, d = (a, x), None, 1
+    def buf(tag, shape):
+        return scratch(f"tree_{tag}", shape, x.dtype, x.device, group, reverse)
+
+    inc, got = buf("inc", (n,)), buf("recv", (n,))  # [a | x] flat: one message per round
+    inc_a, inc_x = inc[:na].view_as(a), inc[na:].view_as(x)
+    got_a, got_x = got[:na].view_as(a), got[na:].view_as(x)
+    exc_a, tmp = buf("exc_a", a.shape), buf("tmp", a.shape)
+    if pos + 1 < P:
+        inc_a.copy_(a)
+        inc_x.copy_(x)
+    have, d = False, 1
     while d < P:
-        ops, recv = [], None
+        ops = []
         if pos + d < P:
-            msg = torch.cat([t.reshape(-1) for t in inc])
-            ops.append(dist.P2POp(dist.isend, msg, peer(pos + d), group))
+            ops.append((dist.isend, inc, peer(pos + d), group))
         if pos - d >= 0:
-            recv = inc[0].new_empty(sum(t.numel() for t in inc))
-            ops.append(dist.P2POp(dist.irecv, recv, peer(pos - d), group))
-        for work in dist.batch_isend_irecv(ops) if ops else []:
-            work.wait()
-        if recv is not None:  # the received segment (pos−2d, pos−d] lies before ours
-            got = tuple(part.view_as(t) for part, t in zip(recv.split([t.numel() for t in inc]), inc))
-            exc = got if exc is None else compose(got, exc)
-            inc = compose(got, inc)
+            ops.append((dist.irecv, got, peer(pos - d), group))
+        _wait(issue(ops))
+        if pos - d >= 0:  # the received segment (pos−2d, pos−d] lies before ours
+            more_recv, more_send = pos - 2 * d >= 0, pos + 2 * d < P
+            if not have:
+                y.copy_(got_x)
+                if more_recv:
+                    exc_a.copy_(got_a)
+            else:
+                transition.combine_into(y, exc_a, got_x, y)
+                if more_recv:
+                    transition.then_(exc_a, got_a, tmp)
+            if more_send:
+                transition.combine_into(inc_x, inc_a, got_x, inc_x)
+                transition.then_(inc_a, got_a, tmp)
+            have = True
         d *= 2
-    return torch.zeros_like(x) if exc is None else exc[1]
+    return y if have else y.zero_()
 
 
 def local_scan(pairs, like: torch.Tensor, transition: Transition = DECAY) -> torch.Tensor:
@@ -155,11 +246,20 @@ def gather_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = Fa
     check_pair("gather_scan", x, a, transition)
     group = group if group is not None else dist.group.WORLD
     rank, P = dist.get_rank(group), dist.get_world_size(group)
-    msg = torch.cat([x.reshape(-1), a.reshape(-1)])
-    every = msg.new_empty(P * msg.numel())  # flat: gloo accepts no [P, n] output
+    nx, n = x.numel(), x.numel() + a.numel()
+    msg = scratch("gather_msg", (n,), x.dtype, x.device, group, reverse)
+    msg[:nx].copy_(x.reshape(-1))
+    msg[nx:].copy_(a.reshape(-1))
+    every = scratch("gather_all", (P * n,), x.dtype, x.device, group, reverse)  # flat: gloo takes no [P, n]
     dist.all_gather_into_tensor(every, msg, group=group)
     every = every.view(P, -1)
-    xs, as_ = every[:, :x.numel()].view(P, *x.shape), every[:, x.numel():].view(P, *a.shape)
-    order = range(P - 1, rank, -1) if reverse else range(rank)
+    xs, as_ = every[:, :nx].view(P, *x.shape), every[:, nx:].view(P, *a.shape)
+    order = list(range(P - 1, rank, -1) if reverse else range(rank))
+    y = torch.zeros_like(x) if not order else xs[order[0]].clone()
+    tmp = scratch("gather_tmp", x.shape, x.dtype, x.device, group, reverse) if transition is not DECAY else y
     with torch.autocast(x.device.type, enabled=False):  # autocast would run A @ y in bf16
-        return local_scan(((as_[r], xs[r]) for r in order), x, transition)
+        for r in order[1:]:  # y ← a_r·y + x_r in one op (a GEMM writes to tmp: it cannot overwrite y)
+            transition.combine_into(xs[r], as_[r], y, tmp)
+            if tmp is not y:
+                y.copy_(tmp)
+    return y

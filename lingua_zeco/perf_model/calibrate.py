@@ -115,6 +115,16 @@ def _model_state(H: int, K: int = 128, V: int = 128) -> StateArgs:
     return StateArgs(H=H, K=K, V=V)
 
 
+def alpha_split(alpha_s: float, p2p_rows: list[dict], source: str) -> dict:
+    """The chain's cost per message (alpha_s, fitted) split into what the transport costs and what the
+    scan adds on top: transport = the fastest one-way time of the P2P ping-pong (torch's isend/irecv on
+    this link, any size: the sweep is latency-bound), ours = the rest (staging, the combine kernel, waits,
+    Python). Both measured from one file; the 256-GPU prediction scales both with the message count."""
+    transport = min(r["median_us"] for r in p2p_rows) * 1e-6
+    return dict(per_message_us=alpha_s * 1e6, transport_us=transport * 1e6, ours_us=(alpha_s - transport) * 1e6,
+                source=source)
+
+
 def calibrate(raw: str = RAW, topology: str = "hier", gpus_per_node: int = 8, raw_1gpu: str | None = RAW_1GPU):
     """Returns (Topology, DeviceArgs, OpArgs, ThroughputArgs, notes) fitted to the files in `raw` (and the
     single-GPU runs in `raw_1gpu`, None: none); notes["sources"] names the file behind every fitted input."""
@@ -169,6 +179,8 @@ def calibrate(raw: str = RAW, topology: str = "hier", gpus_per_node: int = 8, ra
             src[f"link.ib.{f}"] = f"{assumed_origin(f'link.ib.{f}')} (NVLink's from {files['comm']})"
         notes["comm_P"] = P
         notes["p2p_one_way_us"] = {r["bytes"]: r["median_us"] for r in comm.get("p2p", [])}
+        if comm.get("p2p"):
+            notes["alpha_split"] = alpha_split(float(alpha), comm["p2p"], files["comm"])
     topo = Topology(TopologyArgs(kind=topology, gpus_per_node=gpus_per_node), links)
 
     op = OpArgs()

@@ -95,11 +95,13 @@ def folders(ns: PerfModelArgs) -> tuple[str | None, str | None]:
 
 
 def build(ns: PerfModelArgs, overrides: list[str] = ()):
-    """(Topology or None, DeviceArgs, OpArgs, ThroughputArgs, MemoryArgs, sources): raw= calibration, then
-    calib= files, then the overrides; `sources` names where each set input came from."""
+    """(Topology or None, DeviceArgs, OpArgs, ThroughputArgs, MemoryArgs, sources, notes): raw= calibration,
+    then calib= files, then the overrides; `sources` names where each set input came from, `notes` holds
+    the calibration's by-products (e.g. alpha_split)."""
     op, tput, mem, dev = OpArgs(), ThroughputArgs(), MemoryArgs(), DeviceArgs()
     links = default_links()
     sources: dict[str, str] = {}
+    notes: dict = {}
     raw, raw_1gpu = folders(ns)
     if raw:
         topo_raw, dev, op, tput, notes = calibrate(raw, "nvlink", ns.gpus_per_node, raw_1gpu=raw_1gpu)
@@ -128,7 +130,7 @@ def build(ns: PerfModelArgs, overrides: list[str] = ()):
         if ns.what != "memory":
             raise
         topo = None
-    return topo, dev, op, tput, mem, sources
+    return topo, dev, op, tput, mem, sources, notes
 
 
 def format_table(rows: list[dict], title: str) -> str:
@@ -151,7 +153,7 @@ def format_table(rows: list[dict], title: str) -> str:
 
 def run(ns: PerfModelArgs, overrides: list[str] = ()) -> dict[str, list[dict]]:
     """Every table asked for; tables["inputs"]: where each input came from."""
-    topo, dev, op, tput, mem, sources = build(ns, overrides)
+    topo, dev, op, tput, mem, sources, notes = build(ns, overrides)
     names = topo.link_names() if topo else []
     tables: dict[str, list[dict]] = {}
     tables["inputs"] = inputs_rows(dict(op=op, tput=tput, mem=mem, dev=dev, link=topo.links if topo else {}),
@@ -161,6 +163,8 @@ def run(ns: PerfModelArgs, overrides: list[str] = ()) -> dict[str, list[dict]]:
         if not raw:
             raise ConfigError("what=check needs raw=<folder of raw bench outputs>")
         tables["check"] = check_rows(raw, topo, dev, op, tput)
+        if "alpha_split" in notes:
+            tables["alpha_split"] = [notes["alpha_split"]]
     if ns.what in ("comm", "all"):
         tables["comm"] = comm_rows(ns.P, ns.H, topo, dev, tuple(ns.blocks))
     if ns.what in ("op", "all"):
@@ -194,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     tables = run(ns, overrides)
     titles = dict(comm="Table 2 model: one exclusive scan (µs)", op="Tables 3-4 model: operator fwd+bwd (ms)",
                   throughput="Tables 5-6 model: tokens/s/GPU (K)", memory="Peak memory per GPU (GiB)",
-                  check="Measured vs calibrated model (err = model / measured - 1)")
+                  check="Measured vs calibrated model (err = model / measured - 1)",
+                  alpha_split="The chain's cost per message: the transport's (P2P ping-pong) and the scan's own (µs)")
     sys.stdout.write(format_inputs(tables["inputs"]) + "\n")
     for name, rows in tables.items():
         if name != "inputs":

@@ -1,0 +1,51 @@
+"""Persistent scratch buffers of the All-Scan, reused across calls instead of allocated per call.
+
+Lifetime rule: a scratch buffer lives only *inside* one scan call. It holds what the scan sends, a
+staged receive, or a running aggregate; every send and receive on it is waited for before the call
+returns, and nothing the caller gets back is a scratch buffer. The result of a scan is a tensor the
+caller owns (a fresh one, or the caller's `out=`), so callers may keep any number of results (autograd
+saves them for the backward) while later scans reuse the scratch.
+
+Buffers are keyed by (tag, shape, dtype, device, group, direction, CUDA stream). The stream is in the
+key because the asynchronous scan runs on a side stream: a scan on the caller's stream and one on the
+side stream may be in flight at once and must not share memory; two scans on one stream are ordered
+by the stream itself. `clear_buffers()` frees them all (e.g. after a change of model shape).
+"""
+from __future__ import annotations
+
+import torch
+
+_POOL: dict = {}
+
+
+def _group_key(group):
+    name = getattr(group, "group_name", None)  # stable for the group's life; id() as a fallback
+    return name if name else id(group)
+
+
+def _stream_key(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+
+
+def scratch(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None, reverse: bool = False,
+            zero: bool = False) -> torch.Tensor:
+    """The persistent buffer for this key, made on first use (zero=True: zero-filled once, at creation)."""
+    key = (tag, tuple(shape), dtype, device, _group_key(group), reverse, _stream_key(device))
+    buf = _POOL.get(key)
+    if buf is None:
+        buf = _POOL[key] = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)
+    return buf
+
+
+def buffer_count() -> int:
+    """How many scratch buffers exist (the tests check that repeated scans make no new ones)."""
+    return len(_POOL)
+
+
+def buffer_ptrs() -> set[int]:
+    """Data pointers of every scratch buffer: a scan's result must never be one of them."""
+    return {b.data_ptr() for b in _POOL.values()}
+
+
+def clear_buffers() -> None:
+    _POOL.clear()
