@@ -186,20 +186,17 @@ def test_fused_packed_operator_makes_no_host_sync():
     S_in = torch.randn(1, 16, 128, 128, device="cuda")
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g)]
 
+    from apps.gla.bench.common import cuda_graph
+    outputs = {}
+
     def step():
         o = fused_zeco_apply(*leaves, 128 ** -0.5, middle_rank_scan(S_in, 0.1 * S_in), seg)
-        return (o, *torch.autograd.grad(o, leaves, do))
+        outputs["last"] = (o, *torch.autograd.grad(o, leaves, do))
+        return outputs["last"]
 
-    side = torch.cuda.Stream()  # warm-up on a side stream, then capture, as torch asks
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    graph.replay()
+    replay = cuda_graph(step)  # the last call is the capture: outputs["last"] are the graph's tensors
+    captured = outputs["last"]
+    replay()
     torch.cuda.synchronize()
     eager = step()
     for a, b in zip(captured, eager):  # (atomics may reorder sums: not bitwise)
