@@ -17,12 +17,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lingua_zeco.comm import AllScanArgs, hier_groups_needed, init_node_groups
+from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
 logger = logging.getLogger(__name__)
 
-SP_METHODS = ("zeco", "lasp1", "lasp2", "none")
-# "local" drops the state from earlier ranks (wrong on purpose): tests use it to show they can fail.
-DIAGNOSTIC_METHODS = ("local",)
 SOFTMAX_SP = ("allgather", "ring")  # the softmax layers of hybrids (model.softmax_layers)
 
 

@@ -12,7 +12,9 @@ import os
 import torch
 import torch.distributed as dist
 
-METHODS = ("zeco", "lasp1", "lasp2", "none", "local")  # local: diagnostic, drops S_in
+SP_METHODS = ("zeco", "lasp1", "lasp2", "none")  # what a run may choose (distributed.sp_method)
+DIAGNOSTIC_METHODS = ("local",)  # drops S_in (wrong on purpose): tests use it to show they can fail
+METHODS = SP_METHODS + DIAGNOSTIC_METHODS
 CROSS_CHECK_CALLS = 64
 _calls = {"n": 0}
 _DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
