@@ -51,9 +51,9 @@ class _KeptStager(AsyncStager):
     waits for the copy: training may change the state as soon as `async_save` returns.
 
     Not DCP's DefaultStager: the one of the GPU image's torch 2.11 closes its copier after every stage,
-    which drops the pinned buffers (every save pins 15 GB again for GLA-1B) and clears its copy
-    table, so the second save of a state holding a class object fails with `KeyError: <class 'type'>`
-    (measured, run 13; a known torch defect). Only `release` frees the buffers here."""
+    which clears its copy table, so the second save of a state holding a class object fails with
+    `KeyError: <class 'type'>` (measured: runs 13-14), and frees its cached host buffers, so every save
+    would pin them again (15 GB for GLA-1B). Only `release` frees the buffers here."""
 
     _synchronize_after_execute = False  # stage() returns once the copy is complete
 

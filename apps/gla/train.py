@@ -221,7 +221,7 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     env.dims.world, env.dims.dp_replicate, env.dims.dp_shard, env.dims.sp, env.sp_method,
                     n["total"] / 1e6, step)
 
-    fpt = flops_per_token(args.model, context=env.dims.sp * args.data.seq_len)  # softmax layers see the whole sequence
+    fpt = flops_per_token(args.model, context=env.dims.sp * args.data.seq_len)  # softmax: the whole sequence
     peak = peak_flops(env.device, args.logging.peak_flops)
     timer = StepTimer(env.device)
     data_wait_window = 0.0
