@@ -34,8 +34,8 @@ from omegaconf import OmegaConf
 
 from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
-from lingua_zeco import distributed as D
-from lingua_zeco import reliability as R
+from lingua_zeco import distributed
+from lingua_zeco import reliability
 from lingua_zeco.args import ConfigError, build
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
@@ -72,10 +72,10 @@ def load_model(cfg: TrainArgs, ckpt: str, device: torch.device, sp_group=None,
     return model.to(device).eval(), path
 
 
-def mesh_args(cfg: TrainArgs, sp_size: int) -> D.DistributedArgs:
+def mesh_args(cfg: TrainArgs, sp_size: int) -> distributed.DistributedArgs:
     """The run's SP layout (size, method, All-Scan) with plain data parallelism over the other ranks."""
     method = cfg.distributed.sp_method if cfg.distributed.sp_method != "none" else "zeco"  # any sp_size
-    return D.DistributedArgs(sp_size=sp_size or cfg.distributed.sp_size, sp_method=method,
+    return distributed.DistributedArgs(sp_size=sp_size or cfg.distributed.sp_size, sp_method=method,
                              softmax_sp=cfg.distributed.softmax_sp, fsdp=False,
                              timeout_s=cfg.distributed.timeout_s, all_scan=cfg.distributed.all_scan)
 
@@ -102,7 +102,7 @@ def run(args: EvalCLIArgs) -> dict:
     validation_data_args(cfg.data, args.eval, trained_on)
     ckpt = args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints")
     try:
-        env = D.setup(mesh_args(cfg, args.sp_size))
+        env = distributed.setup(mesh_args(cfg, args.sp_size))
     except ValueError as e:
         raise ConfigError(f"{e}; for evaluation set sp_size=<ranks per sequence>, a divisor of the ranks "
                           f"launched (the context stays the training one)") from e
@@ -117,7 +117,7 @@ def run(args: EvalCLIArgs) -> dict:
         result = evaluate(model, data, args.eval, device=device, dp_rank=env.dp_rank, dp_size=env.dims.dp,
                           sp_rank=env.sp_rank, sp_size=env.dims.sp, autocast=autocast, trained_on=trained_on)
     finally:
-        D.teardown(env)
+        distributed.teardown(env)
     step = int(os.path.basename(path).split("_")[-1]) if os.path.basename(path).startswith("step_") else None
     result = {"ckpt": path, "step": step, "sp_size": env.dims.sp, "dp_size": env.dims.dp, **result}
     if env.is_master:
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if int(os.environ.get("RANK", "0")) != 0:  # one rank's info lines are enough (as in training)
         logging.getLogger().setLevel(logging.WARNING)
-    with R.clean_exit():  # bad input: one `error: ...` line on stderr, exit 2 (lingua_zeco/reliability.py)
+    with reliability.clean_exit():  # bad input: one `error: ...` line on stderr, exit 2 (lingua_zeco/reliability.py)
         run(build(EvalCLIArgs, OmegaConf.from_dotlist(argv)))  # `config=` is the run's config file, kept as a key
 
 

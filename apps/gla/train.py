@@ -22,11 +22,11 @@ import torch.distributed as dist
 
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
-from lingua_zeco import distributed as D
-from lingua_zeco import evaluation as E
-from lingua_zeco import reliability as R
-from lingua_zeco import resume_layout as RL
-from lingua_zeco import run_dir as RD
+from lingua_zeco import distributed
+from lingua_zeco import evaluation
+from lingua_zeco import reliability
+from lingua_zeco import resume_layout
+from lingua_zeco import run_dir
 from lingua_zeco.args import ConfigError, dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError
 from lingua_zeco.data import DataArgs, build_data_loader
@@ -49,12 +49,12 @@ class TrainArgs:
     model: GLAArgs = field(default_factory=GLAArgs)
     data: DataArgs = field(default_factory=DataArgs)
     optim: OptimArgs = field(default_factory=OptimArgs)
-    distributed: D.DistributedArgs = field(default_factory=D.DistributedArgs)
+    distributed: distributed.DistributedArgs = field(default_factory=distributed.DistributedArgs)
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
-    eval: E.EvalArgs = field(default_factory=E.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
-    reliability: R.ReliabilityArgs = field(default_factory=R.ReliabilityArgs)
+    eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
+    reliability: reliability.ReliabilityArgs = field(default_factory=reliability.ReliabilityArgs)
 
 
 def _rng_state() -> dict:
@@ -71,15 +71,15 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def build_model(args: TrainArgs, env: D.DistEnv) -> GLAForCausalLM:
+def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
     model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method,
                            sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
     model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
     model.to(env.device)
     if args.distributed.fsdp:
-        D.apply_fsdp(model, env, args.distributed, model.blocks)
+        distributed.apply_fsdp(model, env, args.distributed, model.blocks)
     else:
-        D.broadcast_params(model)
+        distributed.broadcast_params(model)
     return model
 
 
@@ -91,7 +91,7 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
+def forward_backward(model, data, env: distributed.DistEnv, args: TrainArgs, autocast):
     """All micro-batches of one step. Returns (local loss sum, global token count, data wait s).
 
     The gradient is that of the step's global token mean: every micro-batch's loss sum is divided by
@@ -120,14 +120,14 @@ def forward_backward(model, data, env: D.DistEnv, args: TrainArgs, autocast):
     return loss_sum, n_global, data_wait
 
 
-def train_step(model, optimizer, scheduler, data, env: D.DistEnv, args: TrainArgs, autocast, guard: R.StepGuard,
+def train_step(model, optimizer, scheduler, data, env: distributed.DistEnv, args: TrainArgs, autocast, guard: reliability.StepGuard,
                step: int, stop_requested: bool = False, sync: bool = False):
     """One optimizer step (the benchmark times exactly this). sync=False leaves the non-finite
     verdict on the device until the next step (no host sync in the step). Returns
     (local loss sum, global token count, data wait s, grad norm, the guard's verdict)."""
     loss_sum, n_sum, data_wait = forward_backward(model, data, env, args, autocast)
     if not args.distributed.fsdp:
-        D.allreduce_grads(model)
+        distributed.allreduce_grads(model)
     grad_norm = clip_grad_norm(model, args.optim.clip)
     # one all-reduce: non-finite loss/grad on any rank, stop signal on any rank
     verdict = guard.check(step + 1, loss_sum, n_sum, grad_norm, stop_requested, optimizer=optimizer, sync=sync)
@@ -140,20 +140,20 @@ def train_step(model, optimizer, scheduler, data, env: D.DistEnv, args: TrainArg
 
 def _saves_or_evaluates(args: TrainArgs, step: int) -> bool:
     every = args.checkpoint.dump.every
-    return (every > 0 and step % every == 0) or E.due(args.eval, step, args.steps)
+    return (every > 0 and step % every == 0) or evaluation.due(args.eval, step, args.steps)
 
 
 def _dump_dir(args: TrainArgs) -> str:
     return args.dump_dir or os.path.join("dumps", args.name)
 
 
-def _layout(args: TrainArgs, env: D.DistEnv) -> dict:
-    return RL.layout(env.dims.world, env.dims.dp, env.dims.sp, args.data.seq_len)
+def _layout(args: TrainArgs, env: distributed.DistEnv) -> dict:
+    return resume_layout.layout(env.dims.world, env.dims.dp, env.dims.sp, args.data.seq_len)
 
 
 def _model_changed(args: TrainArgs, dump_dir: str, ckpt_path: str, e: ModelMismatchError) -> ConfigError:
     """Checkpoints of another model shape are a config change, not damage: name the differing keys."""
-    saved, changes = RD.config_changes(dump_dir, to_dict(args), ("model.", "data.tokenizer."))
+    saved, changes = run_dir.config_changes(dump_dir, to_dict(args), ("model.", "data.tokenizer."))
     what = "; ".join(changes) or f"no model key differs, but tensors do ({'; '.join(e.mismatches[:3])})"
     return ConfigError(f"the checkpoints in {ckpt_path} hold another model than this run: {what} (saved config: "
                        f"{saved}). Rerun with the saved values, or use another dump_dir")
@@ -161,32 +161,32 @@ def _model_changed(args: TrainArgs, dump_dir: str, ckpt_path: str, e: ModelMisma
 
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
-    env = D.setup(args.distributed)
+    env = distributed.setup(args.distributed)
     lock = None
     try:
-        lock = RD.lock_dump_dir(_dump_dir(args), env.is_master)  # one run per dump_dir, before any write
+        lock = run_dir.lock_dump_dir(_dump_dir(args), env.is_master)  # one run per dump_dir, before any write
         return _train(args, env)
     except RuntimeError as e:
-        if R.is_collective_failure(e):  # a peer died or hangs: name this rank, do not wait on the group
-            raise R.collective_error(e, env.rank, env.dims.world, args.distributed.timeout_s) from e
+        if reliability.is_collective_failure(e):  # a peer died or hangs: name this rank, do not wait on the group
+            raise reliability.collective_error(e, env.rank, env.dims.world, args.distributed.timeout_s) from e
         raise
     finally:
         if lock is not None:
             lock.release()
-        D.teardown(env)
+        distributed.teardown(env)
 
 
-def _train(args: TrainArgs, env: D.DistEnv) -> dict:
+def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
     dump_dir = _dump_dir(args)
     if args.model.vocab_size <= 0:
         args = dataclasses.replace(args, model=dataclasses.replace(
             args.model, vocab_size=build_tokenizer(args.data.tokenizer).n_words))
     if args.grad_acc_steps < 1:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
-    R.check_config(args)
-    R.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
+    reliability.check_config(args)
+    reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s)
-    RD.check_writable(ckpt.path)  # a read-only or full disk fails now, not at the first save
+    run_dir.check_writable(ckpt.path)  # a read-only or full disk fails now, not at the first save
     torch.manual_seed(args.seed)
     random.seed(args.seed)
 
@@ -194,12 +194,12 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
     recall = RecallMeter(model) if args.data.synthetic == "mqar" else None  # answers-only accuracy
     optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
     if args.eval.every > 0:
-        E.validation_data_args(args.data, args.eval)  # missing / overlapping validation data fails now
-    data = build_data_loader(E.training_data_args(args.data, args.eval),
+        evaluation.validation_data_args(args.data, args.eval)  # missing / overlapping validation data fails now
+    data = build_data_loader(evaluation.training_data_args(args.data, args.eval),
                              dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
                              sp_size=env.dims.sp, seed=args.seed)
     step = 0
-    source = RL.RankStateSource(_layout(args, env), env.dp_rank, env.sp_rank, env.rank)  # another world size
+    source = resume_layout.RankStateSource(_layout(args, env), env.dp_rank, env.sp_rank, env.rank)  # another world size
     try:
         resumed = ckpt.maybe_resume(model, optimizer, source_rank=source)
     except ModelMismatchError as e:
@@ -212,8 +212,8 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
         _set_rng_state(per_rank["rng"])
     if env.is_master:  # only once started from a compatible state: a failed start keeps the run's config
         dump_config(args, dump_dir)
-    guard = R.StepGuard(args.reliability, skipped=resumed[1].get("skipped_steps", 0) if resumed else 0)
-    fault = R.FaultInjection(env.rank)
+    guard = reliability.StepGuard(args.reliability, skipped=resumed[1].get("skipped_steps", 0) if resumed else 0)
+    fault = reliability.FaultInjection(env.rank)
     metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name, config=to_dict(args))
     if env.is_master:
         n = count_params(args.model)
@@ -232,7 +232,7 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
     start_step, t_loop = step, time.perf_counter()  # for the console's ETA
     try:
         with maybe_profile(args.profiling, dump_dir, env.rank) as prof, \
-                R.StopSignals(args.reliability.handle_signals) as signals:
+                reliability.StopSignals(args.reliability.handle_signals) as signals:
             while step < args.steps:
                 log_now = (step + 1) % args.logging.freq == 0 or step + 1 == args.steps
                 loss_sum, n_sum, data_wait, grad_norm, verdict = train_step(
@@ -250,8 +250,8 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                     n_sum = n_sum.item()
                     loss = loss_sum.item() / max(n_sum, 1.0)
                     # mean step time since the last log (no per-step sync), of the slowest rank
-                    slowest = D.all_reduce_scalar(timer.window(), op=dist.ReduceOp.MAX, device=env.device)
-                    wait = D.all_reduce_scalar(data_wait_window / max(timer.last_n, 1), op=dist.ReduceOp.MAX,
+                    slowest = distributed.all_reduce_scalar(timer.window(), op=dist.ReduceOp.MAX, device=env.device)
+                    wait = distributed.all_reduce_scalar(data_wait_window / max(timer.last_n, 1), op=dist.ReduceOp.MAX,
                                                device=env.device)
                     data_wait_window = 0.0
                     losses[step] = loss
@@ -273,8 +273,8 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
                                     step, args.steps, loss, record["lr"], record["grad_norm"],
                                     record["tok_per_s_per_gpu"], mfu, time.strftime("%H:%M:%S", time.gmtime(eta)))
 
-                if E.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
-                    metrics.log({"step": step, **E.evaluate(model, args.data, args.eval, device=env.device, autocast=autocast,
+                if evaluation.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
+                    metrics.log({"step": step, **evaluation.evaluate(model, args.data, args.eval, device=env.device, autocast=autocast,
                                 dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
 
                 ckpt.poll()  # a background save written on every rank is marked complete now
@@ -300,7 +300,7 @@ def _train(args: TrainArgs, env: D.DistEnv) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    with R.clean_exit():  # one line on stderr and a documented exit code (lingua_zeco/reliability.py)
+    with reliability.clean_exit():  # one line on stderr and a documented exit code (lingua_zeco/reliability.py)
         args = parse_args(TrainArgs, argv)
         if int(os.environ.get("RANK", "0")) != 0:
             logging.getLogger().setLevel(logging.WARNING)
