@@ -17,11 +17,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lingua_zeco.comm import AllScanArgs, hier_groups_needed, init_node_groups
+from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP  # the softmax layers of hybrids (model.softmax_layers)
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
 logger = logging.getLogger(__name__)
 
-SOFTMAX_SP = ("allgather", "ring")  # the softmax layers of hybrids (model.softmax_layers)
 
 
 @dataclass

@@ -22,10 +22,12 @@ import torch.nn as nn
 
 from apps.gla.layers import GLAArgs, acc_dtype
 from lingua_zeco.comm import group_rank_size
+from lingua_zeco.kernels.softmax import BACKENDS
+from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP
+from lingua_zeco.sp.softmax import sp_softmax_attention
 from lingua_zeco.sp.varlen import Packing
 
-SOFTMAX_SP = ("allgather", "ring")
-SOFTMAX_BACKENDS = ("sdpa", "xformers", "auto")
+SOFTMAX_BACKENDS = tuple(b for b in BACKENDS if b != "naive")  # naive: the float64 oracle, not a model choice
 
 
 def softmax_layer_set(args: GLAArgs) -> frozenset[int]:
@@ -104,8 +106,6 @@ class SoftmaxAttention(nn.Module):
 
     def attend(self, q, k, v, packing):
         """The SP exchange (a separate method so that tests can swap in a broken one)."""
-        from lingua_zeco.sp.softmax import sp_softmax_attention
-
         return sp_softmax_attention(q, k, v, group=self.sp_group, method=self.softmax_sp, window=self.window,
                                     cu_seqlens=packing, backend=self.backend)
 
