@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lingua_zeco.kernels.common import doc_offsets
+
 
 def position_offset(sp_rank: int, seq_len: int) -> int:
     """Global position of this SP rank's first token."""
@@ -48,10 +50,9 @@ class PositionLoss:
         T_local = mask_BT.shape[-1]
         if offset + T_local > self.context:
             raise ValueError(f"positions [{offset}, {offset + T_local}) run past the context {self.context}")
-        pos_BT = offset + torch.arange(T_local, device=mask_BT.device).expand_as(mask_BT)
-        if cu_seqlens is not None:
-            starts = cu_seqlens.to(device=mask_BT.device, dtype=torch.long)
-            pos_BT = pos_BT - starts[torch.searchsorted(starts, pos_BT, right=True) - 1]
+        pos_T = (torch.arange(offset, offset + T_local, device=mask_BT.device) if cu_seqlens is None
+                 else doc_offsets(cu_seqlens, offset, T_local, mask_BT.device))
+        pos_BT = pos_T.expand_as(mask_BT)
         b_N = bucket_of(pos_BT[mask_BT])
         self.sums_3B[0].index_add_(0, b_N, loss_N.to(torch.float64))
         self.sums_3B[1].index_add_(0, b_N, torch.ones_like(loss_N, dtype=torch.float64))

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import lingua_zeco.sp.softmax as sps
-from lingua_zeco.kernels.softmax import (attention, doc_ids, explicit_backward, explicit_forward, naive_attention,
+from lingua_zeco.kernels.common import doc_ids
+from lingua_zeco.kernels.softmax import (attention, explicit_backward, explicit_forward, naive_attention,
                                          xformers_available)
 from lingua_zeco.sp.softmax import causal_work, sp_softmax_attention
 from lingua_zeco.sp.varlen import pack

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from apps.gla.layers import GLAArgs, acc_dtype
 from lingua_zeco.comm import group_rank_size
+from lingua_zeco.kernels.common import doc_offsets
 from lingua_zeco.kernels.softmax import BACKENDS
 from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP
 from lingua_zeco.sp.softmax import sp_softmax_attention
@@ -56,13 +57,9 @@ def softmax_layer_set(args: GLAArgs) -> frozenset[int]:
 
 def rope_positions(T_local: int, rank: int, packing, device) -> torch.Tensor:
     """[T_local] long: global positions of this rank's tokens, or offsets inside their documents."""
-    i_T = torch.arange(rank * T_local, (rank + 1) * T_local, device=device)
     if packing is None:
-        return i_T
-    cu = packing.cu_seqlens.to(device)
-    # the last boundary at or before each token: the start of its document (skips empty documents)
-    start_T = cu[torch.searchsorted(cu, i_T, right=True) - 1]
-    return i_T - start_T
+        return torch.arange(rank * T_local, (rank + 1) * T_local, device=device)
+    return doc_offsets(packing.cu_seqlens, rank * T_local, T_local, device)
 
 
 def rope_tables(pos_T: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):

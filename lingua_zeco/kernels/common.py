@@ -5,6 +5,7 @@ The backend follows the device (CUDA with fla importable → fla, otherwise torc
 """
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 
@@ -64,3 +65,28 @@ def by_segments(fixed, q, *inputs, scale, initial_state, output_final_state, cu_
             outs.append(o)
             finals.append(ht)
         return torch.cat(outs, dim=1).to(q.dtype), (torch.cat(finals) if output_final_state else None)
+
+
+# -- packed documents: which document a global token is in, and where in it --------------------------
+def _bounds_on(bounds, device) -> torch.Tensor:
+    cu = bounds if torch.is_tensor(bounds) else torch.tensor(list(bounds), dtype=torch.long)
+    return cu.to(device=device, dtype=torch.long)
+
+
+def doc_ids(bounds, start: int, n: int, device) -> torch.Tensor:
+    """The document index [n] (long) of global tokens [start, start + n) under boundaries `bounds`
+    (host ints, or a long tensor already on `device`: no host sync). right=True skips zero-length
+    documents: a token belongs to the last document starting at or before it."""
+    pos = torch.arange(start, start + n, device=device)
+    return torch.searchsorted(_bounds_on(bounds, device), pos, right=True) - 1
+
+
+def doc_offsets(bounds, start: int, n: int, device) -> torch.Tensor:
+    """The position [n] (long) of global tokens [start, start + n) inside their documents (as doc_ids)."""
+    cu = _bounds_on(bounds, device)
+    return torch.arange(start, start + n, device=device) - cu[doc_ids(cu, start, n, device)]
+
+
+def doc_of(bounds, t: int) -> int:
+    """The document index of global token t on the host (as doc_ids)."""
+    return bisect.bisect_right(bounds, t) - 1

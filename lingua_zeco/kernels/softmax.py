@@ -25,13 +25,12 @@ explicit_backward, queries in row chunks so the scores stay [B, H, q_chunk, S]).
 """
 from __future__ import annotations
 
-import bisect
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from .common import acc_dtype
+from .common import acc_dtype, doc_ids
 
 BACKENDS = ("auto", "sdpa", "xformers", "naive")
 Q_CHUNK = 1024  # query rows per explicit block: bounds the materialised scores
@@ -56,21 +55,6 @@ def xformers_available() -> tuple[bool, str]:
     except Exception as e:  # ImportError, NotImplementedError (no operator), CUDA errors
         return False, f"xformers unusable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return True, ""
-
-
-def doc_ids(bounds, start: int, n: int, device) -> torch.Tensor:
-    """The document index [n] (long) of global tokens [start, start + n) under boundaries `bounds`
-    (host ints, or a long tensor already on `device`: no host sync). right=True skips zero-length
-    documents: a token belongs to the last document starting at or before it."""
-    cu = bounds if torch.is_tensor(bounds) else torch.tensor(list(bounds), dtype=torch.long)
-    cu = cu.to(device=device, dtype=torch.long)
-    pos = torch.arange(start, start + n, device=device)
-    return torch.searchsorted(cu, pos, right=True) - 1
-
-
-def doc_of(bounds, t: int) -> int:
-    """The document index of global token t on the host (as doc_ids)."""
-    return bisect.bisect_right(bounds, t) - 1
 
 
 def visible_mask(q_start: int, T_q: int, k_start: int, T_k: int, device, window: int | None = None,

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco.comm import global_rank, group_rank_size
-from lingua_zeco.kernels.common import acc_dtype
-from lingua_zeco.kernels.softmax import (BACKENDS, attention, doc_ids, doc_of, explicit_backward, explicit_forward)
+from lingua_zeco.kernels.common import acc_dtype, doc_ids, doc_of
+from lingua_zeco.kernels.softmax import BACKENDS, attention, explicit_backward, explicit_forward
 
 from .varlen import Packing, as_packing
 
