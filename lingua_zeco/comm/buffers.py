@@ -6,7 +6,7 @@ returns, and nothing the caller gets back is a scratch buffer. The result of a s
 caller owns (a fresh one, or the caller's `out=`), so callers may keep any number of results (autograd
 saves them for the backward) while later scans reuse the scratch.
 
-Buffers are keyed by (tag, shape, dtype, device, group, direction, CUDA stream). The stream is in the
+Buffers are keyed by (tag, shape, dtype, device, group, CUDA stream). The stream is in the
 key because the asynchronous scan runs on a side stream: a scan on the caller's stream and one on the
 side stream may be in flight at once and must not share memory; two scans on one stream are ordered
 by the stream itself. `clear_buffers()` frees them all (e.g. after a change of model shape).
@@ -27,13 +27,12 @@ def _stream_key(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
-def scratch(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None, reverse: bool = False,
-            zero: bool = False) -> torch.Tensor:
-    """The persistent buffer for this key, made on first use (zero=True: zero-filled once, at creation)."""
-    key = (tag, tuple(shape), dtype, device, _group_key(group), reverse, _stream_key(device))
+def scratch(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None) -> torch.Tensor:
+    """The persistent buffer for this key, made (uninitialised) on first use."""
+    key = (tag, tuple(shape), dtype, device, _group_key(group), _stream_key(device))
     buf = _POOL.get(key)
     if buf is None:
-        buf = _POOL[key] = (torch.zeros if zero else torch.empty)(tuple(shape), dtype=dtype, device=device)
+        buf = _POOL[key] = torch.empty(tuple(shape), dtype=dtype, device=device)
     return buf
 
 

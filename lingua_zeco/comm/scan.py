@@ -16,7 +16,7 @@ Ranks are walked in scan order: `pos` is this rank's position, `peer(pos)` the g
 (scan_position; reverse=True walks the group backwards, as the backward pass needs).
 Cost per hop: what a rank sends, stages and folds lives in persistent scratch buffers (buffers.py, with
 their lifetime rule); every combine a·y + x is one fused op written in place (addcmul / baddbmm); the
-result is the only tensor a call allocates (none with `out=`).
+result is the only tensor a call allocates.
 """
 from __future__ import annotations
 
@@ -131,16 +131,15 @@ def _wait(works) -> None:
         w.wait()
 
 
-def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: Transition = DECAY,
-               out: torch.Tensor | None = None, reverse: bool = False):
+def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: Transition = DECAY):
     """The chain, pipelined in blocks: position p receives y_p block by block and, as each block
     arrives, sends that block of x_p + a_p·y_p (of x_p alone at p = 0) on to p + 1, so hop p+1 starts
-    before hop p has finished. Returns y_p (zeros at p = 0), in `out` if given.
+    before hop p has finished. Returns y_p (zeros at p = 0).
 
     Decays act row by row, so x [..., K, V] is cut along its flat rows: every block is contiguous and
     is received straight into the result. Matrix transitions mix K: x is cut along V, and with more
     than one block the blocks are staged in scratch buffers."""
-    y = torch.empty_like(x) if out is None else out
+    y = torch.empty_like(x)
     if pos == 0:
         y.zero_()
     if P <= 1:
@@ -153,7 +152,7 @@ def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: T
     direct = transition.rows or len(spans) == 1  # y's blocks are contiguous: receive into them
 
     def buf(tag, j, blk):
-        return scratch(f"chain_{tag}{j}", blk.shape, x.dtype, x.device, group, reverse)
+        return scratch(f"chain_{tag}{j}", blk.shape, x.dtype, x.device, group)
 
     y_blks = [y_.narrow(d, s, e - s) for s, e in spans]
     dst, src = (peer(pos + 1) if pos < P - 1 else None), (peer(pos - 1) if pos > 0 else None)
@@ -184,18 +183,17 @@ def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: T
     return y
 
 
-def tree_scan(x, a, group, pos: int, P: int, peer, transition: Transition = DECAY,
-              out: torch.Tensor | None = None, reverse: bool = False):
+def tree_scan(x, a, group, pos: int, P: int, peer, transition: Transition = DECAY):
     """Hillis–Steele (any P: missing partners are skipped). A position keeps the inclusive pair of
     the positions (pos−d, pos] and the exclusive pair of (pos−d, pos); the round at distance d sends
     the inclusive pair to pos + d and composes the one received from pos − d (earlier) onto both.
     One batched send+receive per round; the aggregates live in scratch buffers and are folded in
     place, and only while a later round still needs them. Returns y_p (zeros at p = 0)."""
-    y = torch.empty_like(x) if out is None else out
+    y = torch.empty_like(x)
     na, n = a.numel(), a.numel() + x.numel()
 
     def buf(tag, shape):
-        return scratch(f"tree_{tag}", shape, x.dtype, x.device, group, reverse)
+        return scratch(f"tree_{tag}", shape, x.dtype, x.device, group)
 
     inc, got = buf("inc", (n,)), buf("recv", (n,))  # [a | x] flat: one message per round
     inc_a, inc_x = inc[:na].view_as(a), inc[na:].view_as(x)
@@ -247,16 +245,16 @@ def gather_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = Fa
     group = group if group is not None else dist.group.WORLD
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     nx, n = x.numel(), x.numel() + a.numel()
-    msg = scratch("gather_msg", (n,), x.dtype, x.device, group, reverse)
+    msg = scratch("gather_msg", (n,), x.dtype, x.device, group)
     msg[:nx].copy_(x.reshape(-1))
     msg[nx:].copy_(a.reshape(-1))
-    every = scratch("gather_all", (P * n,), x.dtype, x.device, group, reverse)  # flat: gloo takes no [P, n]
+    every = scratch("gather_all", (P * n,), x.dtype, x.device, group)  # flat: gloo takes no [P, n]
     dist.all_gather_into_tensor(every, msg, group=group)
     every = every.view(P, -1)
     xs, as_ = every[:, :nx].view(P, *x.shape), every[:, nx:].view(P, *a.shape)
     order = list(range(P - 1, rank, -1) if reverse else range(rank))
     y = torch.zeros_like(x) if not order else xs[order[0]].clone()
-    tmp = scratch("gather_tmp", x.shape, x.dtype, x.device, group, reverse) if transition is not DECAY else y
+    tmp = scratch("gather_tmp", x.shape, x.dtype, x.device, group) if transition is not DECAY else y
     with torch.autocast(x.device.type, enabled=False):  # autocast would run A @ y in bf16
         for r in order[1:]:  # y ← a_r·y + x_r in one op (a GEMM writes to tmp: it cannot overwrite y)
             transition.combine_into(xs[r], as_[r], y, tmp)
