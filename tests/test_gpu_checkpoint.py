@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, SaveEvery
+from test_checkpoint_async import _equals_snapshot, _snapshot
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -25,17 +26,6 @@ def _train(model, opt, steps, seed):
         opt.step()
 
 
-def _state(model, opt):
-    return ({k: v.clone() for k, v in model.state_dict().items()},
-            {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()})
-
-
-def _same(a, b) -> bool:
-    (pa, sa), (pb, sb) = a, b
-    return (pa.keys() == pb.keys() and all(torch.equal(pa[k], pb[k]) for k in pa) and sa.keys() == sb.keys()
-            and all(torch.equal(sa[i][k], sb[i][k]) for i in sa for k in sa[i]))
-
-
 def test_consecutive_async_saves_load_the_state_of_their_step(tmp_path):
     m = _model(0)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
@@ -43,7 +33,7 @@ def test_consecutive_async_saves_load_the_state_of_their_step(tmp_path):
     saved = {}
     for step in (1, 2, 3):
         _train(m, opt, 2, seed=step)
-        saved[step] = _state(m, opt)
+        saved[step] = _snapshot(m, opt)
         mgr.save(step, m, opt, extra={"step": step}, per_rank={})
         _train(m, opt, 1, seed=10 + step)  # training goes on during the background write
     mgr.close()
@@ -54,4 +44,4 @@ def test_consecutive_async_saves_load_the_state_of_their_step(tmp_path):
         o2 = torch.optim.AdamW(m2.parameters(), lr=1e-3)
         _train(m2, o2, 1, seed=0)  # optimizer state exists, with other values
         extra, _ = mgr.load(folder, m2, o2)
-        assert extra["step"] == step and _same(_state(m2, o2), saved[step]), f"step {step} did not round-trip"
+        assert extra["step"] == step and _equals_snapshot(m2, o2, saved[step]), f"step {step} did not round-trip"
