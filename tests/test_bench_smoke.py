@@ -116,3 +116,25 @@ def test_bench_train_runs_the_trainer_step_and_its_sp_variants(tmp_path):
     torchrun("apps.gla.bench.bench_train", 2, [*tiny, "variants=sp_zeco,sp_lasp2", "stem=p2"])
     rows = json.load(open(tmp_path / "p2.json"))["rows"]
     assert [r["variant"] for r in rows] == ["sp_zeco", "sp_lasp2"] and all(finite_positive(r["tok_per_s"]) for r in rows)
+
+
+def test_gpu_gaps_blames_late_launches(tmp_path):
+    """A synthetic trace: two kernels, a 100 µs gap whose closing kernel was launched inside an
+    FSDP annotation after the gap began, and a 5 µs gap (launch latency, not counted)."""
+    from apps.gla.bench.gpu_gaps import idle_gaps
+
+    def x(cat, name, ts, dur, **args):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args=args)
+
+    events = [x("kernel", "k0", 0, 50, correlation=1), x("kernel", "k1", 150, 50, correlation=2),
+              x("kernel", "k2", 205, 10, correlation=3),
+              x("cuda_runtime", "cudaLaunchKernel", -10, 2, correlation=1),
+              x("cuda_runtime", "cudaLaunchKernel", 120, 2, correlation=2),  # after the gap opened at 50
+              x("cuda_runtime", "cudaLaunchKernel", 130, 2, correlation=3),
+              x("user_annotation", "FSDP::pre_backward", 60, 100), x("cpu_op", "aten::copy_", 110, 20)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    gaps = idle_gaps(str(path))
+    assert gaps["span_us"] == 215 and gaps["busy_us"] == 110 and gaps["idle_us"] == 105
+    assert gaps["host_late_us"] == 100
+    assert gaps["by_cause"] == [dict(cause="FSDP::pre_backward > aten::copy_", gaps=1, idle_us=100, host_late_us=100)]

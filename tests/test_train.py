@@ -197,3 +197,33 @@ def test_failed_start_keeps_config_yaml_and_eval_works(tmp_path, capsys):
     assert (tmp_path / "config.yaml").read_text() == saved
     res = run(EvalCLIArgs(dump_dir=str(tmp_path), eval=EvalArgs(every=1, steps=1), device="cpu"))
     assert res["step"] == 2 and res["val_loss"] > 0
+
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 1e6, 0.0])  # clipped, not reached, disabled
+def test_clipping_inside_fused_adamw_equals_clip_then_step(max_norm):
+    """clip_grad_norm hands the clip factor to a fused AdamW as its grad_scale instead of rescaling the
+    gradients; the update must be clip_grad_norm_ followed by an unfused AdamW step (and, when the
+    clip bites, differ from the unclipped step)."""
+    from lingua_zeco.optim import build_optimizer, clip_grad_norm
+
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)) for _ in range(3)]
+    for m in models[1:]:
+        m.load_state_dict(models[0].state_dict())
+    x = torch.randn(32, 8)
+    # fused with the factor inside, unfused after clip_grad_norm_, unfused without clipping; a large eps
+    # makes Adam's step depend on the gradient's size, so a missing or wrong factor shows
+    setups = [(True, max_norm), (False, max_norm), (False, 0.0)]
+    norms = []
+    for m, (fused, clip) in zip(models, setups):
+        opt = build_optimizer(m, OptimArgs(lr=1e-2, eps=0.1, warmup=0, fused=fused, clip=clip), 10)[0]
+        (m(x) ** 2).sum().backward()
+        norms.append(clip_grad_norm(m, clip, opt))
+        assert fused or getattr(opt, "grad_scale", None) is None
+        opt.step()
+    torch.testing.assert_close(norms[0], norms[1])
+    assert norms[0] > 1.0  # so max_norm = 0.05 clips and 1e6 does not
+    for p, q, r in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+        assert torch.allclose(q, r, rtol=1e-3, atol=1e-6) == (max_norm != 0.05)

@@ -5,9 +5,8 @@ SimpleGatedLinearAttention): q, k, v, g, o projections, gk_proj the forget gate,
 from __future__ import annotations
 
 import torch.nn as nn
-import torch.nn.functional as F
 
-from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention
+from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, log_forget_gate
 from lingua_zeco import kernels
 from lingua_zeco.sp import sp_gla, sp_simple_gla
 
@@ -26,6 +25,7 @@ class GatedLinearAttention(LinearAttention):
                                          nn.Linear(args.gate_low_rank_dim, kd, bias=True))
         self.o_proj = nn.Linear(vd, d, bias=False)
         self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
+        self.compile_gates = args.compile_gates
 
     def _inputs(self, x):
         """q, k [B, T, H, K], v [B, T, H, V] and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
@@ -34,7 +34,8 @@ class GatedLinearAttention(LinearAttention):
         q = self.q_proj(x).view(B, T, H, K)
         k = self.k_proj(x).view(B, T, H, K)
         v = self.v_proj(x).view(B, T, H, V)
-        gk = F.logsigmoid(self.gk_proj(x).view(B, T, H, -1).squeeze(-1)) / self.gate_logit_normalizer
+        gk = log_forget_gate(self.gk_proj(x).view(B, T, H, -1).squeeze(-1), self.gate_logit_normalizer,
+                             self.compile_gates)
         return q, k, v, gk
 
     def forward(self, x, cu_seqlens=None):

@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from apps.gla.layers import GLAArgs, acc_dtype
+from apps.gla.layers import GLAArgs
 from lingua_zeco.comm import group_rank_size
-from lingua_zeco.kernels.common import doc_offsets
+from lingua_zeco.kernels.common import acc_dtype, doc_offsets
 from lingua_zeco.kernels.softmax import BACKENDS
 from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP
 from lingua_zeco.sp.softmax import sp_softmax_attention

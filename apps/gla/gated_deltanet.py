@@ -24,7 +24,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, acc_dtype
+from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention
+from lingua_zeco.kernels import acc_dtype
 from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm
 from lingua_zeco.sp import sp_gated_delta
 

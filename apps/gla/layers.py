@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lingua_zeco.kernels import acc_dtype
+
 
 @dataclass
 class GLAArgs:
@@ -27,6 +29,7 @@ class GLAArgs:
     tie_embeddings: bool = False  # the LM head shares the embedding matrix
     init_std: float = 0.02  # std of the normal init of every matrix
     fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
+    compile_gates: bool = True  # CUDA: the forget gate's logsigmoid / normalizer as one torch.compile'd kernel
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
     # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
@@ -62,11 +65,6 @@ def _exact(x: float, what: str) -> int:
     if not math.isclose(x, round(x)):
         raise ValueError(f"{what} must be an integer, got {x}")
     return round(x)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Compute dtype of the norms, the gates and the loss: fp32 at least (bf16 -> fp32, fp64 stays fp64)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def fla_modules():
@@ -142,3 +140,21 @@ class LinearAttention(nn.Module):
             o, state = self._chunk(q, k, v, *gates, state)
             state = state.to(acc_dtype(q.dtype))
         return self._output(o, x), state
+
+
+def _log_gate(z, normalizer: float):
+    return F.logsigmoid(z) / normalizer
+
+
+_compiled_log_gate = None
+
+
+def log_forget_gate(z, normalizer: float, compiled: bool = True):
+    """fla's GLA forget gate, logsigmoid(z) / normalizer. compiled (CUDA only): one torch.compile'd
+    kernel each way instead of an eager logsigmoid, a division and their two backward kernels."""
+    global _compiled_log_gate
+    if not (compiled and z.is_cuda):
+        return _log_gate(z, normalizer)
+    if _compiled_log_gate is None:
+        _compiled_log_gate = torch.compile(_log_gate, fullgraph=True)
+    return _compiled_log_gate(z, normalizer)

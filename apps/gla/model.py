@@ -22,8 +22,9 @@ from torch.utils.checkpoint import checkpoint
 from apps.gla.attention_gla import GatedLinearAttention
 from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
-from apps.gla.layers import GLAArgs, RMSNorm, acc_dtype, fla_modules
+from apps.gla.layers import GLAArgs, RMSNorm, fla_modules
 from lingua_zeco.comm import group_rank_size
+from lingua_zeco.kernels import acc_dtype
 from lingua_zeco.sp.varlen import as_packing
 
 AC_MODES = ("none", "full", "selective")
@@ -148,8 +149,12 @@ class GLAForCausalLM(nn.Module):
             # accumulates the head's weight gradient in fp32, which runs as a non-tensor-core SGEMM:
             # 42.8 ms of a 370 ms GLA-1B step at 16K on an H200 (docs/results/performance.md).
             loss_fn = fla_modules()[3](reduction="sum", accumulate_grad_in_fp32=False)
-            # The weight in h's dtype (a no-op under FSDP's bf16 params; under plain autocast the
-            # fp32 weight would otherwise drag the whole head into fp32 matmuls).
+            # fla's function is not autocast-aware: under plain autocast (fp32 parameters, distributed.fsdp=false)
+            # h is fp32 (the residual stream) and the head's GEMM ran as a 46 ms fp32 SIMT SGEMM per GLA-1B
+            # step at 16K (docs/results/performance.md). h and the weight in the autocast dtype, as nn.Linear
+            # would be; a no-op under FSDP's bf16 parameters.
+            if torch.is_autocast_enabled("cuda"):
+                h = h.to(torch.get_autocast_dtype("cuda"))
             loss = loss_fn(h.reshape(-1, h.shape[-1]), labels.reshape(-1), self.lm_head.weight.to(h.dtype))
         else:
             logits = self.lm_head(h).to(acc_dtype(h.dtype))

@@ -34,6 +34,7 @@ VARIANTS = {
     "ours": [],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
+    "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
     # GLA-1B as a hybrid (configs/gla_1b_hybrid.yaml): softmax attention at blocks 5, 11 and 17
     "ours_hybrid": ["model.softmax_layers=[5,11,17]"],
     # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP
@@ -117,20 +118,34 @@ CATEGORIES = [  # first match wins; lower-case substrings of kernel names
 ]
 
 
-def kernel_breakdown(step, steps: int = 1) -> list[dict]:
+def kernel_breakdown(step, steps: int = 3) -> tuple[list[dict], list[dict], dict]:
+    """(kernel time by category, the host ops that launched the most kernel time, per step; the GPU's
+    idle gaps in those steps and what the host did then: gpu_gaps.idle_gaps)."""
+    import os
+    import tempfile
+
+    from apps.gla.bench.gpu_gaps import idle_gaps
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
         raise ConfigError("profile= needs a CUDA GPU")
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
         torch.cuda.synchronize()
     totals, names = defaultdict(float), defaultdict(lambda: defaultdict(float))
+    ops = []
     for ev in prof.key_averages():
-        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0.0)
-        if us <= 0 or ev.key.startswith("ProfilerStep"):
+        if getattr(ev, "is_user_annotation", False):  # ranges such as FSDP::pre_forward span kernels counted anyway
+            continue
+        if ev.device_type != DeviceType.CUDA:  # a host op: the kernels it launched itself
+            if ev.self_device_time_total > 0:
+                ops.append(dict(op=ev.key[:60], ms=ev.self_device_time_total / 1e3 / steps, calls=ev.count // steps))
+            continue
+        us = ev.device_time_total
+        if us <= 0:
             continue
         key = ev.key.lower()
         cat = next((c for c, pats in CATEGORIES if any(p in key for p in pats)), "other")
@@ -142,7 +157,11 @@ def kernel_breakdown(step, steps: int = 1) -> list[dict]:
         top = sorted(names[cat].items(), key=lambda kv: -kv[1])[:3]
         rows.append(dict(category=cat, ms=us / 1e3, share=us / all_us,
                          top="; ".join(f"{n} {u / 1e3:.1f}" for n, u in top)))
-    return rows
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        gaps = idle_gaps(trace, per=steps)  # the first step's start (after a sync) counted once in `steps`
+    return rows, sorted(ops, key=lambda r: -r["ms"])[:20], gaps
 
 
 def steady_state_times(step, device, warmup: int, steps: int) -> list[float]:
@@ -189,7 +208,7 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
                p10_ms=s["p10_ms"], p90_ms=s["p90_ms"], tok_per_s=tok_s, mfu=tok_s * fpt / peak if peak else None,
                peak_gib=mem / 1024 if mem is not None else None)
     if name in a.profile:
-        row["profile"] = kernel_breakdown(step)
+        row["profile"], row["profile_ops"], row["profile_gaps"] = kernel_breakdown(step)
     del keep, step
     gc.collect()
     reset_peak_memory(device)
@@ -202,7 +221,7 @@ def measure(a: BenchTrainArgs, device) -> tuple[str, dict, str]:
     rows = []
     for name in a.variants:
         rows.append(run_variant(name, a, device))
-        print({k: v for k, v in rows[-1].items() if k != "profile"}, flush=True)
+        print({k: v for k, v in rows[-1].items() if not k.startswith("profile")}, flush=True)
     ref = next((r["tok_per_s"] for r in rows if r["variant"] == "fla"), None)
     for r in rows:
         r["vs_fla"] = r["tok_per_s"] / ref if ref else None
@@ -212,6 +231,12 @@ def measure(a: BenchTrainArgs, device) -> tuple[str, dict, str]:
         if "profile" in r:
             md += f"\nKernel time of one `{r['variant']}` step by category (ms):\n\n"
             md += markdown_table(r["profile"], ["category", "ms", "share", "top"])
+            md += "\nHost ops of that step by the kernel time they launched (ms):\n\n"
+            md += markdown_table(r["profile_ops"], ["op", "ms", "calls"])
+            gaps = r["profile_gaps"]
+            md += (f"\nGPU idle per step: {gaps['idle_us'] / 1e3:.1f} ms of {gaps['span_us'] / 1e3:.1f} "
+                   f"({gaps['host_late_us'] / 1e3:.1f} ms after a late launch), by what the host was doing:\n\n")
+            md += markdown_table(gaps["by_cause"], ["cause", "gaps", "idle_us", "host_late_us"])
     return a.stem, dict(rows=rows), md
 
 
