@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
-from lingua_zeco import checkpoint_integrity as I
+from lingua_zeco import checkpoint_integrity as integrity
 from lingua_zeco.args import ConfigError
 from lingua_zeco.checkpoint_async import AsyncWriter
 from lingua_zeco.reliability import NonFiniteError, StorageError
@@ -101,7 +101,7 @@ def _gather(obj) -> list:
 def _agree(err: BaseException | None, kind: type = None) -> BaseException | None:
     """Collective: None if no rank failed, else this rank's own failure or one naming the failing rank.
     Ranks must take the same branch before the next collective, or they wait on each other forever."""
-    infos = _gather(None if err is None else (isinstance(err, ConfigError), I.root_cause(err)))
+    infos = _gather(None if err is None else (isinstance(err, ConfigError), integrity.root_cause(err)))
     if err is not None:
         return err
     for r, info in enumerate(infos):
@@ -186,7 +186,7 @@ class CheckpointManager:
         state = _state(model, optimizer)
         # A non-finite state saved as COMPLETE would be resumed from, and retention would delete the
         # good checkpoints behind it: refuse before staging or writing anything.
-        bad = sorted({n for names in _gather(I.nonfinite(state)) for n in names})
+        bad = sorted({n for names in _gather(integrity.nonfinite(state)) for n in names})
         if bad:
             done = self.complete_checkpoints(warn=False)
             raise NonFiniteError(
@@ -204,9 +204,9 @@ class CheckpointManager:
                 os.makedirs(tmp)
 
         def write_own_files():  # before any background write, which hashes the folder when done
-            I.save_file(per_rank, os.path.join(tmp, f"rank{rank}.pt"))
+            integrity.save_file(per_rank, os.path.join(tmp, f"rank{rank}.pt"))
             if rank == 0:
-                I.save_file(extra, os.path.join(tmp, "extra.pt"))
+                integrity.save_file(extra, os.path.join(tmp, "extra.pt"))
 
         def write_state():  # collective; DCP raises on every rank if any rank failed
             if self.async_save:  # returns once staged in host memory; written in the background
@@ -225,7 +225,7 @@ class CheckpointManager:
                 self._save_failed(step, tmp, err)
         if self.async_save:
             return final
-        return self._finalise(step, tmp, final, I.checksums(tmp, rank, world, skip=(MARKER,)), t0)
+        return self._finalise(step, tmp, final, integrity.checksums(tmp, rank, world, skip=(MARKER,)), t0)
 
     def _finalise(self, step: int, tmp: str, final: str, mine: dict, t0: float) -> str:
         """Collective, once every rank's files are in tmp (`mine`: the checksums of this rank's files):
@@ -240,11 +240,11 @@ class CheckpointManager:
                 if os.path.exists(final):  # the same step saved again (e.g. final step == periodic step)
                     _remove_checkpoint(final)
                 os.replace(tmp, final)
-                I.fsync_dir(self.path)
+                integrity.fsync_dir(self.path)
                 marker = {"step": step, "world_size": world, "time": time.time(), "torch": torch.__version__,
                           "finite": True, "files": files}
-                I.save_file(marker, os.path.join(final, MARKER), as_json=True)
-                I.fsync_dir(final)
+                integrity.save_file(marker, os.path.join(final, MARKER), as_json=True)
+                integrity.fsync_dir(final)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
             if err is None:
@@ -281,12 +281,12 @@ class CheckpointManager:
 
     def _save_failed(self, step: int, folder: str, err: BaseException):
         """Every rank: name the cause (a full disk above all), drop the half-written folder, raise."""
-        problem = I.storage_problem(err, self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
+        problem = integrity.storage_problem(err, self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
         if _rank_world()[0] == 0 and not os.path.isfile(os.path.join(folder, MARKER)):
             shutil.rmtree(folder, ignore_errors=True)  # never complete; frees the space it took
         done = self.complete_checkpoints(warn=False)
         raise StorageError(
-            f"checkpoint of step {step} could not be written to {self.path}: {problem or I.root_cause(err)}. "
+            f"checkpoint of step {step} could not be written to {self.path}: {problem or integrity.root_cause(err)}. "
             f"Nothing of it is kept; " + (f"the newest complete checkpoint is {done[-1][1]}" if done else
                                            "there is no complete checkpoint yet") +
             f". Free space or set checkpoint.path, then rerun the same command{' to resume' if done else ''}") from err
@@ -320,7 +320,7 @@ class CheckpointManager:
         state = _state(model, optimizer)
         err, extra, src = None, None, None
         try:
-            problems = I.verify(path, marker["files"], rank, world) if "files" in marker else []
+            problems = integrity.verify(path, marker["files"], rank, world) if "files" in marker else []
             if problems:
                 raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
             extra = _load_file(os.path.join(path, "extra.pt"))
@@ -337,7 +337,7 @@ class CheckpointManager:
         if (err := _agree(err)) is not None:
             raise err
         _dcp(dcp.load, state, path)
-        bad = I.nonfinite(state)  # e.g. a checkpoint written before checksums or the save-time check
+        bad = integrity.nonfinite(state)  # e.g. a checkpoint written before checksums or the save-time check
         err = CheckpointLoadError(f"{path}: non-finite values in {', '.join(bad[:4])}") if bad else None
         if (err := _agree(err)) is not None:  # before set_state_dict, which may be collective
             raise err
@@ -371,7 +371,7 @@ class CheckpointManager:
             path = done[-1][1]
         rank, world = _rank_world()
         files = self._marker(path).get("files")
-        problems = sum(_gather(I.verify(path, files, rank, world) if files else []), [])
+        problems = sum(_gather(integrity.verify(path, files, rank, world) if files else []), [])
         if problems:
             raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
         state = {"model": get_model_state_dict(model)}

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # DCP's copier (no public name)
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from lingua_zeco import checkpoint_integrity as I
+from lingua_zeco import checkpoint_integrity as integrity
 
 WRITE_DELAY_ENV = "LINGUA_ZECO_CKPT_WRITE_DELAY"
 
@@ -90,7 +90,7 @@ def _hash_when_written(upload: Future, tmp: str, rank: int, world: int, skip: tu
     Each rank's own files are final once its DCP save returns (rank 0 writes .metadata last)."""
     upload.result()
     time.sleep(_test_delay())
-    return I.checksums(tmp, rank, world, skip=skip)
+    return integrity.checksums(tmp, rank, world, skip=skip)
 
 
 class AsyncWriter:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from lingua_zeco.data.mqar import IGNORE_INDEX
+from lingua_zeco.kernels.common import acc_dtype
 
 ROW_CHUNK_ELEMS = 2**26  # logits per chunk (256 MiB in fp32): bounded memory at any vocab size
 
@@ -48,7 +49,7 @@ class TokenLosses:
             return
         mask_BT = labels_BT != IGNORE_INDEX
         h_ND, y_N = h_BTD[mask_BT], labels_BT[mask_BT]
-        acc = torch.promote_types(h_BTD.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+        acc = acc_dtype(h_BTD.dtype)  # fp32 at least, fp64 stays fp64
         w_VD = self.model.lm_head.weight.to(acc)
         loss_N = torch.empty(y_N.shape, dtype=torch.float64, device=h_BTD.device)
         hit_N = torch.empty(y_N.shape, dtype=torch.bool, device=h_BTD.device)

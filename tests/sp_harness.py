@@ -9,6 +9,7 @@ from typing import Callable, Hashable, Sequence
 
 import torch
 
+from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.testing import run_on_ranks
 
 BROKEN_MIN_ERR = 1e-2  # a variant broken on purpose must miss the reference by at least this much
@@ -122,3 +123,40 @@ def expect_matches_reference(per_rank: list[dict], variants: Sequence[tuple], re
             expect_caught(errs, caught, f"{what}: the broken variant {variant}")
         else:
             expect_close(errs, tol, f"{what}: {variant}")
+
+
+def docs_for(P: int, t_local: int) -> torch.Tensor:
+    """Boundaries that cross ranks, fall inside one, and one exactly at a rank's first token."""
+    T = P * t_local
+    cuts = {0, T, 5, t_local + 3, 2 * t_local, T - 2}
+    return torch.tensor(sorted(c for c in cuts if 0 <= c <= T))
+
+
+def docs_with_empty(P: int, t_local: int, inside: int, after: int, before_end: int) -> torch.Tensor:
+    """Zero-length documents at the start, `inside` rank 0, at rank 1's first token and at the end; the
+    others end `after` tokens into rank 1 and `before_end` tokens before the end (issue 17)."""
+    T = P * t_local
+    return torch.tensor(sorted([0, 0, inside, inside, t_local, t_local, min(t_local + after, T), T - before_end, T, T]))
+
+
+def autocast_worker(rank, P, op, inputs: dict, docs, variants, t_local: int) -> dict:
+    """Variants (method, scan algorithm, varlen) of the SP operator `op` under CPU bf16 autocast; the
+    backward runs outside it (fwd_bwd), as the trainer does. inputs[varlen]: the global inputs, then do."""
+    def run(variant, *ins):
+        method, algo, varlen = variant
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return op(*ins, method=method, cu_seqlens=docs if varlen else None,
+                      scan=AllScanArgs(algorithm=algo, n_blocks=2, node_size=1))
+    return rank_results(rank, t_local, variants, lambda variant: inputs[variant[2]], run)
+
+
+def empty_docs_worker(rank, P, op, inputs, docs, methods, t_local: int) -> dict:
+    """Each (method, scan algorithm) of `op` (method none on one rank) on `docs` with its zero-length
+    documents (key flag 1) and without them (0): what expect_pairs_equal compares."""
+    variants = [(m, a, empty) for m, a in (methods if P > 1 else [("none", "chain")]) for empty in (1, 0)]
+
+    def run(variant, *ins):
+        method, algo, empty = variant
+        return op(*ins, method=method, cu_seqlens=docs if empty else docs.unique(),
+                  scan=AllScanArgs(algorithm=algo, n_blocks=2))
+    return rank_results(rank, t_local, variants, lambda _: inputs, run)

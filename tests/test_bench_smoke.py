@@ -138,3 +138,7 @@ def test_gpu_gaps_blames_late_launches(tmp_path):
     assert gaps["span_us"] == 215 and gaps["busy_us"] == 110 and gaps["idle_us"] == 105
     assert gaps["host_late_us"] == 100
     assert gaps["by_cause"] == [dict(cause="FSDP::pre_backward > aten::copy_", gaps=1, idle_us=100, host_late_us=100)]
+    # k1 as a communication kernel that does not count as work: the idle runs from k0's end to k2
+    events[1]["name"] = "ncclDevKernel_SendRecv"
+    path.write_text(json.dumps({"traceEvents": events}))
+    assert idle_gaps(str(path), ignore=("nccl",))["idle_us"] == 155

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from lingua_zeco import checkpoint_integrity as I
+from lingua_zeco import checkpoint_integrity as integrity
 from lingua_zeco.checkpoint import MARKER, CheckpointArgs, CheckpointManager, SaveEvery
 from lingua_zeco.checkpoint_async import WRITE_DELAY_ENV
 from lingua_zeco.reliability import StorageError
@@ -83,7 +83,7 @@ def test_complete_marker_only_after_finalisation(tmp_path, monkeypatch):
     marker = json.load(open(os.path.join(final, MARKER)))
     assert marker["finite"] is True and marker["step"] == 1
     assert sorted(marker["files"]) == sorted(n for n in os.listdir(final) if n != MARKER)
-    assert I.verify(final, marker["files"], 0, 1) == []
+    assert integrity.verify(final, marker["files"], 0, 1) == []
     for step in (2, 3):  # save 3 starts by finalising 2
         _train(m, o, 1, seed=step)
         mgr.save(step, m, o, extra={"step": step}, per_rank={})
@@ -103,7 +103,7 @@ def test_failed_background_write_raises_at_finalisation_and_keeps_the_previous(t
     def broken(*a, **k):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(I, "checksums", broken)  # called in the background thread, after DCP's write
+    monkeypatch.setattr(integrity, "checksums", broken)  # called in the background thread, after DCP's write
     mgr.save(2, m, o, extra={"step": 2}, per_rank={})
     with pytest.raises(StorageError, match=r"step 2 .*no space left on device.*step_0000000001"):
         mgr.wait()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from apps.gla.train import TrainArgs
-from lingua_zeco import reliability as R
+from lingua_zeco import reliability
 from lingua_zeco.args import parse_args
 from lingua_zeco.evaluation import training_data_args
 
@@ -25,7 +25,7 @@ def demo_args(*overrides: str) -> TrainArgs:
 
 def test_demo_config_parses_and_shows_what_the_doc_says():
     a = demo_args()
-    R.check_config(a)
+    reliability.check_config(a)
     assert a.distributed.sp_size == 2 and a.distributed.sp_method == "zeco"
     assert a.data.varlen and a.data.batch_size == 1  # packed documents (varlen needs one sequence per rank)
     assert a.data.seq_len * a.distributed.sp_size == 2048  # one 2048-token context per step

@@ -159,17 +159,17 @@ MQAR = MQARArgs(n_keys=8, n_values=8, n_pairs=4, n_queries=8, pair_tokens=True)
 def _pos_eval(rank, world, sp, variants=("zeco",)):
     """Evaluate one fp64 model on this rank's (dp, sp) place: built-in text, and MQAR with the queries on
     the last of 2 ranks' halves. Variants: zeco | local (no state passed) | offset0 (positions wrong)."""
-    from lingua_zeco import distributed as D
-    from lingua_zeco import evaluation as E
+    from lingua_zeco import distributed
+    from lingua_zeco import evaluation
 
     torch.set_num_threads(1)
-    env = D.setup(D.DistributedArgs(sp_size=sp, sp_method="zeco", fsdp=False))
-    right_offset = E.position_offset
+    env = distributed.setup(distributed.DistributedArgs(sp_size=sp, sp_method="zeco", fsdp=False))
+    right_offset = evaluation.position_offset
     out = {}
     try:
         for variant in variants:
             # offset0: every SP rank counts its tokens from position 0
-            E.position_offset = (lambda sp_rank, seq_len: 0) if variant == "offset0" else right_offset
+            evaluation.position_offset = (lambda sp_rank, seq_len: 0) if variant == "offset0" else right_offset
             method = "local" if variant == "local" else env.sp_method
             out[variant] = {}
             for name, data, vocab, ev in (
@@ -179,12 +179,13 @@ def _pos_eval(rank, world, sp, variants=("zeco",)):
                 model = GLAForCausalLM(dataclasses.replace(POS_MODEL, vocab_size=vocab), sp_group=env.sp_group,
                                        sp_method=method)
                 model.init_weights(0)
-                out[variant][name] = E.evaluate(model, data, ev, device=torch.device("cpu"), dp_rank=env.dp_rank,
-                                                dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)
+                out[variant][name] = evaluation.evaluate(
+                    model, data, ev, device=torch.device("cpu"), dp_rank=env.dp_rank, dp_size=env.dims.dp,
+                    sp_rank=env.sp_rank, sp_size=env.dims.sp)
         return out
     finally:
-        E.position_offset = right_offset
-        D.teardown(env)
+        evaluation.position_offset = right_offset
+        distributed.teardown(env)
 
 
 def _merge(parts: list[dict]) -> dict:

@@ -15,10 +15,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from apps.gla import train as T
+from apps.gla import train as trainer
 from apps.gla.model import GLAForCausalLM
-from lingua_zeco import distributed as D
-from lingua_zeco import reliability as R
+from lingua_zeco import distributed
+from lingua_zeco import reliability
 from lingua_zeco.args import parse_args
 from lingua_zeco.testing import run_on_ranks
 
@@ -58,23 +58,24 @@ class _RecordGrads(torch.optim.Optimizer):
 
 def _one_step(rank, world, extra):
     torch.set_num_threads(1)
-    args = parse_args(T.TrainArgs, [*ARGV, *extra])
-    env = D.setup(args.distributed)
-    model = T.build_model(args, env)
+    args = parse_args(trainer.TrainArgs, [*ARGV, *extra])
+    env = distributed.setup(args.distributed)
+    model = trainer.build_model(args, env)
     opt = _RecordGrads(list(model.named_parameters()))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     sp, s = env.dims.sp, env.sp_rank
     data = iter([{"input_ids": x[:, s * L:(s + 1) * L], "labels": y[:, s * L:(s + 1) * L]}
                  for x, y in (_global_batch(env.dp_rank, m, sp) for m in range(ACC))])
-    loss_sum, n_sum, _, _, _ = T.train_step(model, opt, sched, data, env, args, contextlib.nullcontext(),
-                                            R.StepGuard(R.ReliabilityArgs()), step=0, sync=True)
+    guard = reliability.StepGuard(reliability.ReliabilityArgs())
+    loss_sum, n_sum, _, _, _ = trainer.train_step(model, opt, sched, data, env, args, contextlib.nullcontext(), guard,
+                                                  step=0, sync=True)
     dist.all_reduce(loss_sum)  # what the trainer logs: all-reduced loss sum / global count
     return {"grads": opt.grads, "loss": (loss_sum / n_sum).item(), "count": n_sum.item()}
 
 
 def _reference(dp: int, sp: int):
     """float64 on one process: d(sum of every counted token's loss / number of counted tokens)."""
-    args = parse_args(T.TrainArgs, ARGV)
+    args = parse_args(trainer.TrainArgs, ARGV)
     model = GLAForCausalLM(args.model)
     model.init_weights(SEED)
     total = torch.zeros((), dtype=torch.float64)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import apps.gla.train as T
+import apps.gla.train as trainer
 from apps.gla.train import TrainArgs, train
 from lingua_zeco.args import parse_args
 from lingua_zeco.checkpoint import MARKER
@@ -131,7 +131,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 def _poisoning(monkeypatch, at: dict[int, str]):
     """forward_backward that makes the gradients (or the loss) of the given steps NaN, and records the
     model's weights when each step starts."""
-    real, seen = T.forward_backward, []
+    real, seen = trainer.forward_backward, []
 
     def fb(model, data, env, args, autocast):
         seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -144,7 +144,7 @@ def _poisoning(monkeypatch, at: dict[int, str]):
             loss_sum = loss_sum * float("inf")
         return loss_sum, n_sum, wait
 
-    monkeypatch.setattr(T, "forward_backward", fb)
+    monkeypatch.setattr(trainer, "forward_backward", fb)
     return seen
 
 
@@ -152,15 +152,26 @@ def _plain(sd):
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in sd.items()}
 
 
-def test_nonfinite_skip_leaves_weights_and_optimizer_then_stops_after_max_skips(tmp_path, monkeypatch):
-    seen = _poisoning(monkeypatch, {2: "grad", 4: "loss"})
-    argv = _argv(tmp_path, "steps=6", "checkpoint.dump.every=1", "checkpoint.dump.keep=0",
-                 "reliability.nonfinite=skip", "reliability.max_skips=1")
-    with pytest.raises(NonFiniteError, match=r"step 4: .*loss inf.*2 steps skipped.*max_skips=1"):
+def _skip_until_error(tmp_path, monkeypatch, at: dict[int, str], match: str, *extra) -> list[dict]:
+    """Six steps poisoned at `at` under nonfinite=skip, max_skips=1: the NonFiniteError must match `match`.
+    Returns the weights each step that ran started from."""
+    seen = _poisoning(monkeypatch, at)
+    argv = _argv(tmp_path, "steps=6", *extra, "reliability.nonfinite=skip", "reliability.max_skips=1")
+    with pytest.raises(NonFiniteError, match=match):
         train(parse_args(TrainArgs, argv))
-    w = [_plain(s) for s in seen]
-    assert all(torch.equal(w[2][k], w[1][k]) for k in w[1])  # step 2 skipped: weights after it = before it
-    assert not all(torch.equal(w[1][k], w[0][k]) for k in w[0])  # (step 1 did move them)
+    return [_plain(s) for s in seen]
+
+
+def _same_weights(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_nonfinite_skip_leaves_weights_and_optimizer_then_stops_after_max_skips(tmp_path, monkeypatch):
+    match = r"step 4: .*loss inf.*2 steps skipped.*max_skips=1"
+    w = _skip_until_error(tmp_path, monkeypatch, {2: "grad", 4: "loss"}, match, "checkpoint.dump.every=1",
+                          "checkpoint.dump.keep=0")
+    assert _same_weights(w[2], w[1])  # step 2 skipped: weights after it = before it
+    assert not _same_weights(w[1], w[0])  # (step 1 did move them)
     s1, s2 = _state(_ckpt(tmp_path, 1), tmp_path), _state(_ckpt(tmp_path, 2), tmp_path)
     assert _same(s1["model"], s2["model"]) == [] and _same(s1["optim"]["state"], s2["optim"]["state"]) == []
     rows = {r["step"]: r for r in read_metrics(tmp_path / "metrics.jsonl")}
@@ -171,7 +182,7 @@ def test_nonfinite_skip_leaves_weights_and_optimizer_then_stops_after_max_skips(
 def test_nonfinite_stop_policy_exits_1_naming_the_step(tmp_path, monkeypatch, capsys):
     _poisoning(monkeypatch, {3: "grad"})
     with pytest.raises(SystemExit) as e:
-        T.main(_argv(tmp_path, "steps=6", "checkpoint.dump.every=2", "reliability.nonfinite=stop"))
+        trainer.main(_argv(tmp_path, "steps=6", "checkpoint.dump.every=2", "reliability.nonfinite=stop"))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 1 and len(err) == 1 and "step 3: non-finite" in err[0] and "grad norm nan" in err[0], err
     assert (_ckpt(tmp_path, 2) / MARKER).is_file() and [s for s, _ in _losses(tmp_path)] == [1, 2]
@@ -180,16 +191,11 @@ def test_nonfinite_stop_policy_exits_1_naming_the_step(tmp_path, monkeypatch, ca
 def test_deferred_verdict_skips_on_device_and_stops_one_step_later(tmp_path, monkeypatch):
     """With no log/save between them, steps do not sync: a bad step's update is dropped by the fused
     AdamW on the device, and the host learns it (and applies the policy) at the next step."""
-    seen = _poisoning(monkeypatch, {2: "grad", 4: "grad"})
-    argv = _argv(tmp_path, "steps=6", "logging.freq=100", "checkpoint.dump.every=0",
-                 "reliability.nonfinite=skip", "reliability.max_skips=1")
-    with pytest.raises(NonFiniteError, match=r"step 4: .*grad norm nan.*2 steps skipped"):
-        train(parse_args(TrainArgs, argv))
-    w = [_plain(s) for s in seen]
+    w = _skip_until_error(tmp_path, monkeypatch, {2: "grad", 4: "grad"}, r"step 4: .*grad norm nan.*2 steps skipped",
+                          "logging.freq=100", "checkpoint.dump.every=0")
     assert len(w) == 5  # raised while checking step 5, about step 4: one step late
-    assert all(torch.equal(w[2][k], w[1][k]) for k in w[1])  # step 2 dropped on the device
-    assert all(torch.equal(w[4][k], w[3][k]) for k in w[3])  # step 4 as well
-    assert not all(torch.equal(w[3][k], w[2][k]) for k in w[2])  # step 3 did move the weights
+    assert _same_weights(w[2], w[1]) and _same_weights(w[4], w[3])  # steps 2 and 4 dropped on the device
+    assert not _same_weights(w[3], w[2])  # step 3 did move the weights
 
 
 # -- bad input: one clear line, exit 2, nothing lost ---------------------------------------------------------
@@ -204,7 +210,7 @@ def test_deferred_verdict_skips_on_device_and_stops_one_step_later(tmp_path, mon
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, extra, needle):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')  # an earlier run's history
     with pytest.raises(SystemExit) as e:
-        T.main(_argv(tmp_path, "steps=2", *extra))
+        trainer.main(_argv(tmp_path, "steps=2", *extra))
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and needle in err[0], err
     assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 5.0}]
@@ -224,12 +230,12 @@ def test_corrupt_jsonl_line_skip_counts_or_error_stops(tmp_path, capsys, policy)
     argv = _argv(tmp_path / "run", "steps=12", "checkpoint.dump.every=2", f"data.root_dir={root}",
                  f"data.on_bad_line={policy}", "data.shuffle_files=false")
     if policy == "skip":
-        T.main(argv)
+        trainer.main(argv)
         rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
         assert len(rows) == 12 and rows[0]["bad_lines"] == 0 and rows[-1]["bad_lines"] == 1
         return
     with pytest.raises(SystemExit) as e:
-        T.main(argv)
+        trainer.main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and "f.jsonl:12: bad record" in err[0], err
     steps = [s for s, _ in _losses(tmp_path / "run")]  # what was done before stays readable
@@ -372,7 +378,7 @@ def test_second_run_on_the_same_dump_dir_is_refused_while_the_first_lives(tmp_pa
             time.sleep(0.2)
         config = (tmp_path / "config.yaml").read_text()
         with pytest.raises(SystemExit) as e:
-            T.main(_argv(tmp_path, "steps=2", "seed=7"))
+            trainer.main(_argv(tmp_path, "steps=2", "seed=7"))
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
         assert "in use" in err[0] and str(tmp_path) in err[0] and f"pid {first.pid}" in err[0], err
@@ -381,7 +387,7 @@ def test_second_run_on_the_same_dump_dir_is_refused_while_the_first_lives(tmp_pa
         first.kill()
         first.communicate()
     assert first.returncode == -signal.SIGKILL
-    T.main(_argv(tmp_path, "steps=2", "checkpoint.dump.every=100000"))
+    trainer.main(_argv(tmp_path, "steps=2", "checkpoint.dump.every=100000"))
 
 
 def _in_mount_namespace(mount_opts: str, mnt: Path, dump_dir: Path, *extra) -> tuple[int, str, str]:

@@ -11,8 +11,9 @@ from lingua_zeco.comm import AllScanArgs, pair_scan
 from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm, naive_gated_delta, torch_chunk_gated_delta
 from lingua_zeco.sp import sp_gated_delta
 from lingua_zeco.testing import run_on_ranks
-from sp_harness import (expect_all_close, expect_close, expect_equal, expect_matches_reference, expect_pairs_equal,
-                        fwd_bwd, max_rel, on_ranks, rank_results, rel_errors)
+from sp_harness import (autocast_worker, docs_with_empty, empty_docs_worker, expect_all_close, expect_close,
+                        expect_equal, expect_matches_reference, expect_pairs_equal, fwd_bwd, max_rel, on_ranks,
+                        rank_results, rel_errors)
 
 B, H, K, V, T_LOCAL = 2, 2, 6, 4, 20
 
@@ -322,19 +323,11 @@ AUTOCAST_VARIANTS = [("zeco", "chain", False), ("zeco", "tree", False), ("zeco",
 AUTOCAST_TOL = 2e-5
 
 
-def _autocast_worker(rank, P):
-    def run(variant, *ins):  # the backward runs outside autocast (fwd_bwd), as the trainer does
-        method, algo, varlen = variant
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return sp_gated_delta(*ins, method=method, cu_seqlens=docs_for(P) if varlen else None,
-                                  scan=AllScanArgs(algorithm=algo, n_blocks=2))
-    return rank_results(rank, T_LOCAL, AUTOCAST_VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B),
-                        run)
-
-
 def test_sp_gated_delta_under_bf16_autocast_stays_fp32():
     P = 3
-    per_rank = run_on_ranks(_autocast_worker, P, timeout_s=180)
+    inputs = {vl: global_inputs(P, B=1 if vl else B) for vl in (False, True)}
+    per_rank = run_on_ranks(autocast_worker, P, sp_gated_delta, inputs, docs_for(P), AUTOCAST_VARIANTS, T_LOCAL,
+                            timeout_s=180)
     oracles = {vl: single_device(P, vl)[1] for vl in (False, True)}
     expect_all_close(per_rank, AUTOCAST_VARIANTS, lambda variant: oracles[variant[2]], NAMES, AUTOCAST_TOL,
                      "gated delta under bf16 autocast vs the float64 oracle:", dtype=torch.float32)
@@ -342,25 +335,11 @@ def test_sp_gated_delta_under_bf16_autocast_stays_fp32():
 
 # ----------------------------------------------------------------------------- empty documents (issue 17)
 
-def docs_with_empty(P):
-    """Zero-length documents at the start, inside rank 0, at the rank boundary T_LOCAL and at the end."""
-    T = P * T_LOCAL
-    return torch.tensor(sorted([0, 0, 7, 7, T_LOCAL, T_LOCAL, min(T_LOCAL + 5, T), T - 3, T, T]))
-
-
-def _empty_docs_worker(rank, P):
-    variants = [(m, empty) for m in (("zeco", "lasp1", "lasp2") if P > 1 else ("none",)) for empty in (1, 0)]
-
-    def run(variant, *ins):
-        method, empty = variant
-        return sp_gated_delta(*ins, method=method,
-                              cu_seqlens=docs_with_empty(P) if empty else docs_with_empty(P).unique())
-    return rank_results(rank, T_LOCAL, variants, lambda _: global_inputs(P, B=1), run)
-
-
 @pytest.mark.parametrize("P", [1, 2])
 def test_zero_length_documents_change_nothing(P):
-    per_rank = on_ranks(_empty_docs_worker, P, timeout_s=180)
-    q, k, v, g, beta, _ = global_inputs(P, B=1)
-    oracle = naive_gated_delta(q, k, v, g, beta, cu_seqlens=docs_with_empty(P))[0]
+    inputs = global_inputs(P, B=1)
+    docs = docs_with_empty(P, T_LOCAL, inside=7, after=5, before_end=3)
+    methods = [(m, "chain") for m in ("zeco", "lasp1", "lasp2")]
+    per_rank = on_ranks(empty_docs_worker, P, sp_gated_delta, inputs, docs, methods, T_LOCAL, timeout_s=180)
+    oracle = naive_gated_delta(*inputs[:-1], cu_seqlens=docs)[0]  # all but do
     expect_pairs_equal(per_rank, NAMES, oracle, 2e-5, f"at P={P} with and without empty documents")

@@ -1,4 +1,6 @@
 """sp_gla on P gloo ranks against single-device GLA and the float64 oracle, forward and backward."""
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,21 +9,14 @@ from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.kernels import naive_gla, torch_chunk_gla
 from lingua_zeco.sp import sp_gla
 from lingua_zeco.testing import run_on_ranks
-from sp_harness import (expect_all_close, expect_matches_reference, expect_pairs_equal, fwd_bwd, gla_inputs, on_ranks,
-                        rank_results)
+from sp_harness import (autocast_worker, docs_for, docs_with_empty, empty_docs_worker, expect_all_close,
+                        expect_matches_reference, expect_pairs_equal, fwd_bwd, gla_inputs, on_ranks, rank_results)
 
 B, H, K, V, T_LOCAL = 2, 2, 8, 4, 12
 
 
 def global_inputs(P, B=B, seed=0):
     return gla_inputs(P, T_LOCAL, B, H, K, V, seed)  # q, k, v, g [B, T, H, K], do
-
-
-def docs_for(P):
-    """Boundaries that cross ranks, fall inside one, and one exactly at a rank's first token."""
-    T = P * T_LOCAL
-    cuts = {0, T, 5, T_LOCAL + 3, 2 * T_LOCAL, T - 2}
-    return torch.tensor(sorted(c for c in cuts if 0 <= c <= T))
 
 
 VARIANTS_ALL = [  # (method, scan algorithm, varlen)
@@ -41,13 +36,13 @@ def _worker(rank, P):
     def run(variant, q, k, v, g):
         method, algo, varlen = variant
         scan = AllScanArgs(algorithm=algo, n_blocks=3, node_size=2 if P % 2 == 0 else 1)
-        return sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None, scan=scan)
+        return sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P, T_LOCAL) if varlen else None, scan=scan)
     return rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
 
 
 def single_device(P, varlen):
     q, k, v, g, do = global_inputs(P, B=1 if varlen else B)
-    cu = docs_for(P) if varlen else None
+    cu = docs_for(P, T_LOCAL) if varlen else None
     ref = fwd_bwd(lambda *x: torch_chunk_gla(*x, cu_seqlens=cu)[0], (q, k, v, g), do)
     o_oracle, _ = naive_gla(q, k, v, g, cu_seqlens=cu)
     return ref, o_oracle
@@ -103,24 +98,16 @@ AUTOCAST_VARIANTS = [("zeco", "chain", False), ("zeco", "tree", True), ("zeco", 
 AUTOCAST_TOL = 1e-5
 
 
-def _autocast_worker(rank, P):
-    def run(variant, q, k, v, g):  # the backward runs outside autocast (fwd_bwd), as the trainer does
-        method, algo, varlen = variant
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None, fused=False,
-                          scan=AllScanArgs(algorithm=algo, n_blocks=2, node_size=1))
-    return rank_results(rank, T_LOCAL, AUTOCAST_VARIANTS,
-                        lambda variant: global_inputs(P, B=1 if variant[2] else B, seed=1), run)
-
-
 def oracle_with_grads(P, varlen, seed):
     *ins, do = (t.double() for t in global_inputs(P, B=1 if varlen else B, seed=seed))
-    return fwd_bwd(lambda *x: naive_gla(*x, cu_seqlens=docs_for(P) if varlen else None)[0], ins, do)
+    return fwd_bwd(lambda *x: naive_gla(*x, cu_seqlens=docs_for(P, T_LOCAL) if varlen else None)[0], ins, do)
 
 
 def test_sp_gla_under_bf16_autocast_keeps_fp32_state_and_correction():
     P = 3
-    per_rank = run_on_ranks(_autocast_worker, P, timeout_s=180)
+    inputs = {vl: global_inputs(P, B=1 if vl else B, seed=1) for vl in (False, True)}
+    per_rank = run_on_ranks(autocast_worker, P, partial(sp_gla, fused=False), inputs, docs_for(P, T_LOCAL),
+                            AUTOCAST_VARIANTS, T_LOCAL, timeout_s=180)
     oracles = {vl: oracle_with_grads(P, vl, seed=1) for vl in (False, True)}
     expect_all_close(per_rank, AUTOCAST_VARIANTS, lambda variant: oracles[variant[2]], NAMES, AUTOCAST_TOL,
                      "sp_gla under bf16 autocast vs the float64 oracle:", dtype=torch.float32)
@@ -128,28 +115,13 @@ def test_sp_gla_under_bf16_autocast_keeps_fp32_state_and_correction():
 
 # Issue 17: zero-length documents (equal consecutive boundaries) crashed the torch backend. They must
 # change nothing: the result equals that of the same sequence with them removed, gradients too.
-def docs_with_empty(P):
-    """Empty documents at the start, inside rank 0, at the rank boundary T_LOCAL, and at the end."""
-    T = P * T_LOCAL
-    return torch.tensor(sorted([0, 0, 5, 5, T_LOCAL, T_LOCAL, min(T_LOCAL + 3, T), T - 2, T, T]))
-
-
 EMPTY_DOC_VARIANTS = [("zeco", "chain"), ("zeco", "tree"), ("lasp1", "chain"), ("lasp2", "chain")]
-
-
-def _empty_docs_worker(rank, P):
-    variants = [(m, a, empty) for m, a in (EMPTY_DOC_VARIANTS if P > 1 else [("none", "chain")]) for empty in (1, 0)]
-
-    def run(variant, *ins):
-        method, algo, empty = variant
-        cu = docs_with_empty(P) if empty else docs_with_empty(P).unique()
-        return sp_gla(*ins, method=method, cu_seqlens=cu, scan=AllScanArgs(algorithm=algo, n_blocks=2))
-    return rank_results(rank, T_LOCAL, variants, lambda _: global_inputs(P, B=1, seed=2), run)
 
 
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_zero_length_documents_change_nothing(P):
-    per_rank = on_ranks(_empty_docs_worker, P, timeout_s=180)
-    q, k, v, g, _ = global_inputs(P, B=1, seed=2)
-    oracle, _ = naive_gla(q, k, v, g, cu_seqlens=docs_with_empty(P))
+    inputs = global_inputs(P, B=1, seed=2)
+    docs = docs_with_empty(P, T_LOCAL, inside=5, after=3, before_end=2)
+    per_rank = on_ranks(empty_docs_worker, P, sp_gla, inputs, docs, EMPTY_DOC_VARIANTS, T_LOCAL, timeout_s=180)
+    oracle, _ = naive_gla(*inputs[:-1], cu_seqlens=docs)  # all but do
     expect_pairs_equal(per_rank, NAMES, oracle, 2e-5, f"at P={P} with and without empty documents")

@@ -9,18 +9,13 @@ from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.kernels import chunk_simple_gla, naive_gla, naive_simple_gla
 from lingua_zeco.sp import sp_simple_gla
 from lingua_zeco.testing import run_on_ranks
-from sp_harness import expect_matches_reference, fwd_bwd, gather, gla_inputs, max_rel, rank_results
+from sp_harness import docs_for, expect_matches_reference, fwd_bwd, gather, gla_inputs, max_rel, rank_results
 
 B, H, K, V, T_LOCAL = 2, 2, 8, 4, 12
 
 
 def global_inputs(P, B=B, seed=1):
     return gla_inputs(P, T_LOCAL, B, H, K, V, seed, gate_per_key=False)  # g [B, T, H]: one decay per head and token
-
-
-def docs_for(P):
-    T = P * T_LOCAL
-    return torch.tensor(sorted({0, T, 5, T_LOCAL + 3, 2 * T_LOCAL, T - 2}))
 
 
 def test_oracle_is_gla_with_broadcast_decay_and_kernel_matches_it():
@@ -54,14 +49,14 @@ NAMES = "o dq dk dv dg".split()
 def _worker(rank, P):
     def run(variant, q, k, v, g):
         method, algo, varlen = variant
-        return sp_simple_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P) if varlen else None,
+        return sp_simple_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P, T_LOCAL) if varlen else None,
                              scan=AllScanArgs(algorithm=algo, n_blocks=3))
     return rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
 
 
 def single_device(P, varlen):
     q, k, v, g, do = global_inputs(P, B=1 if varlen else B)
-    cu = docs_for(P) if varlen else None
+    cu = docs_for(P, T_LOCAL) if varlen else None
     # no process group: P = 1, the variant's own kernel
     ref = fwd_bwd(lambda *x: sp_simple_gla(*x, cu_seqlens=cu), (q, k, v, g), do)
     return ref, naive_simple_gla(q, k, v, g, cu_seqlens=cu)[0]

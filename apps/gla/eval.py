@@ -30,13 +30,12 @@ import sys
 from dataclasses import dataclass, field
 
 import torch
-from omegaconf import OmegaConf
 
 from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
 from lingua_zeco import distributed
 from lingua_zeco import reliability
-from lingua_zeco.args import ConfigError, build
+from lingua_zeco.args import ConfigError, parse_args
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import LoggingArgs, MetricLogger
@@ -59,7 +58,7 @@ def load_run_config(dump_dir: str, config: str = "") -> TrainArgs:
     path = config or os.path.join(dump_dir, "config.yaml")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no run config at {path!r}: give dump_dir=<run folder> or config=<config.yaml>")
-    return build(TrainArgs, OmegaConf.load(path))
+    return parse_args(TrainArgs, [f"config={path}"])
 
 
 def load_model(cfg: TrainArgs, ckpt: str, device: torch.device, sp_group=None,
@@ -133,11 +132,10 @@ def run(args: EvalCLIArgs) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
-    argv = sys.argv[1:] if argv is None else argv
     if int(os.environ.get("RANK", "0")) != 0:  # one rank's info lines are enough (as in training)
         logging.getLogger().setLevel(logging.WARNING)
     with reliability.clean_exit():  # bad input: one `error: ...` line on stderr, exit 2 (lingua_zeco/reliability.py)
-        run(build(EvalCLIArgs, OmegaConf.from_dotlist(argv)))  # `config=` is the run's config file, kept as a key
+        run(parse_args(EvalCLIArgs, argv))  # `config=` is the run's config file, kept as a key
 
 
 if __name__ == "__main__":

@@ -64,13 +64,6 @@ def _rng_state() -> dict:
     return state
 
 
-def _set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
     model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method,
                            sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
@@ -128,7 +121,7 @@ def train_step(model, optimizer, scheduler, data, env: distributed.DistEnv, args
     loss_sum, n_sum, data_wait = forward_backward(model, data, env, args, autocast)
     if not args.distributed.fsdp:
         distributed.allreduce_grads(model)
-    grad_norm = clip_grad_norm(model, args.optim.clip)
+    grad_norm = clip_grad_norm(model, args.optim.clip, optimizer)
     # one all-reduce: non-finite loss/grad on any rank, stop signal on any rank
     verdict = guard.check(step + 1, loss_sum, n_sum, grad_norm, stop_requested, optimizer=optimizer, sync=sync)
     if verdict.apply:  # a skipped step leaves weights and optimizer state as they were
@@ -176,8 +169,8 @@ def train(args: TrainArgs) -> dict:
         distributed.teardown(env)
 
 
-def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
-    dump_dir = _dump_dir(args)
+def _checked(args: TrainArgs) -> TrainArgs:
+    """The config with the tokenizer's vocabulary size filled in, checked, and the same on every rank."""
     if args.model.vocab_size <= 0:
         args = dataclasses.replace(args, model=dataclasses.replace(
             args.model, vocab_size=build_tokenizer(args.data.tokenizer).n_words))
@@ -185,117 +178,141 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
     reliability.check_config(args)
     reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
-    ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s)
-    run_dir.check_writable(ckpt.path)  # a read-only or full disk fails now, not at the first save
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
+    return args
 
-    model = build_model(args, env)
-    recall = RecallMeter(model) if args.data.synthetic == "mqar" else None  # answers-only accuracy
-    optimizer, scheduler = build_optimizer(model, args.optim, args.steps)
-    if args.eval.every > 0:
-        evaluation.validation_data_args(args.data, args.eval)  # missing / overlapping validation data fails now
-    data = build_data_loader(evaluation.training_data_args(args.data, args.eval),
-                             dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
-                             sp_size=env.dims.sp, seed=args.seed)
-    step = 0
+
+def _resume(args: TrainArgs, env: distributed.DistEnv, ckpt, model, optimizer, scheduler, data) -> tuple[int, int]:
+    """(step, skipped steps) of the latest complete checkpoint, its state loaded; (0, 0) without one."""
     source = resume_layout.RankStateSource(_layout(args, env), env.dp_rank, env.sp_rank, env.rank)  # another world size
     try:
         resumed = ckpt.maybe_resume(model, optimizer, source_rank=source)
     except ModelMismatchError as e:
-        raise _model_changed(args, dump_dir, ckpt.path, e) from e
-    if resumed is not None:
-        step, extra, per_rank = resumed
-        per_rank = source.adapt(per_rank)
-        scheduler.load_state_dict(extra["scheduler"])
-        data.load_state_dict(per_rank["data"])
-        _set_rng_state(per_rank["rng"])
-    if env.is_master:  # only once started from a compatible state: a failed start keeps the run's config
-        dump_config(args, dump_dir)
-    guard = reliability.StepGuard(args.reliability, skipped=resumed[1].get("skipped_steps", 0) if resumed else 0)
-    fault = reliability.FaultInjection(env.rank)
-    metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name, config=to_dict(args))
-    if env.is_master:
-        n = count_params(args.model)
-        logger.info("world %d = dp_replicate %d x dp_shard %d x sp %d (%s); %.1fM params; start at step %d",
-                    env.dims.world, env.dims.dp_replicate, env.dims.dp_shard, env.dims.sp, env.sp_method,
-                    n["total"] / 1e6, step)
+        raise _model_changed(args, _dump_dir(args), ckpt.path, e) from e
+    if resumed is None:
+        return 0, 0
+    step, extra, per_rank = resumed
+    per_rank = source.adapt(per_rank)
+    scheduler.load_state_dict(extra["scheduler"])
+    data.load_state_dict(per_rank["data"])
+    rng = per_rank["rng"]  # as _rng_state saved it
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return step, extra.get("skipped_steps", 0)
 
-    fpt = flops_per_token(args.model, context=env.dims.sp * args.data.seq_len)  # softmax: the whole sequence
-    peak = peak_flops(env.device, args.logging.peak_flops)
-    timer = StepTimer(env.device)
-    data_wait_window = 0.0
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
-                else contextlib.nullcontext())
-    losses: dict[int, float] = {}
-    tokens_per_micro = args.data.batch_size * args.data.seq_len
-    start_step, t_loop = step, time.perf_counter()  # for the console's ETA
+
+class _Run:
+    """One run's model, optimizer, data and meters, set up (or resumed) at construction; _train steps it."""
+
+    def __init__(self, args: TrainArgs, env: distributed.DistEnv):
+        dump_dir, self.args, self.env = _dump_dir(args), _checked(args), env
+        args = self.args
+        self.ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s)
+        run_dir.check_writable(self.ckpt.path)  # a read-only or full disk fails now, not at the first save
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        self.model = build_model(args, env)
+        self.recall = RecallMeter(self.model) if args.data.synthetic == "mqar" else None  # answers-only accuracy
+        self.optimizer, self.scheduler = build_optimizer(self.model, args.optim, args.steps)
+        if args.eval.every > 0:
+            evaluation.validation_data_args(args.data, args.eval)  # missing / overlapping validation data fails now
+        self.data = build_data_loader(evaluation.training_data_args(args.data, args.eval),
+                                      dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
+                                      sp_size=env.dims.sp, seed=args.seed)
+        self.step, skipped = _resume(args, env, self.ckpt, self.model, self.optimizer, self.scheduler, self.data)
+        if env.is_master:  # only once started from a compatible state: a failed start keeps the run's config
+            dump_config(args, dump_dir)
+        self.guard = reliability.StepGuard(args.reliability, skipped=skipped)
+        self.fault = reliability.FaultInjection(env.rank)
+        self.metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name,
+                                    config=to_dict(args))
+        if env.is_master:
+            logger.info("world %d = dp_replicate %d x dp_shard %d x sp %d (%s); %.1fM params; start at step %d",
+                        env.dims.world, env.dims.dp_replicate, env.dims.dp_shard, env.dims.sp, env.sp_method,
+                        count_params(args.model)["total"] / 1e6, self.step)
+        self.fpt = flops_per_token(args.model, context=env.dims.sp * args.data.seq_len)  # softmax: the whole sequence
+        self.peak = peak_flops(env.device, args.logging.peak_flops)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
+                         else contextlib.nullcontext())
+        self.losses, self.data_wait_window = {}, 0.0  # loss by logged step; data wait since the last log
+        self.timer, self.start_step, self.t_loop = StepTimer(env.device), self.step, time.perf_counter()  # t_loop: ETA
+
+    def log(self, loss_sum, n_sum, grad_norm) -> None:
+        """Global mean loss; mean step time and data wait of the slowest rank since the last log (no per-step sync)."""
+        args, env, step = self.args, self.env, self.step
+        dist.all_reduce(loss_sum)
+        n_sum = n_sum.item()
+        loss = loss_sum.item() / max(n_sum, 1.0)
+        slowest = distributed.all_reduce_scalar(self.timer.window(), op=dist.ReduceOp.MAX, device=env.device)
+        wait = distributed.all_reduce_scalar(self.data_wait_window / max(self.timer.last_n, 1), op=dist.ReduceOp.MAX,
+                                             device=env.device)
+        self.data_wait_window = 0.0
+        self.losses[step] = loss
+        tokens = args.data.batch_size * args.data.seq_len * args.grad_acc_steps
+        record = dict(step=step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
+                      step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9), tokens_global=int(n_sum),
+                      skipped_steps=self.guard.skipped, bad_lines=getattr(self.data, "stats", {}).get("bad_lines", 0),
+                      **throughput(tokens, slowest, self.fpt, self.peak), **memory_stats(env.device))
+        if self.recall is not None:
+            record.update(self.recall.reduce(env.device))
+            if env.is_master:
+                logger.info("step %d recall accuracy %.3f", step, record["recall_acc"])
+        self.metrics.log(record)
+        if env.is_master:
+            eta = (time.perf_counter() - self.t_loop) / max(step - self.start_step, 1) * (args.steps - step)
+            mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""  # unknown peak: none
+            logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu%s eta %s",
+                        step, args.steps, loss, record["lr"], record["grad_norm"],
+                        record["tok_per_s_per_gpu"], mfu, time.strftime("%H:%M:%S", time.gmtime(eta)))
+
+    def evaluate_and_save(self, stop: bool) -> None:
+        """The validation loss when due, then a checkpoint when due, at the last step or on a stop."""
+        args, env, step = self.args, self.env, self.step
+        if evaluation.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
+            self.metrics.log({"step": step, **evaluation.evaluate(
+                self.model, args.data, args.eval, device=env.device, autocast=self.autocast, dp_rank=env.dp_rank,
+                dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
+        self.ckpt.poll()  # a background save written on every rank is marked complete now
+        every = args.checkpoint.dump.every
+        if (every > 0 and step % every == 0) or step == args.steps or stop:
+            self.guard.settle()  # a stop found one step late: read this step's verdict before saving
+            self.ckpt.save(step, self.model, self.optimizer,
+                           extra={"step": step, "scheduler": self.scheduler.state_dict(),
+                                  "skipped_steps": self.guard.skipped, "layout": _layout(args, env)},
+                           per_rank={"data": self.data.state_dict(), "rng": _rng_state()})
+
+
+def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
+    run = _Run(args, env)
+    args = run.args
     try:
-        with maybe_profile(args.profiling, dump_dir, env.rank) as prof, \
+        with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
                 reliability.StopSignals(args.reliability.handle_signals) as signals:
-            while step < args.steps:
-                log_now = (step + 1) % args.logging.freq == 0 or step + 1 == args.steps
+            while run.step < args.steps:
+                log_now = (run.step + 1) % args.logging.freq == 0 or run.step + 1 == args.steps
                 loss_sum, n_sum, data_wait, grad_norm, verdict = train_step(
-                    model, optimizer, scheduler, data, env, args, autocast, guard, step, signals.received is not None,
-                    sync=log_now or _saves_or_evaluates(args, step + 1))
-                data_wait_window += data_wait
-                step += 1
+                    run.model, run.optimizer, run.scheduler, run.data, env, args, run.autocast, run.guard, run.step,
+                    signals.received is not None, sync=log_now or _saves_or_evaluates(args, run.step + 1))
+                run.data_wait_window += data_wait
+                run.step += 1
                 prof.step()
-                timer.step()
-                timer.pause()  # logging, evaluation and checkpoints are not step time
-
+                run.timer.step()
+                run.timer.pause()  # logging, evaluation and checkpoints are not step time
                 if log_now:
-                    # Global mean loss; step time and data wait of the slowest rank.
-                    dist.all_reduce(loss_sum)
-                    n_sum = n_sum.item()
-                    loss = loss_sum.item() / max(n_sum, 1.0)
-                    # mean step time since the last log (no per-step sync), of the slowest rank
-                    slowest = distributed.all_reduce_scalar(timer.window(), op=dist.ReduceOp.MAX, device=env.device)
-                    wait = distributed.all_reduce_scalar(data_wait_window / max(timer.last_n, 1), op=dist.ReduceOp.MAX,
-                                               device=env.device)
-                    data_wait_window = 0.0
-                    losses[step] = loss
-                    record = dict(step=step, loss=loss, lr=scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
-                                  step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9),
-                                  tokens_global=int(n_sum), skipped_steps=guard.skipped,
-                                  bad_lines=getattr(data, "stats", {}).get("bad_lines", 0),
-                                  **throughput(tokens_per_micro * args.grad_acc_steps, slowest, fpt, peak),
-                                  **memory_stats(env.device))
-                    if recall is not None:
-                        record.update(recall.reduce(env.device))
-                        if env.is_master:
-                            logger.info("step %d recall accuracy %.3f", step, record["recall_acc"])
-                    metrics.log(record)
-                    if env.is_master:
-                        eta = (time.perf_counter() - t_loop) / max(step - start_step, 1) * (args.steps - step)
-                        mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""  # unknown peak: none
-                        logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu%s eta %s",
-                                    step, args.steps, loss, record["lr"], record["grad_norm"],
-                                    record["tok_per_s_per_gpu"], mfu, time.strftime("%H:%M:%S", time.gmtime(eta)))
-
-                if evaluation.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
-                    metrics.log({"step": step, **evaluation.evaluate(model, args.data, args.eval, device=env.device, autocast=autocast,
-                                dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
-
-                ckpt.poll()  # a background save written on every rank is marked complete now
-                every = args.checkpoint.dump.every
-                if (every > 0 and step % every == 0) or step == args.steps or verdict.stop:
-                    guard.settle()  # a stop found one step late: read this step's verdict before saving
-                    ckpt.save(step, model, optimizer,
-                              extra={"step": step, "scheduler": scheduler.state_dict(), "skipped_steps": guard.skipped,
-                                     "layout": _layout(args, env)},
-                              per_rank={"data": data.state_dict(), "rng": _rng_state()})
-                timer.resume()
-                fault.after_step(step)
+                    run.log(loss_sum, n_sum, grad_norm)
+                run.evaluate_and_save(verdict.stop)
+                run.timer.resume()
+                run.fault.after_step(run.step)
                 if verdict.stop:  # SIGTERM/SIGUSR2 on some rank: all ranks saved this step, now leave
                     logger.warning("stop signal (%s here): checkpoint of step %d saved; rerun the same command to "
-                                   "resume", signals.name or "none", step)
+                                   "resume", signals.name or "none", run.step)
                     break
-            ckpt.close()  # the last save (end of run, stop signal) is complete before we leave
+            run.ckpt.close()  # the last save (end of run, stop signal) is complete before we leave
     finally:  # stop the prefetch thread and flush the metrics file even when a step fails
-        data.close()
-        metrics.close()
-    return {"losses": losses, "step": step}
+        run.data.close()
+        run.metrics.close()
+    return {"losses": run.losses, "step": run.step}
 
 
 def main(argv: list[str] | None = None) -> None:

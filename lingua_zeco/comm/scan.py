@@ -126,7 +126,8 @@ def issue(ops: list) -> list:
     return dist.batch_isend_irecv([dist.P2POp(fn, t, peer, group) for fn, t, peer, group in ops]) if ops else []
 
 
-def _wait(works) -> None:
+def wait_all(works) -> None:
+    """Wait for every work of a batch of point-to-point ops."""
     for w in works:
         w.wait()
 
@@ -160,11 +161,11 @@ def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: T
         blks = [x_.narrow(d, s, e - s) for s, e in spans]
         if not direct:
             blks = [buf("send", j, b).copy_(b) for j, b in enumerate(blks)]
-        _wait(issue([(dist.isend, b, dst, group) for b in blks]))
+        wait_all(issue([(dist.isend, b, dst, group) for b in blks]))
         return y
     targets = y_blks if direct else [buf("recv", j, b) for j, b in enumerate(y_blks)]
     if pos == P - 1:  # nothing to forward: every receive in one call
-        _wait(issue([(dist.irecv, t, src, group) for t in targets]))
+        wait_all(issue([(dist.irecv, t, src, group) for t in targets]))
         if not direct:
             for yb, t in zip(y_blks, targets):
                 yb.copy_(t)
@@ -179,7 +180,7 @@ def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: T
         a_blk = a_.narrow(0, s, e - s) if transition.rows else transition.chain_part(a_, s, e)
         transition.combine_into(x_.narrow(d, s, e - s), a_blk, targets[j], send)
         sends.append(dist.isend(send, dst=dst, group=group))
-    _wait(sends)
+    wait_all(sends)
     return y
 
 
@@ -209,7 +210,7 @@ def tree_scan(x, a, group, pos: int, P: int, peer, transition: Transition = DECA
             ops.append((dist.isend, inc, peer(pos + d), group))
         if pos - d >= 0:
             ops.append((dist.irecv, got, peer(pos - d), group))
-        _wait(issue(ops))
+        wait_all(issue(ops))
         if pos - d >= 0:  # the received segment (pos−2d, pos−d] lies before ours
             more_recv, more_send = pos - 2 * d >= 0, pos + 2 * d < P
             if not have:

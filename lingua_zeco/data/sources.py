@@ -14,14 +14,9 @@ import logging
 import os
 import random
 
-from lingua_zeco.data.source_spec import DATA_SUFFIXES, HUB_PREFIX, SourceSpec, list_files, parse_source
+from lingua_zeco.data.source_spec import HUB_PREFIX, SourceSpec, parse_source
 
 log = logging.getLogger(__name__)
-
-
-def list_data_files(path: str) -> list[str]:
-    """A jsonl / parquet file, or every one under a folder, sorted by relative path (stable everywhere)."""
-    return list_files(path, DATA_SUFFIXES)
 
 
 BUILTIN_SPLITS = {"builtin": "all", "builtin:train": "train", "builtin:valid": "valid"}

@@ -31,7 +31,7 @@ L2_EPS = 1e-6  # fla's l2norm: x / sqrt(Σx² + eps)
 
 def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     """Normalise the last dimension as fla's l2norm does (use_qk_l2norm_in_kernel=True)."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    xf = x.to(acc_dtype(x.dtype))
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 

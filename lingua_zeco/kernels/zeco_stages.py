@@ -247,20 +247,40 @@ def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264, g=None):
     if not _cuda(q, g if raw else g_cs, Gx, do):
         g_cs = chunk_local_cumsum_torch(g, BT) if g_cs is None else g_cs
         return zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT).float()
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    NT = triton.cdiv(T, BT)
-    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(runs, B * H))))  # chunks per run
-    NS = triton.cdiv(NT, CPS)
-    dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
-
-    def grid(meta):
-        tiles = triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"])
-        return (B * H, NS, tiles) if meta["HF"] else (tiles, NS, B * H)
+    B, T, H, K, V = *q.shape, do.shape[-1]
+    NT, CPS, NS, dp, grid = _dS_in_plan(q, do, BT, runs)
     _dS_in_kernel[grid](q, g if raw else g_cs, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT, RAW=raw)
     return dp[0] if NS == 1 else dp.sum(0)
 
 
-__all__ = ["chunk_decay_prefix", "chunk_decay_prefix_torch", "chunk_local_cumsum_torch", "dS_in_reads_raw_gates",
-           "fla_chunk_size",
-           "zeco_dS_in", "zeco_dS_in_torch", "zeco_fwd_o", "zeco_fwd_o_torch"]
+def _dS_in_plan(q, do, BT, runs):
+    """(chunks NT, chunks per run CPS, runs NS, the partial sums [NS, B, H, K, V] fp32, the launch grid)."""
+    B, T, H, K, V = *q.shape, do.shape[-1]
+    NT = triton.cdiv(T, BT)
+    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(runs, B * H))))  # chunks per run
+    NS = triton.cdiv(NT, CPS)
+
+    def grid(meta):
+        tiles = triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"])
+        return (B * H, NS, tiles) if meta["HF"] else (tiles, NS, B * H)
+    return NT, CPS, NS, q.new_empty(NS, B, H, K, V, dtype=torch.float32), grid
+
+
+def dS_in_candidates(q, g, Gx, do, scale, BT, runs: int = 264) -> dict:
+    """{autotune config: a call of zeco_dS_in's kernel with that config alone, on the raw 16-bit gates
+    `g`, partial sums only}: every candidate timed apart (apps/gla/bench/bench_stages.py)."""
+    B, T, H, K, V = *q.shape, do.shape[-1]
+    NT, CPS, _, dp, grid = _dS_in_plan(q, do, BT, runs)
+    kws = {str(c): dict(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages) for c in _dS_in_kernel.configs}
+    return {name: (lambda kw=kw: _dS_in_kernel.fn[grid(kw)](q, g, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V,
+                                                            BT=BT, RAW=True, **kw)) for name, kw in kws.items()}
+
+
+def dS_in_best_config() -> str:
+    """The autotuner's pick for zeco_dS_in's kernel at the last shape it tuned."""
+    return str(_dS_in_kernel.best_config)
+
+
+__all__ = ["chunk_decay_prefix", "chunk_decay_prefix_torch", "chunk_local_cumsum_torch", "dS_in_best_config",
+           "dS_in_candidates", "dS_in_reads_raw_gates", "fla_chunk_size", "zeco_dS_in",
+           "zeco_dS_in_torch", "zeco_fwd_o", "zeco_fwd_o_torch"]

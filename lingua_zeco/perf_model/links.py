@@ -108,11 +108,6 @@ class Topology:
             return self.links[a.kind]
         return self.links[a.inter if world > a.gpus_per_node else a.intra]
 
-    def with_link(self, name: str, link: LinkArgs) -> "Topology":
-        links = dict(self.links)
-        links[name] = link
-        return Topology(replace(self.args), links)
-
 
 # ----------------------------------------------------------------------------------------------
 # Calibration files: bench_comm / bench_op write {"calibration": {...}}; several files merge.

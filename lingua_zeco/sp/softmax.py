@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.comm import global_rank, group_rank_size
+from lingua_zeco.comm import global_rank, group_rank_size, wait_all
 from lingua_zeco.kernels.common import acc_dtype, doc_ids, doc_of
 from lingua_zeco.kernels.softmax import BACKENDS, attention, explicit_backward, explicit_forward
 
@@ -171,11 +171,6 @@ def _shift(t: torch.Tensor, ring: Ring, tag: int):
     return recv, dist.batch_isend_irecv(ops)
 
 
-def _wait(works) -> None:
-    for w in works:
-        w.wait()
-
-
 def merge(o_BTHD, lse_BHT, o_blk_BTHD, lse_blk_BHT):
     """Combine two partial softmax results over disjoint key sets by their log-sum-exp. Rows empty in
     both stay o = 0, lse = −inf (exp(−inf − (−inf)) is NaN: zeroed)."""
@@ -197,15 +192,15 @@ class RingAttention(torch.autograd.Function):
         for step in range(ring.P):
             src = (ring.rank - step) % ring.P  # the rank whose K/V block is here now
             if step < ring.P - 1:  # the next block travels while this one is computed
-                kv_next, works = _shift(kv_BTHC, ring, _TAG_KV)
+                kv_next_BTHC, works = _shift(kv_BTHC, ring, _TAG_KV)
             if ring.sees(src):
-                o_blk, lse_blk = explicit_forward(
+                o_blk_BTHD, lse_blk_BHT = explicit_forward(
                     q_BTHD, kv_BTHC[..., :D], kv_BTHC[..., D:], q_start=ring.rank * T, k_start=src * T,
                     scale=ring.scale, window=ring.window, doc_q_T=doc_q_T, doc_k_S=ring.doc_ids(src, q_BTHD.device))
-                o_BTHD, lse_BHT = merge(o_BTHD, lse_BHT, o_blk, lse_blk)
+                o_BTHD, lse_BHT = merge(o_BTHD, lse_BHT, o_blk_BTHD, lse_blk_BHT)
             if step < ring.P - 1:
-                _wait(works)
-                kv_BTHC = kv_next
+                wait_all(works)
+                kv_BTHC = kv_next_BTHC
         ctx.ring = ring
         # o stays in the accumulation dtype: D = rowsum(do ⊙ o) of the backward is taken from it
         ctx.save_for_backward(q_BTHD, k_BTHD, v_BTHD, o_BTHD, lse_BHT)
@@ -221,33 +216,33 @@ class RingAttention(torch.autograd.Function):
         doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
         dq_BTHD = torch.zeros_like(q_BTHD, dtype=o_BTHD.dtype)
         kv_BTHC = torch.cat([k_BTHD, v_BTHD], -1).contiguous()
-        dkv_in = dkv_works = None
+        dkv_in_BTHC = dkv_works = None
         for step in range(ring.P):
             src = (ring.rank - step) % ring.P
             if step < ring.P - 1:
-                kv_next, kv_works = _shift(kv_BTHC, ring, _TAG_KV)
-            part = None
+                kv_next_BTHC, kv_works = _shift(kv_BTHC, ring, _TAG_KV)
+            dkv_blk_BTHC = None
             if ring.sees(src):
-                dq, dk, dv = explicit_backward(
+                dq_blk_BTHD, dk_blk_BTHD, dv_blk_BTHD = explicit_backward(
                     do_BTHD, q_BTHD, kv_BTHC[..., :D], kv_BTHC[..., D:], lse_BHT, delta_BHT, q_start=ring.rank * T,
                     k_start=src * T, scale=ring.scale, window=ring.window, doc_q_T=doc_q_T,
                     doc_k_S=ring.doc_ids(src, q_BTHD.device))
-                dq_BTHD += dq
-                part = torch.cat([dk, dv], -1)
+                dq_BTHD += dq_blk_BTHD
+                dkv_blk_BTHC = torch.cat([dk_blk_BTHD, dv_blk_BTHD], -1)
             # block src's accumulator arrives from the rank that held the block last step (its own share
             # was computed first, while the accumulator was in flight), gains ours, and moves on with it
             if step == 0:
-                dkv = part if part is not None else kv_BTHC.new_zeros(kv_BTHC.shape, dtype=o_BTHD.dtype)
+                dkv_BTHC = kv_BTHC.new_zeros(kv_BTHC.shape, dtype=o_BTHD.dtype) if dkv_blk_BTHC is None else dkv_blk_BTHC
             else:
-                _wait(dkv_works)
-                dkv = dkv_in if part is None else dkv_in + part
-            dkv_in, dkv_works = _shift(dkv.contiguous(), ring, _TAG_DKV)  # last step: home to its owner
+                wait_all(dkv_works)
+                dkv_BTHC = dkv_in_BTHC if dkv_blk_BTHC is None else dkv_in_BTHC + dkv_blk_BTHC
+            dkv_in_BTHC, dkv_works = _shift(dkv_BTHC.contiguous(), ring, _TAG_DKV)  # last step: home to its owner
             if step < ring.P - 1:
-                _wait(kv_works)
-                kv_BTHC = kv_next
-        _wait(dkv_works)
-        return (dq_BTHD.to(q_BTHD.dtype), dkv_in[..., :D].to(k_BTHD.dtype), dkv_in[..., D:].to(v_BTHD.dtype),
-                None)
+                wait_all(kv_works)
+                kv_BTHC = kv_next_BTHC
+        wait_all(dkv_works)
+        return (dq_BTHD.to(q_BTHD.dtype), dkv_in_BTHC[..., :D].to(k_BTHD.dtype),
+                dkv_in_BTHC[..., D:].to(v_BTHD.dtype), None)
 
 
 # ----------------------------------------------------------------------------- load balance

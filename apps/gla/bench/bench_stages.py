@@ -12,8 +12,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-import torch
-
 from lingua_zeco import reliability
 
 from .common import SliceArgs, cuda_graph, slices_main, time_interleaved
@@ -27,52 +25,31 @@ class BenchStagesArgs(SliceArgs):
     per_config: bool = True  # also time every autotune config of the kernel at the default runs
 
 
-def _time_configs(stages, q, g, Gx, do, BT, args) -> dict:
-    """{config: median µs} of `_dS_in_kernel` on the raw gates for each of its autotune configs
-    (the partial sums only)."""
-    import triton
-    B, T, H, K = q.shape
-    V = do.shape[-1]
-    NT = triton.cdiv(T, BT)
-    CPS = triton.cdiv(NT, max(1, min(NT, triton.cdiv(264, B * H))))
-    NS = triton.cdiv(NT, CPS)
-    dp = q.new_empty(NS, B, H, K, V, dtype=torch.float32)
-    fns = {}
-    for cfg in stages._dS_in_kernel.configs:
-        kw = dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        tiles = triton.cdiv(K, kw["BK"]) * triton.cdiv(V, kw["BV"])
-        grid = (B * H, NS, tiles) if kw["HF"] else (tiles, NS, B * H)
-        fns[str(cfg)] = (lambda grid=grid, kw=kw: stages._dS_in_kernel.fn[grid](
-            q, g, Gx, do, dp, 0.1, T, NT, CPS, B, H=H, K=K, V=V, BT=BT, RAW=True, **kw))
-    timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, 2, 20)
-    return {name: round(1e3 * statistics.median(ms), 2) for name, (ms, _) in sorted(
-        timed.items(), key=lambda kv: statistics.median(kv[1][0]))}
+def _median_us(fns: dict, warmup: int, iters: int) -> dict:
+    """{name: median µs} of each call replayed from a CUDA graph, the calls interleaved."""
+    timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, warmup, iters)
+    return {name: 1e3 * statistics.median(gpu_ms) for name, (gpu_ms, _) in timed.items()}
 
 
 def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
-    from fla.ops.utils.constant import RCP_LN2
-    from fla.ops.utils.cumsum import chunk_local_cumsum
-
-    from lingua_zeco.kernels import zeco_stages
-    q, _, v, g, do = inputs
+    from lingua_zeco.kernels import fla_stages, zeco_stages  # fla and Triton: imported on the GPU only
+    q, _, _, g, do = (t.detach() for t in inputs)
     BT = zeco_stages.fla_chunk_size(T)
-    g_cs = chunk_local_cumsum(g.detach(), BT, scale=RCP_LN2)  # base 2, as FusedZeCOGLA
+    g_cs = fla_stages.gate_cumsum(g, BT)  # base 2, as FusedZeCOGLA
     Gx, _ = zeco_stages.chunk_decay_prefix(g_cs, BT)
-    q, v = q.detach(), v.detach()
-    g = g.detach()
     dS_in = zeco_stages.zeco_dS_in
     fns = {f"dS_in_runs{r}": (lambda r=r: dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
     fns |= {f"dS_in_raw_runs{r}": (lambda r=r: dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
             for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
-    timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, args.warmup, args.iters)
-    row = dict(T_local=T, BT=BT, best_config=str(zeco_stages._dS_in_kernel.best_config))
-    for name, (gpu_ms, _) in timed.items():
+    timed_us = _median_us(fns, args.warmup, args.iters)
+    row = dict(T_local=T, BT=BT, best_config=zeco_stages.dS_in_best_config())
+    for name, us in timed_us.items():
         nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes
-        us = 1e3 * statistics.median(gpu_ms)
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_TBps"] = round(nbytes / us * 1e-6, 3)
-    if args.per_config:  # every autotune candidate launched directly, at the default runs
-        row["per_config_us"] = _time_configs(zeco_stages, q, g, Gx, do, BT, args)
+    if args.per_config:  # every autotune candidate alone, on the raw gates, partial sums only, at the default runs
+        per_config_us = _median_us(zeco_stages.dS_in_candidates(q, g, Gx, do, 0.1, BT), 2, 20)
+        row["per_config_us"] = {n: round(us, 2) for n, us in sorted(per_config_us.items(), key=lambda kv: kv[1])}
     return row
 
 

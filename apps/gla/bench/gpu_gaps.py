@@ -20,12 +20,15 @@ def _load(path: str) -> list[dict]:
     return [e for e in data.get("traceEvents", []) if e.get("ph") == "X"]
 
 
-def idle_gaps(trace_path: str, min_us: float = 20.0, per: int = 1) -> dict:
+def idle_gaps(trace_path: str, min_us: float = 20.0, per: int = 1, ignore: tuple[str, ...] = ()) -> dict:
     """{busy_us, span_us, idle_us, host_late_us, by_cause: [{cause, gaps, idle_us, host_late_us}], top}
     over the GPU timeline of the trace (all streams merged: a gap is time no stream runs anything),
-    divided by `per` (the steps traced). Gaps shorter than min_us are launch latency, not counted."""
+    divided by `per` (the steps traced). Gaps shorter than min_us are launch latency, not counted.
+    ignore: lower-case substrings of kernel names that do not count as work (("nccl",): a kernel that
+    waits for a peer is idle compute)."""
     events = _load(trace_path)
-    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
+    gpu = sorted((e for e in events if e.get("cat") in GPU_CATS
+                  and not any(w in e["name"].lower() for w in ignore)), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     host = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])

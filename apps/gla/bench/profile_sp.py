@@ -1,5 +1,6 @@
 """Diagnose the fused ZeCO operator on P GPUs: real All-Scan (overlapped or not) against no
-communication, host enqueue time against GPU time, and a torch-profiler kernel table of rank 0.
+communication, host enqueue time against GPU time, rank 0's traces of both modes with the GPU idle
+time in them (gpu_gaps) and a torch-profiler kernel table.
 
     torchrun --nproc_per_node=2 -m apps.gla.bench.profile_sp out=docs/results/raw
 """
@@ -18,11 +19,12 @@ from lingua_zeco.args import parse_args
 from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan
 
 from .common import SliceArgs, finish, init_distributed, time_interleaved
+from .gpu_gaps import idle_gaps
 
 
 @dataclass
 class ProfileSPArgs(SliceArgs):
-    out: str = "results/profile_sp"  # output folder: rank 0's chrome trace
+    out: str = "results/profile_sp"  # output folder: rank 0's chrome traces
     t_local: int = 16384  # tokens per GPU
 
 
@@ -50,14 +52,23 @@ def main(argv=None):
     for name, (gpu, host) in res.items():
         print(f"rank {rank} {name:11s} gpu {statistics.median(gpu):7.3f} ms  host enqueue {statistics.median(host):7.3f} ms",
               flush=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            FusedZeCOGLA.apply(q, k, v, g, scale, overlapped).backward(do)
-        torch.cuda.synchronize()
-    if rank == 0:
-        os.makedirs(args.out, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(args.out, "trace_zeco_P2_rank0.json"))
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50))
+    # GPU idle around the scan, per mode: the trace's gaps (gpu_gaps), each blamed on the host op that
+    # launched the kernel ending it; an overlap that pays leaves less idle than blocking
+    P = dist.get_world_size()
+    for name in ("overlapped", "blocking"):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                fns[name]()
+            torch.cuda.synchronize()
+        if rank == 0:
+            os.makedirs(args.out, exist_ok=True)
+            trace = os.path.join(args.out, f"trace_zeco_P{P}_{name}_rank0.json")
+            prof.export_chrome_trace(trace)
+            gaps = idle_gaps(trace, per=3, ignore=("nccl",))  # a waiting receive is idle compute
+            print(f"{name}: GPU compute idle {gaps['idle_us'] / 1e3:.3f} ms per fwd+bwd of {gaps['span_us'] / 1e3:.3f}; "
+                  f"largest causes {gaps['by_cause'][:3]}", flush=True)
+            if name == "overlapped":
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50))
     finish()
 
 
