@@ -1,10 +1,11 @@
 """Where a step leaves the GPU idle: the gaps between kernels in a torch profiler trace, each blamed on
 what the host was doing when it launched the kernel that ended the gap.
 
-Triton kernels (fla's) are launched through the driver API (cuda_driver events), the others through
-the runtime (cuda_runtime); both carry the correlation id of their kernel. A gap that ends with a kernel launched *after* the gap began is host-bound (the CPU was late); the
+A gap that ends with a kernel launched *after* the gap began is host-bound (the CPU was late); the
 host ops around that launch (outermost user annotation first, e.g. FSDP::pre_backward or
-Optimizer.step, then the innermost op) say which code to look at. Used by bench_train's `trace=`.
+Optimizer.step, then the innermost op) say which code to look at. Triton kernels (fla's) are launched
+through the driver API (cuda_driver events), the others through the runtime (cuda_runtime); both carry
+their kernel's correlation id. Used by bench_train's and profile_sp's profiles.
 """
 from __future__ import annotations
 
