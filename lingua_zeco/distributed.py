@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lingua_zeco.comm import AllScanArgs, hier_groups_needed, init_node_groups
+from lingua_zeco.comm import AllScanArgs, check_scan_args, hier_groups_needed, init_node_groups
 from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP  # the softmax layers of hybrids (model.softmax_layers)
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
@@ -58,6 +58,7 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
         logger.warning("distributed.sp_method=%s is a diagnostic that gives WRONG results", args.sp_method)
     elif args.sp_method not in SP_METHODS:
         raise ValueError(f"distributed.sp_method={args.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
+    check_scan_args(args.all_scan)
     if args.softmax_sp not in SOFTMAX_SP:
         raise ValueError(f"distributed.softmax_sp={args.softmax_sp!r}; choose one of {', '.join(SOFTMAX_SP)}")
     if args.dp_replicate < 1 or world % args.dp_replicate:
@@ -88,19 +89,23 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_process_group(args: DistributedArgs) -> bool:
+def init_process_group(args: DistributedArgs, backend: str | None = None) -> bool:
     """Join (or create) the default group. Returns True when this call created it.
 
     torchrun sets RANK/WORLD_SIZE; a plain `python -m` run gets a single-rank group on an
-    in-memory store; a group made by someone else (tests) is used as it is.
+    in-memory store; a group made by someone else (tests) is used as it is. backend: nccl on GPUs and
+    gloo on CPUs by default; "gloo" on GPUs lets several ranks share one GPU (the symmetric-memory scan
+    measured on one GPU: apps/gla/bench/bench_comm.py).
     """
     if dist.is_initialized():
         return False
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    cuda = torch.cuda.is_available()
+    backend = backend or ("nccl" if cuda else "gloo")
     timeout = timedelta(seconds=args.timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if cuda:
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(local % torch.cuda.device_count() if backend == "gloo" else local)
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

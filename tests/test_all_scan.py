@@ -243,3 +243,43 @@ def test_scratch_buffers_are_reused_and_never_returned():
         assert not res["overwritten"], f"rank {rank}: kept results changed by later scans: {res['overwritten']}"
         bad = {k: e for k, e in res["errors"].items() if e > 1e-5}
         assert not bad, f"rank {rank}: wrong scans {bad}"
+
+
+def _transport_worker(rank, world):
+    """CPU: transport=auto and nccl carry the scan over gloo; symm is refused with the reason."""
+    xs, as_ = contributions(world, seed=11)
+    out = {}
+    for tp in ("nccl", "auto"):
+        for algo in ("chain", "tree"):
+            y = all_scan(xs[rank], as_[rank], args=AllScanArgs(algorithm=algo, transport=tp, node_size=world))
+            out[(tp, algo)] = (y.double() - reference(xs, as_, rank, False)).abs().max().item()
+    try:
+        all_scan(xs[rank], as_[rank], args=AllScanArgs(transport="symm"))
+        out["symm"] = "no error"
+    except ValueError as e:
+        out["symm"] = str(e)
+    return out
+
+
+def test_transports_on_cpu():
+    for r in run_on_ranks(_transport_worker, 3):
+        assert "needs CUDA tensors" in r.pop("symm") and len(r) == 4
+        assert all(e < 1e-5 for e in r.values()), r
+    with pytest.raises(ValueError, match="all_scan.transport='ib'; choose one of nccl, symm, auto"):
+        all_scan(torch.zeros(2, 3), torch.zeros(2), args=AllScanArgs(transport="ib"))
+
+
+def test_in_one_node_needs_to_know_the_node():
+    results = run_on_ranks(_one_node_worker, 4)
+    assert results[0] == [False, True, False, True], results[0]
+
+
+def _one_node_worker(rank, world):
+    import os
+    os.environ.pop("LOCAL_WORLD_SIZE", None)
+    from lingua_zeco.comm import in_one_node
+    low, high = dist.new_group([0, 1]), dist.new_group([1, 2])
+    return [in_one_node(dist.group.WORLD, AllScanArgs()),           # node size unknown: not assumed
+            in_one_node(dist.group.WORLD, AllScanArgs(node_size=4)),
+            in_one_node(high, AllScanArgs(node_size=2)),            # ranks 1 and 2 straddle nodes [0,1] [2,3]
+            in_one_node(low, AllScanArgs(node_size=2))]

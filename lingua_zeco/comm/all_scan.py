@@ -22,15 +22,19 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from .buffers import group_key
 from .hierarchical import hierarchical_scan, hierarchical_time
-from .scan import DECAY, MATRIX, Transition, chain_scan, check_pair, scan_position, tree_scan
+from .scan import DECAY, MATRIX, P2PLink, Transition, chain_scan, check_pair, tree_scan
+from .symm import SymmLink, SymmSetupError, symm_unavailable
 
 ALGORITHMS = ("chain", "tree", "hier", "auto")
+TRANSPORTS = ("nccl", "symm", "auto")
 
 
 @dataclass
@@ -49,11 +53,31 @@ class AllScanArgs:
     node_size: int = 0
     alpha_inter_s: float = 60e-6
     beta_inter_Bps: float = 50e9
-    # fused ZeCO runs the scan on a side stream, overlapped with the intra-chunk work, from this group
-    # size on; below it on the caller's stream. At P = 2 (one hop) blocking was faster: GLA-1B training
-    # 51.2K against 48.2K tok/s/GPU, operator -0.28 ms (docs/results/performance.md). P >= 4 is not
-    # measured yet; 2 = always overlap.
-    overlap_min_ranks: int = 3
+    # what carries a hop (chain and tree): nccl = torch.distributed point-to-point (NCCL on GPUs, gloo on
+    # CPUs); symm = one-sided writes into the next rank's symmetric memory (CUDA, one node: comm/symm.py);
+    # auto = symm where the group is known to sit in one node (node_size / LOCAL_WORLD_SIZE), else nccl.
+    # hier always runs on nccl. symm_timeout_s bounds every wait on a peer (then the kernel traps).
+    transport: str = "nccl"
+    symm_timeout_s: float = 600.0
+    # fused ZeCO: scan on a side stream overlapped with the intra-chunk work (on), on the caller's stream
+    # (off), or whichever measured faster in this run's first calls, per group, shape and direction (auto:
+    # lingua_zeco/sp/overlap.py). At P = 2 blocking measured faster in GLA-1B training (51.2K against 48.2K
+    # tok/s/GPU, docs/results/performance.md), so no one choice holds for every P.
+    overlap: str = "auto"
+
+
+OVERLAP = ("auto", "on", "off")
+
+
+def check_scan_args(args: AllScanArgs) -> None:
+    """Refuse a bad configuration with one line naming the field and its choices."""
+    for field, value, choices in (("algorithm", args.algorithm, ALGORITHMS), ("transport", args.transport, TRANSPORTS),
+                                  ("overlap", args.overlap, OVERLAP)):
+        if value not in choices:
+            raise ValueError(f"all_scan.{field}={value!r}; choose one of {', '.join(choices)}")
+    if args.n_blocks < 0 or args.symm_timeout_s <= 0:
+        raise ValueError(f"all_scan.n_blocks must be >= 0 (0 = by the model) and all_scan.symm_timeout_s > 0; got "
+                         f"{args.n_blocks} and {args.symm_timeout_s}")
 
 
 def chain_time(P: int, nbytes: int, n_blocks: int, alpha_s: float, beta_Bps: float) -> float:
@@ -162,10 +186,10 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
     allowed = ALGORITHMS if transition.hier else tuple(n for n in ALGORITHMS if n != "hier")
     if args.algorithm not in allowed:
         raise ValueError(f"all_scan: algorithm must be one of {allowed} for this transition, got {args.algorithm!r}")
+    check_scan_args(args)
     group = group if group is not None else dist.group.WORLD
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     x, a = x.contiguous(), a.contiguous()
-    pos, peer = scan_position(group, rank, P, reverse)
 
     def run():
         if P == 1:
@@ -175,16 +199,49 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
         algo = choose_algorithm(P, nbytes, args, tree_nbytes, allowed)
         n_blocks = args.n_blocks or best_n_blocks(P, nbytes, args.alpha_s, args.beta_Bps)
         with torch.autocast(x.device.type, enabled=False):  # autocast would run A @ y in bf16
-            if algo == "tree":
-                return tree_scan(x, a, group, pos, P, peer, transition)
             if algo == "hier":
                 return hierarchical_scan(x, a, group, reverse, hier_node_size(args, P), n_blocks)
-            return chain_scan(x, a, group, pos, P, peer, n_blocks, transition)
+            links = _links(args, x, group, rank, P, reverse)
+            for i, link in enumerate(links):
+                try:
+                    if algo == "tree":
+                        return tree_scan(x, a, link, transition)
+                    return chain_scan(x, a, link, n_blocks, transition)
+                except SymmSetupError as e:  # raised before any hop was posted
+                    if i + 1 == len(links):
+                        raise
+                    _NO_SYMM.add(group_key(group))
+                    warnings.warn(f"all_scan: transport=auto falls back to nccl on this group: {e}")
 
     if not (async_op and x.is_cuda):
         out = run()
         return ScanWork(out) if async_op else out
     return on_side_stream(run, (x, a))
+
+
+_NO_SYMM: set = set()  # groups where transport=auto found no symmetric memory
+
+
+def in_one_node(group, args: AllScanArgs) -> bool:
+    """Whether every rank of `group` is known to sit in one node (node_size, else LOCAL_WORLD_SIZE)."""
+    G = args.node_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    return G > 0 and len({r // G for r in dist.get_process_group_ranks(group)}) == 1
+
+
+def _links(args: AllScanArgs, x, group, rank: int, P: int, reverse: bool):
+    """The links to try in order: [SymmLink] for symm, [SymmLink, P2PLink] for auto where symmetric memory
+    may work (the second only if making the first's buffers fails), else [P2PLink]."""
+    nccl = P2PLink(group, rank, P, reverse)
+    if args.transport == "nccl":
+        return [nccl]
+    why = symm_unavailable(x, group)
+    if args.transport == "symm":
+        if why:
+            raise ValueError(f"all_scan(transport='symm'): {why}; use all_scan.transport=nccl (or auto)")
+        return [SymmLink(group, rank, P, reverse, args.symm_timeout_s)]
+    if why or not in_one_node(group, args) or group_key(group) in _NO_SYMM:
+        return [nccl]
+    return [SymmLink(group, rank, P, reverse, args.symm_timeout_s), nccl]
 
 
 def pair_scan(x: torch.Tensor, A: torch.Tensor, group=None, reverse: bool = False,

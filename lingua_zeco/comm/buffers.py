@@ -18,7 +18,8 @@ import torch
 _POOL: dict = {}
 
 
-def _group_key(group):
+def group_key(group):
+    """A process group's stable identity as a dict key."""
     name = getattr(group, "group_name", None)  # stable for the group's life; id() as a fallback
     return name if name else id(group)
 
@@ -27,9 +28,14 @@ def _stream_key(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
 
 
+def buffer_key(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None) -> tuple:
+    """The key of a persistent buffer (also of comm/symm.py's symmetric ones)."""
+    return (tag, tuple(shape), dtype, device, group_key(group), _stream_key(device))
+
+
 def scratch(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None) -> torch.Tensor:
     """The persistent buffer for this key, made (uninitialised) on first use."""
-    key = (tag, tuple(shape), dtype, device, _group_key(group), _stream_key(device))
+    key = buffer_key(tag, shape, dtype, device, group)
     buf = _POOL.get(key)
     if buf is None:
         buf = _POOL[key] = torch.empty(tuple(shape), dtype=dtype, device=device)

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from .scan import chain_scan, global_rank, scan_position, tree_scan
+from .scan import P2PLink, chain_scan, global_rank, tree_scan
 
 # (group's global ranks in group-rank order, node size) -> (world it was made in, intra, cross)
 _GROUPS: dict = {}
@@ -76,9 +76,9 @@ def hierarchical_scan(x, a, group, reverse: bool, node_size: int, n_blocks: int)
     intra, cross = _node_groups(group, P, G)
     node, local = rank // G, rank % G
     ig = intra[node]
-    pos, peer_in = scan_position(ig, local, G, reverse)  # position inside the node, in scan order
-    last_local = 0 if reverse else G - 1                 # the node's last rank in scan order
-    y_loc = chain_scan(x, a, ig, pos, G, peer_in, n_blocks) if G > 1 else torch.zeros_like(x)
+    link = P2PLink(ig, local, G, reverse)                # pos: the position inside the node, in scan order
+    pos, last_local = link.pos, (0 if reverse else G - 1)  # the node's last rank in scan order
+    y_loc = chain_scan(x, a, link, n_blocks) if G > 1 else torch.zeros_like(x)
     decays = [torch.empty_like(a) for _ in range(G)]
     dist.all_gather(decays, a.contiguous(), group=ig)
     order = [G - 1 - p if reverse else p for p in range(G)]        # local indices in scan order
@@ -90,7 +90,6 @@ def hierarchical_scan(x, a, group, reverse: bool, node_size: int, n_blocks: int)
         X_node = a[..., None] * y_loc + x
         A_node = a_excl * a
         cg, N = cross[last_local], P // G
-        npos, peer_out = scan_position(cg, node, N, reverse)
-        Y = tree_scan(X_node.contiguous(), A_node.contiguous(), cg, npos, N, peer_out) if N > 1 else Y
+        Y = tree_scan(X_node.contiguous(), A_node.contiguous(), P2PLink(cg, node, N, reverse)) if N > 1 else Y
     dist.broadcast(Y, src=global_rank(ig, last_local), group=ig)
     return y_loc + a_excl[..., None] * Y

@@ -12,8 +12,8 @@ and MATRIX, A [..., K, K] acting by A @ y (the gated delta rule). Three ways to 
                independent, and a rank forwards block j while block j+1 is still in flight;
 * tree_scan    Hillis–Steele, ceil(log2 P) rounds of pairwise exchange at distance 1, 2, 4, ...;
 * gather_scan  LASP-2's: one all-gather of every rank's pair, then the local fold (local_scan).
-Ranks are walked in scan order: `pos` is this rank's position, `peer(pos)` the global rank there
-(scan_position; reverse=True walks the group backwards, as the backward pass needs).
+Ranks are walked in scan order by a link (P2PLink here, SymmLink in symm.py): `link.pos` is this
+rank's position (scan_position; reverse=True walks the group backwards, as the backward pass needs).
 Cost per hop: what a rank sends, stages and folds lives in persistent scratch buffers (buffers.py, with
 their lifetime rule); every combine a·y + x is one fused op written in place (addcmul / baddbmm); the
 result is the only tensor a call allocates.
@@ -132,14 +132,79 @@ def wait_all(works) -> None:
         w.wait()
 
 
-def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: Transition = DECAY):
+class P2PLink:
+    """The scan order over `group` carried by torch.distributed point-to-point ops (NCCL on GPUs, gloo on
+    CPUs): transport="nccl". A link is what chain_scan and tree_scan need from a transport; the other one
+    is comm/symm.py's SymmLink (one-sided puts into the next rank's symmetric memory).
+
+    Chain: open_chain(y) before anything else; a block is a view of y (the result); send_first posts
+    x's blocks at position 0, recv waits for one block and returns the tensor holding it, send_slot
+    is where a block's combine writes what goes out, send posts it, close ends the call.
+    Tree: exchange(d, inc) sends inc to pos + d and receives the same shape from pos − d (None where
+    there is no such position); release(d) says the received tensor was consumed."""
+
+    name = "nccl"
+
+    def __init__(self, group, rank: int, P: int, reverse: bool):
+        self.group, self.P = group, P
+        self.pos, self._peer = scan_position(group, rank, P, reverse)
+
+    def _at(self, off: int):  # global rank `off` positions away, None past either end
+        p = self.pos + off
+        return self._peer(p) if 0 <= p < self.P else None
+
+    def _scratch(self, tag, like):
+        return scratch(tag, like.shape, like.dtype, like.device, self.group)
+
+    def open_chain(self, y: torch.Tensor, blocks: list) -> None:
+        """Post the receives of y's blocks (contiguous ones straight into y); at the last position all in
+        one call, elsewhere one by one, so each block is waited for alone."""
+        self._sends, self._slots, self._recvs = [], [], []
+        if self.pos == 0:
+            return
+        self._slots = [b if b.is_contiguous() else self._scratch(f"chain_recv{j}", b) for j, b in enumerate(blocks)]
+        src = self._at(-1)
+        if self.pos == self.P - 1:
+            self._recvs = issue([(dist.irecv, t, src, self.group) for t in self._slots])
+        else:
+            self._recvs = [dist.irecv(t, src=src, group=self.group) for t in self._slots]
+
+    def send_first(self, x_blocks: list, y_blocks: list) -> None:
+        blks = [b if b.is_contiguous() else self._scratch(f"chain_send{j}", b).copy_(b) for j, b in enumerate(x_blocks)]
+        wait_all(issue([(dist.isend, b, self._at(1), self.group) for b in blks]))
+
+    def recv(self, j: int) -> torch.Tensor:
+        self._recvs[j].wait()
+        return self._slots[j]
+
+    def send_slot(self, j: int, y_block: torch.Tensor) -> torch.Tensor:
+        return self._scratch(f"chain_send{j}", y_block)
+
+    def send(self, j: int, t: torch.Tensor) -> None:
+        self._sends.append(dist.isend(t, dst=self._at(1), group=self.group))
+
+    def close(self) -> None:
+        wait_all(self._sends)
+
+    def exchange(self, d: int, inc: torch.Tensor):
+        got = self._scratch("tree_recv", inc)
+        dst, src = self._at(d), self._at(-d)
+        wait_all(issue(([(dist.isend, inc, dst, self.group)] if dst is not None else [])
+                       + ([(dist.irecv, got, src, self.group)] if src is not None else [])))
+        return got if src is not None else None
+
+    def release(self, d: int) -> None:
+        pass
+
+
+def chain_scan(x, a, link, n_blocks: int, transition: Transition = DECAY):
     """The chain, pipelined in blocks: position p receives y_p block by block and, as each block
     arrives, sends that block of x_p + a_p·y_p (of x_p alone at p = 0) on to p + 1, so hop p+1 starts
     before hop p has finished. Returns y_p (zeros at p = 0).
 
     Decays act row by row, so x [..., K, V] is cut along its flat rows: every block is contiguous and
-    is received straight into the result. Matrix transitions mix K: x is cut along V, and with more
-    than one block the blocks are staged in scratch buffers."""
+    the P2P link receives it straight into the result. Matrix transitions mix K: x is cut along V."""
+    pos, P = link.pos, link.P
     y = torch.empty_like(x)
     if pos == 0:
         y.zero_()
@@ -150,68 +215,49 @@ def chain_scan(x, a, group, pos: int, P: int, peer, n_blocks: int, transition: T
     else:
         x_, a_, y_, d = x, a, y, x.dim() - 1
     spans = split_blocks(x_.shape[d], n_blocks)
-    direct = transition.rows or len(spans) == 1  # y's blocks are contiguous: receive into them
-
-    def buf(tag, j, blk):
-        return scratch(f"chain_{tag}{j}", blk.shape, x.dtype, x.device, group)
-
     y_blks = [y_.narrow(d, s, e - s) for s, e in spans]
-    dst, src = (peer(pos + 1) if pos < P - 1 else None), (peer(pos - 1) if pos > 0 else None)
-    if pos == 0:  # nothing to combine: x's blocks go out at once, in one call
-        blks = [x_.narrow(d, s, e - s) for s, e in spans]
-        if not direct:
-            blks = [buf("send", j, b).copy_(b) for j, b in enumerate(blks)]
-        wait_all(issue([(dist.isend, b, dst, group) for b in blks]))
+    link.open_chain(y, y_blks)
+    if pos == 0:  # nothing to combine: x's blocks go out at once
+        link.send_first([x_.narrow(d, s, e - s) for s, e in spans], y_blks)
+        link.close()
         return y
-    targets = y_blks if direct else [buf("recv", j, b) for j, b in enumerate(y_blks)]
-    if pos == P - 1:  # nothing to forward: every receive in one call
-        wait_all(issue([(dist.irecv, t, src, group) for t in targets]))
-        if not direct:
-            for yb, t in zip(y_blks, targets):
-                yb.copy_(t)
-        return y
-    recvs = [dist.irecv(t, src=src, group=group) for t in targets]  # each block is waited for alone
-    sends = []
     for j, (s, e) in enumerate(spans):
-        recvs[j].wait()
-        if not direct:
-            y_blks[j].copy_(targets[j])
-        send = buf("send", j, y_blks[j])
-        a_blk = a_.narrow(0, s, e - s) if transition.rows else transition.chain_part(a_, s, e)
-        transition.combine_into(x_.narrow(d, s, e - s), a_blk, targets[j], send)
-        sends.append(dist.isend(send, dst=dst, group=group))
-    wait_all(sends)
+        got = link.recv(j)
+        if got is not y_blks[j]:
+            y_blks[j].copy_(got)
+        if pos < P - 1:
+            out = link.send_slot(j, y_blks[j])
+            a_blk = a_.narrow(0, s, e - s) if transition.rows else transition.chain_part(a_, s, e)
+            transition.combine_into(x_.narrow(d, s, e - s), a_blk, got, out)
+            link.send(j, out)
+    link.close()
     return y
 
 
-def tree_scan(x, a, group, pos: int, P: int, peer, transition: Transition = DECAY):
+def tree_scan(x, a, link, transition: Transition = DECAY):
     """Hillis–Steele (any P: missing partners are skipped). A position keeps the inclusive pair of
     the positions (pos−d, pos] and the exclusive pair of (pos−d, pos); the round at distance d sends
     the inclusive pair to pos + d and composes the one received from pos − d (earlier) onto both.
-    One batched send+receive per round; the aggregates live in scratch buffers and are folded in
-    place, and only while a later round still needs them. Returns y_p (zeros at p = 0)."""
+    One exchange per round; the aggregates live in scratch buffers and are folded in place, and only
+    while a later round still needs them. Returns y_p (zeros at p = 0)."""
+    pos, P = link.pos, link.P
     y = torch.empty_like(x)
     na, n = a.numel(), a.numel() + x.numel()
 
     def buf(tag, shape):
-        return scratch(f"tree_{tag}", shape, x.dtype, x.device, group)
+        return scratch(f"tree_{tag}", shape, x.dtype, x.device, link.group)
 
-    inc, got = buf("inc", (n,)), buf("recv", (n,))  # [a | x] flat: one message per round
+    inc = buf("inc", (n,))  # [a | x] flat: one message per round
     inc_a, inc_x = inc[:na].view_as(a), inc[na:].view_as(x)
-    got_a, got_x = got[:na].view_as(a), got[na:].view_as(x)
     exc_a, tmp = buf("exc_a", a.shape), buf("tmp", a.shape)
     if pos + 1 < P:
         inc_a.copy_(a)
         inc_x.copy_(x)
     have, d = False, 1
     while d < P:
-        ops = []
-        if pos + d < P:
-            ops.append((dist.isend, inc, peer(pos + d), group))
-        if pos - d >= 0:
-            ops.append((dist.irecv, got, peer(pos - d), group))
-        wait_all(issue(ops))
-        if pos - d >= 0:  # the received segment (pos−2d, pos−d] lies before ours
+        got = link.exchange(d, inc)
+        if got is not None:  # the received segment (pos−2d, pos−d] lies before ours
+            got_a, got_x = got[:na].view_as(a), got[na:].view_as(x)
             more_recv, more_send = pos - 2 * d >= 0, pos + 2 * d < P
             if not have:
                 y.copy_(got_x)
@@ -224,6 +270,7 @@ def tree_scan(x, a, group, pos: int, P: int, peer, transition: Transition = DECA
             if more_send:
                 transition.combine_into(inc_x, inc_a, got_x, inc_x)
                 transition.then_(inc_a, got_a, tmp)
+            link.release(d)
             have = True
         d *= 2
     return y if have else y.zero_()

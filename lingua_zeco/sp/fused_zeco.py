@@ -17,8 +17,8 @@ G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
 The extra work against plain fla chunk_gla is the D pass, the chunk gate sums and the fold inside
 the output stage: no pass rewrites the chunk states h or dh. fla's stages come through
 lingua_zeco/kernels/fla_stages.py, ours from lingua_zeco/kernels/zeco_stages.py.
-The side stream is used from `AllScanArgs.overlap_min_ranks` ranks on; below that (P = 2 by default,
-one hop, where it measured slower) the scan runs on the caller's stream at the same points.
+The scan runs on a side stream (overlapped) or on the caller's stream at the same points, as
+`AllScanArgs.overlap` says: on, off, or auto = whichever measured faster in the run's first calls.
 LASP-2 runs on the same stages (fused_lasp2_gla): the exchange is its all-gather instead.
 Shapes: q, k, g, dq, dk, dg [B, T, H, K] and v, do, o, dv [B, T, H, V] (fla's names, as its stages take
 them); suffixes elsewhere, with N = the NT chunks and C = the BT tokens of a chunk.
@@ -28,12 +28,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan, gather_scan
+from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import fla_stages as fla
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
 from .fused_packed import FusedPackedZeCOGLA
+from .overlap import CHOOSER, post
 
 
 class FusedZeCOGLA(torch.autograd.Function):
@@ -80,14 +81,14 @@ class FusedZeCOGLA(torch.autograd.Function):
 
 
 def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs):
-    """ZeCO: the All-Scan overlapped with the intra-chunk work (from scan.overlap_min_ranks ranks on).
-    Packed documents: a slice inside one document is the dense case; one where a document starts
-    takes fused_packed."""
+    """ZeCO: the All-Scan overlapped with the intra-chunk work, or blocking, as scan.overlap says (auto:
+    whichever measured faster, sp/overlap.py). Packed documents: a slice inside one document is the
+    dense case; one where a document starts takes fused_packed."""
 
     def scan_fn(x, a, reverse):  # returns a handle; the caller computes until it waits
-        if dist.get_world_size(group) >= scan.overlap_min_ranks:
-            return all_scan(x, a, group, reverse=reverse, args=scan, async_op=True)
-        return ScanWork(all_scan(x, a, group, reverse=reverse, args=scan))
+        if scan.overlap == "auto" and x.is_cuda and dist.get_world_size(group) > 1:
+            return CHOOSER.scan(x, a, group, reverse, scan)
+        return post(x, a, group, reverse, scan, overlapped=scan.overlap != "off")
 
     return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg)
 

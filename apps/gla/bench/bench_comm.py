@@ -9,6 +9,13 @@ one state (reference). State per rank: [H, K, V] fp32 with decays [H, K] (H=32: 
 P2P: ping-pong between rank 0 and `p2p_peer` over several sizes; one-way = round trip / 2; a line
 alpha + bytes / beta is fitted and written as {"calibration": {"links": {name: ...}}}, the form
 `python -m lingua_zeco.perf_model calib=FILE` reads.
+Transports (all_scan.transport) for the chain and the tree: nccl (torch.distributed P2P), symm (one-sided
+writes into symmetric memory; rows named symm_chain1, symm_tree). On CUDA every row also has host_us,
+the host time to enqueue one scan (the software cost, apart from the wire).
+One GPU, several ranks (the symm scan's host and kernel work without a second GPU; GPU times then
+include the time-slicing of the ranks' contexts):
+    torchrun --nproc_per_node=3 -m apps.gla.bench.bench_comm backend=gloo transports=symm \
+        methods=chain,tree p2p_sizes=[]
 Writes <out>/comm_P<world>.json and .md (rank 0).
 """
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.comm import all_scan
+from lingua_zeco.comm import AllScanArgs, all_scan
 from lingua_zeco.perf_model.links import fit_alpha_beta
 
 from lingua_zeco import reliability
@@ -37,6 +44,8 @@ class BenchCommArgs(HeadArgs):
     p2p_sizes: tuple[int, ...] = (4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20)  # bytes
     p2p_peer: int = 1  # ping-pong partner of rank 0 (e.g. 8 = first GPU of the next node: "ib")
     link_name: str = ""  # name written into the calibration; "" = nvlink / ib / gloo by placement
+    transports: tuple[str, ...] = ("nccl",)  # all_scan.transport of the chain and tree rows: nccl | symm
+    backend: str = ""  # process group: "" = nccl on GPUs, gloo on CPUs; gloo on GPUs lets ranks share a GPU
     seed: int = 0  # seed of the random states
 
 
@@ -56,18 +65,24 @@ def collective_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
         gathered = flat.new_empty(P * flat.numel())
         reduced = x.clone()
         cases = {}
-        if "chain" in args.methods:
-            for n in args.blocks:
-                cases[f"chain{n}"] = lambda n=n: all_scan(x, a, algorithm="chain", n_blocks=n)
-        if "tree" in args.methods:
-            cases["tree"] = lambda: all_scan(x, a, algorithm="tree")
+        for tp in args.transports:
+            prefix = "" if tp == "nccl" else f"{tp}_"
+            if "chain" in args.methods:
+                for n in args.blocks:
+                    scan = AllScanArgs(algorithm="chain", n_blocks=n, transport=tp)
+                    cases[f"{prefix}chain{n}"] = lambda scan=scan: all_scan(x, a, args=scan)
+            if "tree" in args.methods:
+                scan = AllScanArgs(algorithm="tree", transport=tp)
+                cases[f"{prefix}tree"] = lambda scan=scan: all_scan(x, a, args=scan)
         if "allgather" in args.methods:
             cases["allgather"] = lambda: _allgather(gathered, flat)
         if "allreduce" in args.methods:
             cases["allreduce"] = lambda: dist.all_reduce(reduced)
         for name, fn in cases.items():
-            t = time_iters(fn, device, args.warmup, args.iters)
-            rows.append(dict(method=name, H=H, P=P, state_bytes=x.numel() * 4, **summarize(t, "us")))
+            host: list[float] = []
+            t = time_iters(fn, device, args.warmup, args.iters, host_s=host)
+            extra = dict(host_us=summarize(host, "us")["median_us"]) if host else {}
+            rows.append(dict(method=name, H=H, P=P, state_bytes=x.numel() * 4, **summarize(t, "us"), **extra))
     return rows
 
 
@@ -121,7 +136,8 @@ def measure(args: BenchCommArgs, device: torch.device) -> tuple[str, dict, str]:
     cal = calibration(args, device, p2p, rows)
     results = dict(bench="comm", world_size=P, results=rows, p2p=p2p, calibration=cal)
     md = f"# bench_comm, P={P} ({device_name(device)})\n\n"
-    md += markdown_table(rows, ["method", "H", "P", "state_bytes", "median_us", "p10_us", "p90_us", "n"])
+    cols = ["method", "H", "P", "state_bytes", "median_us", "p10_us", "p90_us", "n"]
+    md += markdown_table(rows, cols + (["host_us"] if rows and "host_us" in rows[0] else []))
     if p2p:
         md += "\n## P2P one way\n\n" + markdown_table(p2p, ["bytes", "peer", "median_us", "p10_us", "p90_us"])
     if cal:

@@ -38,9 +38,9 @@ VARIANTS = {
     # GLA-1B as a hybrid (configs/gla_1b_hybrid.yaml): softmax attention at blocks 5, 11 and 17
     "ours_hybrid": ["model.softmax_layers=[5,11,17]"],
     # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP
-    "sp_zeco": ["distributed.sp_method=zeco"],  # the default: overlapped from 3 ranks on
-    "sp_zeco_overlap": ["distributed.sp_method=zeco", "distributed.all_scan.overlap_min_ranks=2"],
-    "sp_zeco_blocking": ["distributed.sp_method=zeco", "distributed.all_scan.overlap_min_ranks=1000000"],
+    "sp_zeco": ["distributed.sp_method=zeco"],  # the default: overlap=auto (blocking or overlapped, as measured)
+    "sp_zeco_overlap": ["distributed.sp_method=zeco", "distributed.all_scan.overlap=on"],
+    "sp_zeco_blocking": ["distributed.sp_method=zeco", "distributed.all_scan.overlap=off"],
     "sp_lasp1": ["distributed.sp_method=lasp1"],
     "sp_lasp2": ["distributed.sp_method=lasp2"],
 }

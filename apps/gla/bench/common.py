@@ -56,7 +56,7 @@ def bench_main(cls, measure: Callable) -> Callable:
     results) and .md. main returns the JSON's path there (None on other ranks)."""
     def main(argv: list[str] | None = None) -> str | None:
         args = parse_args(cls, argv)
-        device = init_distributed()
+        device = init_distributed(backend=getattr(args, "backend", "") or None)
         stem, results, md = measure(args, device)
         path = write_outputs(args.out, stem, dict(args=dataclasses.asdict(args), env=env_info(device), **results), md)
         finish()
@@ -68,14 +68,16 @@ def bench_main(cls, measure: Callable) -> Callable:
 _OWN_GROUP = False  # did init_distributed create the default group (then finish() tears it down)?
 
 
-def init_distributed(timeout_s: int = 300) -> torch.device:
+def init_distributed(timeout_s: int = 300, backend: str | None = None) -> torch.device:
     """Join (or create: the trainer's rules, lingua_zeco.distributed) the default process group and
-    return this rank's device."""
+    return this rank's device (backend: see distributed.init_process_group)."""
     global _OWN_GROUP
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    _OWN_GROUP = distributed.init_process_group(distributed.DistributedArgs(timeout_s=timeout_s)) or _OWN_GROUP
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local % torch.cuda.device_count() if backend == "gloo" else local)
+    _OWN_GROUP = distributed.init_process_group(distributed.DistributedArgs(timeout_s=timeout_s),
+                                                backend) or _OWN_GROUP
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
@@ -95,8 +97,9 @@ def env_info(device: torch.device) -> dict:
 
 # ------------------------------------------------------------------------------------- timing
 def time_iters(fn: Callable[[], object], device: torch.device, warmup: int, iters: int,
-               group=None) -> list[float]:
-    """Seconds of each timed call of `fn`, the slowest rank's for each iteration."""
+               group=None, host_s: list | None = None) -> list[float]:
+    """Seconds of each timed call of `fn`, the slowest rank's for each iteration. On CUDA, `host_s`
+    (a list) receives this rank's host seconds to enqueue each call (the software cost of a call)."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
@@ -111,7 +114,10 @@ def time_iters(fn: Callable[[], object], device: torch.device, warmup: int, iter
             torch.cuda.synchronize(device)  # start from an idle stream so the start event is "now"
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            if host_s is not None:
+                host_s.append(time.perf_counter() - t0)
             end.record()
             events.append((start, end))
         else:

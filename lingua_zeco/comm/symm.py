@@ -1,0 +1,181 @@
+"""transport="symm": the All-Scan's hops as one-sided writes into the receiver's symmetric memory.
+
+PyTorch's symmetric memory (torch.distributed._symmetric_memory) maps each rank's buffer of a group into
+the address space of every other rank of the group (NVLink / PCIe peer access inside a node). A hop is
+then the sender's combine kernel a·y + x writing its result straight into the receiver's buffer and a
+signal kernel setting a flag in the receiver's signal pad; the receiver's wait kernel spins on that flag.
+No NCCL launch, no proxy thread, no staging copy on the sender. Only unicast writes and signals: NVLink
+multicast is never used.
+
+Signals are slots [channel, sender] of the receiver's pad, set 0 → 1 by put_signal and 1 → 0 by
+wait_signal; both spin on the GPU, with a timeout after which the kernel traps (a dead peer ends the
+process instead of hanging it). Channels: FREE = 0; the chain's block j: 1 + j; a tree round: 1 (each
+round of a position has a different sender, so one data channel suffices).
+Flow control: a rank writes into a peer's buffer only after the peer said the buffer is free (FREE):
+once when the buffer is made and again each time it has consumed what it received, so a scan never
+overwrites data the previous scan has not read yet.
+Buffers: one per (algorithm, size, dtype, device, group, CUDA stream, direction), like comm/buffers.py's
+scratch: forward and reverse scans have different senders, and a scan on the side stream and one on the
+caller's stream may be in flight at once. Making one is collective over the group (rendezvous): all
+ranks of a group scan the same shapes in the same order, so they make them together.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .buffers import buffer_key
+
+FREE, DATA = 0, 1
+
+
+class SymmSetupError(RuntimeError):
+    """Making a symmetric buffer failed (before the scan posted anything): transport=auto falls back."""
+
+
+def symm_unavailable(x: torch.Tensor, group) -> str | None:
+    """Why transport="symm" cannot carry a scan of x over `group` here, None if it can."""
+    if not x.is_cuda:
+        return f"symmetric memory needs CUDA tensors (got {x.device})"
+    try:
+        import torch.distributed._symmetric_memory  # noqa: F401
+    except ImportError as e:
+        return f"this torch has no torch.distributed._symmetric_memory ({e})"
+    return None
+
+
+class TorchSymmetricMemory:
+    """Where SymmLink's buffers come from: torch's symmetric memory, one buffer per key, made
+    collectively over the group on first use. Another provider (the one-GPU loopback of
+    comm/symm_loopback.py, a threaded simulation in the tests) offers the same two methods."""
+
+    def __init__(self):
+        self._pool: dict = {}
+
+    def buffer(self, key: tuple, n: int, like: torch.Tensor, group):
+        """(buffer [n], handle, made now). The handle offers get_buffer(rank, sizes, dtype),
+        put_signal(rank, channel, timeout_ms), wait_signal(rank, channel, timeout_ms), signal_pad_size."""
+        hit = self._pool.get(key)
+        if hit is not None:
+            return (*hit, False)
+        try:
+            import torch.distributed._symmetric_memory as symm
+            if hasattr(symm, "enable_symm_mem_for_group"):  # needed by older torch, deprecated (a no-op) later
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    symm.enable_symm_mem_for_group(group.group_name)
+            buf = symm.empty(n, dtype=like.dtype, device=like.device)
+            handle = symm.rendezvous(buf, group.group_name)
+        except Exception as e:  # e.g. no peer access between the GPUs, two ranks on one GPU
+            raise SymmSetupError(f"all_scan(transport='symm'): no symmetric memory on this group "
+                                 f"({type(e).__name__}: {e}); use all_scan.transport=nccl") from e
+        self._pool[key] = (buf, handle)
+        return buf, handle, True
+
+    def clear(self) -> None:
+        self._pool.clear()
+
+
+TORCH_SYMM = TorchSymmetricMemory()
+
+
+class SymmLink:
+    """A scan order over `group` whose hops are writes into symmetric memory (the P2PLink interface of
+    comm/scan.py). `timeout_s` bounds every wait on a peer."""
+
+    name = "symm"
+
+    def __init__(self, group, rank: int, P: int, reverse: bool, timeout_s: float, memory=TORCH_SYMM):
+        self.group, self.P, self.reverse, self.memory = group, P, reverse, memory
+        self.pos = P - 1 - rank if reverse else rank
+        self.timeout_ms = max(1, int(timeout_s * 1000))
+
+    def _rank(self, off: int):  # the group rank `off` positions away (signals use group ranks), None past the ends
+        p = self.pos + off
+        if not 0 <= p < self.P:
+            return None
+        return self.P - 1 - p if self.reverse else p
+
+    def _buffer(self, tag: str, n: int, like: torch.Tensor, senders: list[int], channels: int):
+        """This rank's symmetric buffer of n elements and its handle, made on first use; a new buffer is
+        declared free to each of its `senders` (group ranks)."""
+        key = (*buffer_key(f"symm_{tag}", (n,), like.dtype, like.device, self.group), self.reverse)
+        buf, handle, new = self.memory.buffer(key, n, like, self.group)
+        if new:
+            if handle.signal_pad_size < channels * self.P * 4:  # one uint32 per (channel, sender)
+                raise RuntimeError(f"all_scan(transport='symm'): {channels} channels × {self.P} ranks do not fit the "
+                                   f"signal pad ({handle.signal_pad_size} B); use fewer blocks "
+                                   f"(all_scan.n_blocks) or all_scan.transport=nccl")
+            for s in senders:
+                handle.put_signal(s, FREE, self.timeout_ms)
+        return buf, handle
+
+    def _remote(self, rank: int, view: torch.Tensor) -> torch.Tensor:
+        """The view of `rank`'s buffer laid out as `view` is inside self._base (same offsets, strides)."""
+        base = self._handle.get_buffer(rank, (self._n,), view.dtype)
+        off = (view.data_ptr() - self._base.data_ptr()) // view.element_size()
+        return base.as_strided(view.shape, view.stride(), base.storage_offset() + off)
+
+    # chain: this rank's buffer receives y laid out as y itself
+    def open_chain(self, y: torch.Tensor, blocks: list) -> None:
+        src, self._dst = self._rank(-1), self._rank(1)
+        self._n, self._base, self._acquired = y.numel(), y, False
+        buf, self._handle = self._buffer("chain", y.numel(), y, [src] if src is not None else [], DATA + len(blocks))
+        self._mine = buf
+        self._slots = [self._local(b) for b in blocks]
+
+    def _local(self, view):
+        off = (view.data_ptr() - self._base.data_ptr()) // view.element_size()
+        return self._mine.as_strided(view.shape, view.stride(), self._mine.storage_offset() + off)
+
+    def _acquire(self):  # wait until the next rank's buffer is free, once per call
+        if not self._acquired:
+            self._handle.wait_signal(self._dst, FREE, self.timeout_ms)
+            self._acquired = True
+
+    def send_first(self, x_blocks: list, y_blocks: list) -> None:
+        self._acquire()
+        for j, (xb, yb) in enumerate(zip(x_blocks, y_blocks)):
+            self._remote(self._dst, yb).copy_(xb)
+            self._handle.put_signal(self._dst, DATA + j, self.timeout_ms)
+
+    def recv(self, j: int) -> torch.Tensor:
+        self._handle.wait_signal(self._rank(-1), DATA + j, self.timeout_ms)
+        return self._slots[j]
+
+    def send_slot(self, j: int, y_block: torch.Tensor) -> torch.Tensor:
+        self._acquire()
+        return self._remote(self._dst, y_block)
+
+    def send(self, j: int, t: torch.Tensor) -> None:
+        self._handle.put_signal(self._dst, DATA + j, self.timeout_ms)
+
+    def close(self) -> None:
+        if self.pos > 0:  # every block was consumed (copied into y): the buffer is free again
+            self._handle.put_signal(self._rank(-1), FREE, self.timeout_ms)
+
+    # tree: one slot per round in this rank's buffer
+    def exchange(self, d: int, inc: torch.Tensor):
+        rounds = max(1, (self.P - 1).bit_length())
+        r, n = d.bit_length() - 1, inc.numel()
+        senders = [self._rank(-(1 << i)) for i in range(rounds)]
+        buf, handle = self._buffer("tree", rounds * n, inc, [s for s in senders if s is not None], DATA + 1)
+        dst, src = self._rank(d), self._rank(-d)
+        if dst is not None:
+            handle.wait_signal(dst, FREE, self.timeout_ms)
+            handle.get_buffer(dst, (rounds, n), inc.dtype)[r].copy_(inc)
+            handle.put_signal(dst, DATA, self.timeout_ms)
+        if src is None:
+            return None
+        handle.wait_signal(src, DATA, self.timeout_ms)
+        self._handle = handle
+        return buf.view(rounds, n)[r]
+
+    def release(self, d: int) -> None:
+        self._handle.put_signal(self._rank(-d), FREE, self.timeout_ms)
+
+
+def clear_symm_buffers() -> None:
+    """Drop the symmetric buffers (the next scan makes new ones, collectively)."""
+    TORCH_SYMM.clear()

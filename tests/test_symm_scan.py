@@ -1,0 +1,67 @@
+"""all_scan(transport="symm"): one-sided writes into symmetric memory, against the float64 reference.
+
+GPU only. The ranks share the GPUs there are (gloo for the process group: NCCL refuses two ranks on one
+GPU, symmetric memory does not), so one H200 checks the protocol: every position of the chain and the
+tree, both directions, both transitions, the side stream, and consecutive scans reusing the buffers
+(the FREE handshake: without it a fast sender overwrites data not yet read)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from lingua_zeco.comm import AllScanArgs, all_scan, pair_scan
+from lingua_zeco.testing import run_on_ranks
+
+from test_all_scan import contributions, reference
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="symmetric memory needs CUDA")]
+
+CASES = [("chain", 1), ("chain", 3), ("tree", 1)]
+
+
+def _symm_worker(rank, world, calls):
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    errors = {}
+    for call in range(calls):  # new data every call, same buffers
+        xs, as_ = contributions(world, seed=call)
+        mats = [torch.eye(5) * 0.5 + 0.1 * torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(call * 31 + r))
+                for r in range(world)]
+        for algo, nb in CASES:
+            args = AllScanArgs(algorithm=algo, n_blocks=nb, transport="symm")
+            for reverse in (False, True):
+                y = all_scan(xs[rank].to(dev), as_[rank].to(dev), reverse=reverse, args=args)
+                errors[("decay", call, algo, nb, reverse)] = (y.cpu().double() - reference(xs, as_, rank, reverse)).abs().max().item()
+                y = pair_scan(xs[rank].to(dev), mats[rank].to(dev), reverse=reverse, args=args)
+                errors[("matrix", call, algo, nb, reverse)] = (
+                    y.cpu().double() - reference(xs, mats, rank, reverse, matrix=True)).abs().max().item()
+            work = all_scan(xs[rank].to(dev), as_[rank].to(dev), args=args, async_op=True)
+            errors[("async", call, algo, nb, False)] = (work.wait().cpu().double() - reference(xs, as_, rank, False)).abs().max().item()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_symm_scan_matches_reference(world):
+    calls = 3
+    results = run_on_ranks(_symm_worker, world, calls, timeout_s=600)
+    for errs in results:
+        assert len(errs) == calls * len(CASES) * 5
+        for key, err in errs.items():
+            assert err < 1e-4, f"symm all_scan wrong for {key} at P={world}: max error {err}"
+
+
+def _broken_worker(rank, world):  # a wrong decay on one rank must show up downstream
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    xs, as_ = contributions(world)
+    a = torch.ones_like(as_[rank]) if rank == 1 else as_[rank]
+    y = all_scan(xs[rank].cuda(), a.cuda(), args=AllScanArgs(algorithm="chain", transport="symm"))
+    torch.cuda.synchronize()
+    dist.barrier()
+    return (y.cpu().double() - reference(xs, as_, rank, False)).abs().max().item()
+
+
+def test_symm_reference_catches_a_wrong_decay():
+    errs = run_on_ranks(_broken_worker, 3, timeout_s=300)
+    assert errs[0] == 0.0 and errs[1] < 1e-5 and errs[2] > 1e-2
