@@ -89,23 +89,19 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_process_group(args: DistributedArgs, backend: str | None = None) -> bool:
+def init_process_group(args: DistributedArgs) -> bool:
     """Join (or create) the default group. Returns True when this call created it.
 
     torchrun sets RANK/WORLD_SIZE; a plain `python -m` run gets a single-rank group on an
-    in-memory store; a group made by someone else (tests) is used as it is. backend: nccl on GPUs and
-    gloo on CPUs by default; "gloo" on GPUs lets several ranks share one GPU (the symmetric-memory scan
-    measured on one GPU: apps/gla/bench/bench_comm.py).
+    in-memory store; a group made by someone else (tests) is used as it is.
     """
     if dist.is_initialized():
         return False
-    cuda = torch.cuda.is_available()
-    backend = backend or ("nccl" if cuda else "gloo")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
     timeout = timedelta(seconds=args.timeout_s)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        if cuda:
-            local = int(os.environ.get("LOCAL_RANK", 0))
-            torch.cuda.set_device(local % torch.cuda.device_count() if backend == "gloo" else local)
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, timeout=timeout)
     else:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lingua_zeco.comm import DECAY, MATRIX, SymmLink, chain_scan, tree_scan
+from lingua_zeco.comm.symm import SymmBuffer
 
 from test_all_scan import contributions, reference
 
@@ -62,15 +63,14 @@ class SimMemory:
         self.w, self.rank, self.made = world, rank, {}
 
     def buffer(self, key, n, like, group):
-        if key in self.made:
-            return (*self.made[key], False)
-        idx = len(self.made)
-        buf = torch.full((n,), float("nan"), dtype=like.dtype)
-        with self.w.cv:
-            self.w.bufs[(idx, self.rank)] = buf
-            self.w.cv.notify_all()
-        self.made[key] = (buf, SimHandle(self.w, idx, self.rank))
-        return (*self.made[key], True)
+        if key not in self.made:
+            idx = len(self.made)
+            buf = torch.full((n,), float("nan"), dtype=like.dtype)
+            with self.w.cv:
+                self.w.bufs[(idx, self.rank)] = buf
+                self.w.cv.notify_all()
+            self.made[key] = SymmBuffer(buf, SimHandle(self.w, idx, self.rank))
+        return self.made[key]
 
 
 class NoFreeLink(SymmLink):

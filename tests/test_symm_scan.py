@@ -1,14 +1,16 @@
 """all_scan(transport="symm"): one-sided writes into symmetric memory, against the float64 reference.
 
-GPU only. The ranks share the GPUs there are (gloo for the process group: NCCL refuses two ranks on one
-GPU, symmetric memory does not), so one H200 checks the protocol: every position of the chain and the
-tree, both directions, both transitions, the side stream, and consecutive scans reusing the buffers
-(the FREE handshake: without it a fast sender overwrites data not yet read)."""
+GPU only. torch's symmetric memory refuses two ranks on one GPU, so:
+* one GPU: P virtual ranks on P streams of one process (comm/symm_loopback.py), SymmLink unchanged:
+  the GPU kernels of every position of the chain and the tree, both directions, both transitions, and
+  consecutive scans reusing the buffers (the FREE handshake);
+* one GPU per rank (a 2-GPU machine and more): real processes through all_scan(transport="symm"),
+  also on the side stream, and a broken decay caught downstream."""
 import pytest
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.comm import AllScanArgs, all_scan, pair_scan
+from lingua_zeco.comm import DECAY, MATRIX, AllScanArgs, all_scan, pair_scan
 from lingua_zeco.testing import run_on_ranks
 
 from test_all_scan import contributions, reference
@@ -19,8 +21,40 @@ pytestmark = [pytest.mark.gpu,
 CASES = [("chain", 1), ("chain", 3), ("tree", 1)]
 
 
+def per_gpu(world):
+    return pytest.mark.skipif(torch.cuda.device_count() < world,
+                              reason=f"needs {world} GPUs: torch's symmetric memory refuses two ranks on one GPU")
+
+
+def _loopback_worker(rank, world, P, calls):
+    from lingua_zeco.comm.symm_loopback import Loopback
+    lb = Loopback(P, timeout_s=10)
+    errors = {}
+    for call in range(calls):
+        xs, as_ = contributions(P, seed=call)
+        mats = [torch.eye(5) * 0.5 + 0.1 * torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(call * 31 + r))
+                for r in range(P)]
+        for algo, nb in CASES:
+            for reverse in (False, True):
+                for name, tr, a_list in (("decay", DECAY, as_), ("matrix", MATRIX, mats)):
+                    ys = lb.scan([x.cuda() for x in xs], [a.cuda() for a in a_list], algo, nb, reverse, tr)
+                    for p, y in enumerate(ys):
+                        ref = reference(xs, a_list, p, reverse, matrix=tr is MATRIX)
+                        errors[(name, call, algo, nb, reverse, p)] = (y.cpu().double() - ref).abs().max().item()
+    return errors
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_symm_kernels_on_one_gpu_match_reference(P):
+    calls = 3
+    errs = run_on_ranks(_loopback_worker, 1, P, calls, timeout_s=300)[0]
+    assert len(errs) == calls * len(CASES) * 2 * 2 * P
+    bad = {k: e for k, e in errs.items() if not e < 1e-4}
+    assert not bad, bad
+
+
 def _symm_worker(rank, world, calls):
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(rank)
     dev = torch.device("cuda", torch.cuda.current_device())
     errors = {}
     for call in range(calls):  # new data every call, same buffers
@@ -42,7 +76,7 @@ def _symm_worker(rank, world, calls):
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=per_gpu(w)) for w in (2, 3, 4)])
 def test_symm_scan_matches_reference(world):
     calls = 3
     results = run_on_ranks(_symm_worker, world, calls, timeout_s=600)
@@ -53,7 +87,7 @@ def test_symm_scan_matches_reference(world):
 
 
 def _broken_worker(rank, world):  # a wrong decay on one rank must show up downstream
-    torch.cuda.set_device(rank % torch.cuda.device_count())
+    torch.cuda.set_device(rank)
     xs, as_ = contributions(world)
     a = torch.ones_like(as_[rank]) if rank == 1 else as_[rank]
     y = all_scan(xs[rank].cuda(), a.cuda(), args=AllScanArgs(algorithm="chain", transport="symm"))
@@ -62,6 +96,7 @@ def _broken_worker(rank, world):  # a wrong decay on one rank must show up downs
     return (y.cpu().double() - reference(xs, as_, rank, False)).abs().max().item()
 
 
+@per_gpu(3)
 def test_symm_reference_catches_a_wrong_decay():
     errs = run_on_ranks(_broken_worker, 3, timeout_s=300)
     assert errs[0] == 0.0 and errs[1] < 1e-5 and errs[2] > 1e-2

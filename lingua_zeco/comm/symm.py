@@ -11,9 +11,11 @@ Signals are slots [channel, sender] of the receiver's pad, set 0 → 1 by put_si
 wait_signal; both spin on the GPU, with a timeout after which the kernel traps (a dead peer ends the
 process instead of hanging it). Channels: FREE = 0; the chain's block j: 1 + j; a tree round: 1 (each
 round of a position has a different sender, so one data channel suffices).
-Flow control: a rank writes into a peer's buffer only after the peer said the buffer is free (FREE):
-once when the buffer is made and again each time it has consumed what it received, so a scan never
-overwrites data the previous scan has not read yet.
+Flow control: a receiver says FREE to its sender each time it has consumed what it received, and a
+sender that has written into a peer's buffer before waits for that FREE before writing again, so a
+scan never overwrites data the previous scan has not read yet. (No signal at creation: a wait never
+depends on work a peer enqueues later in the same call, which one GPU running several virtual ranks,
+comm/symm_loopback.py, relies on.)
 Buffers: one per (algorithm, size, dtype, device, group, CUDA stream, direction), like comm/buffers.py's
 scratch: forward and reverse scans have different senders, and a scan on the side stream and one on the
 caller's stream may be in flight at once. Making one is collective over the group (rendezvous): all
@@ -22,6 +24,7 @@ ranks of a group scan the same shapes in the same order, so they make them toget
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +48,16 @@ def symm_unavailable(x: torch.Tensor, group) -> str | None:
     return None
 
 
+@dataclass
+class SymmBuffer:
+    """A rank's symmetric buffer: its memory [n], the handle (get_buffer(rank, sizes, dtype),
+    put_signal(rank, channel, timeout_ms), wait_signal(rank, channel, timeout_ms), signal_pad_size), and
+    the peers this rank has written into (from then on each write waits for the peer's FREE)."""
+    buf: torch.Tensor
+    handle: object
+    sent_to: set = field(default_factory=set)
+
+
 class TorchSymmetricMemory:
     """Where SymmLink's buffers come from: torch's symmetric memory, one buffer per key, made
     collectively over the group on first use. Another provider (the one-GPU loopback of
@@ -53,12 +66,11 @@ class TorchSymmetricMemory:
     def __init__(self):
         self._pool: dict = {}
 
-    def buffer(self, key: tuple, n: int, like: torch.Tensor, group):
-        """(buffer [n], handle, made now). The handle offers get_buffer(rank, sizes, dtype),
-        put_signal(rank, channel, timeout_ms), wait_signal(rank, channel, timeout_ms), signal_pad_size."""
+    def buffer(self, key: tuple, n: int, like: torch.Tensor, group) -> SymmBuffer:
+        """This rank's SymmBuffer of n elements for `key`, made on first use."""
         hit = self._pool.get(key)
         if hit is not None:
-            return (*hit, False)
+            return hit
         try:
             import torch.distributed._symmetric_memory as symm
             if hasattr(symm, "enable_symm_mem_for_group"):  # needed by older torch, deprecated (a no-op) later
@@ -70,8 +82,8 @@ class TorchSymmetricMemory:
         except Exception as e:  # e.g. no peer access between the GPUs, two ranks on one GPU
             raise SymmSetupError(f"all_scan(transport='symm'): no symmetric memory on this group "
                                  f"({type(e).__name__}: {e}); use all_scan.transport=nccl") from e
-        self._pool[key] = (buf, handle)
-        return buf, handle, True
+        hit = self._pool[key] = SymmBuffer(buf, handle)
+        return hit
 
     def clear(self) -> None:
         self._pool.clear()
@@ -97,19 +109,21 @@ class SymmLink:
             return None
         return self.P - 1 - p if self.reverse else p
 
-    def _buffer(self, tag: str, n: int, like: torch.Tensor, senders: list[int], channels: int):
-        """This rank's symmetric buffer of n elements and its handle, made on first use; a new buffer is
-        declared free to each of its `senders` (group ranks)."""
+    def _buffer(self, tag: str, n: int, like: torch.Tensor, channels: int) -> SymmBuffer:
+        """This rank's symmetric buffer of n elements for this scan, made on first use."""
         key = (*buffer_key(f"symm_{tag}", (n,), like.dtype, like.device, self.group), self.reverse)
-        buf, handle, new = self.memory.buffer(key, n, like, self.group)
-        if new:
-            if handle.signal_pad_size < channels * self.P * 4:  # one uint32 per (channel, sender)
-                raise RuntimeError(f"all_scan(transport='symm'): {channels} channels × {self.P} ranks do not fit the "
-                                   f"signal pad ({handle.signal_pad_size} B); use fewer blocks "
-                                   f"(all_scan.n_blocks) or all_scan.transport=nccl")
-            for s in senders:
-                handle.put_signal(s, FREE, self.timeout_ms)
-        return buf, handle
+        sb = self.memory.buffer(key, n, like, self.group)
+        if sb.handle.signal_pad_size < channels * self.P * 4:  # one uint32 per (channel, sender)
+            raise RuntimeError(f"all_scan(transport='symm'): {channels} channels × {self.P} ranks do not fit the "
+                               f"signal pad ({sb.handle.signal_pad_size} B); use fewer blocks "
+                               f"(all_scan.n_blocks) or all_scan.transport=nccl")
+        return sb
+
+    def _acquire_for(self, sb: SymmBuffer, dst: int) -> None:
+        """Before writing into dst's buffer: wait until dst consumed the last write, if there was one."""
+        if dst in sb.sent_to:
+            sb.handle.wait_signal(dst, FREE, self.timeout_ms)
+        sb.sent_to.add(dst)
 
     def _remote(self, rank: int, view: torch.Tensor) -> torch.Tensor:
         """The view of `rank`'s buffer laid out as `view` is inside self._base (same offsets, strides)."""
@@ -119,19 +133,19 @@ class SymmLink:
 
     # chain: this rank's buffer receives y laid out as y itself
     def open_chain(self, y: torch.Tensor, blocks: list) -> None:
-        src, self._dst = self._rank(-1), self._rank(1)
-        self._n, self._base, self._acquired = y.numel(), y, False
-        buf, self._handle = self._buffer("chain", y.numel(), y, [src] if src is not None else [], DATA + len(blocks))
-        self._mine = buf
+        self._dst, self._n, self._base, self._acquired = self._rank(1), y.numel(), y, False
+        self._sb = self._buffer("chain", y.numel(), y, DATA + len(blocks))
+        self._handle = self._sb.handle
         self._slots = [self._local(b) for b in blocks]
 
     def _local(self, view):
         off = (view.data_ptr() - self._base.data_ptr()) // view.element_size()
-        return self._mine.as_strided(view.shape, view.stride(), self._mine.storage_offset() + off)
+        mine = self._sb.buf
+        return mine.as_strided(view.shape, view.stride(), mine.storage_offset() + off)
 
-    def _acquire(self):  # wait until the next rank's buffer is free, once per call
+    def _acquire(self):  # once per call, before the first write into the next rank's buffer
         if not self._acquired:
-            self._handle.wait_signal(self._dst, FREE, self.timeout_ms)
+            self._acquire_for(self._sb, self._dst)
             self._acquired = True
 
     def send_first(self, x_blocks: list, y_blocks: list) -> None:
@@ -159,21 +173,19 @@ class SymmLink:
     def exchange(self, d: int, inc: torch.Tensor):
         rounds = max(1, (self.P - 1).bit_length())
         r, n = d.bit_length() - 1, inc.numel()
-        senders = [self._rank(-(1 << i)) for i in range(rounds)]
-        buf, handle = self._buffer("tree", rounds * n, inc, [s for s in senders if s is not None], DATA + 1)
+        sb = self._sb = self._buffer("tree", rounds * n, inc, DATA + 1)
         dst, src = self._rank(d), self._rank(-d)
         if dst is not None:
-            handle.wait_signal(dst, FREE, self.timeout_ms)
-            handle.get_buffer(dst, (rounds, n), inc.dtype)[r].copy_(inc)
-            handle.put_signal(dst, DATA, self.timeout_ms)
+            self._acquire_for(sb, dst)
+            sb.handle.get_buffer(dst, (rounds, n), inc.dtype)[r].copy_(inc)
+            sb.handle.put_signal(dst, DATA, self.timeout_ms)
         if src is None:
             return None
-        handle.wait_signal(src, DATA, self.timeout_ms)
-        self._handle = handle
-        return buf.view(rounds, n)[r]
+        sb.handle.wait_signal(src, DATA, self.timeout_ms)
+        return sb.buf.view(rounds, n)[r]
 
     def release(self, d: int) -> None:
-        self._handle.put_signal(self._rank(-d), FREE, self.timeout_ms)
+        self._sb.handle.put_signal(self._rank(-d), FREE, self.timeout_ms)
 
 
 def clear_symm_buffers() -> None:

@@ -12,10 +12,10 @@ alpha + bytes / beta is fitted and written as {"calibration": {"links": {name: .
 Transports (all_scan.transport) for the chain and the tree: nccl (torch.distributed P2P), symm (one-sided
 writes into symmetric memory; rows named symm_chain1, symm_tree). On CUDA every row also has host_us,
 the host time to enqueue one scan (the software cost, apart from the wire).
-One GPU, several ranks (the symm scan's host and kernel work without a second GPU; GPU times then
-include the time-slicing of the ranks' contexts):
-    torchrun --nproc_per_node=3 -m apps.gla.bench.bench_comm backend=gloo transports=symm \
-        methods=chain,tree p2p_sizes=[]
+One GPU (torch's symmetric memory refuses two ranks on one GPU): loopback=P runs P virtual ranks of the
+symm transport on P streams of one process (comm/symm_loopback.py), the hop's kernels as between GPUs
+minus NVLink; rows loopback_symm_chain<n> / loopback_symm_tree, host_us per virtual rank:
+    python -m apps.gla.bench.bench_comm loopback=4 methods=[chain,tree] p2p_sizes=[]
 Writes <out>/comm_P<world>.json and .md (rank 0).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ class BenchCommArgs(HeadArgs):
     p2p_peer: int = 1  # ping-pong partner of rank 0 (e.g. 8 = first GPU of the next node: "ib")
     link_name: str = ""  # name written into the calibration; "" = nvlink / ib / gloo by placement
     transports: tuple[str, ...] = ("nccl",)  # all_scan.transport of the chain and tree rows: nccl | symm
-    backend: str = ""  # process group: "" = nccl on GPUs, gloo on CPUs; gloo on GPUs lets ranks share a GPU
+    loopback: int = 0  # > 1: that many virtual ranks of the symm transport on this one GPU (one process)
     seed: int = 0  # seed of the random states
 
 
@@ -54,7 +54,35 @@ def _allgather(out: torch.Tensor, inp: torch.Tensor) -> None:
     gather(out, inp)
 
 
+def loopback_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
+    """The symm transport's chain and tree over args.loopback virtual ranks on this GPU."""
+    from lingua_zeco.comm.symm_loopback import Loopback
+
+    if device.type != "cuda" or dist.get_world_size() != 1:
+        raise ValueError("bench_comm loopback=P runs on one CUDA GPU in one process (no torchrun)")
+    P, lb = args.loopback, Loopback(args.loopback)
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    rows = []
+    for H in args.heads:
+        xs = [torch.randn(H, args.head_k, args.head_v, generator=g).to(device) for _ in range(P)]
+        as_ = [torch.rand(H, args.head_k, generator=g).to(device) for _ in range(P)]
+        cases = {}
+        if "chain" in args.methods:
+            for n in args.blocks:
+                cases[f"loopback_symm_chain{n}"] = lambda n=n: lb.scan(xs, as_, "chain", n)
+        if "tree" in args.methods:
+            cases["loopback_symm_tree"] = lambda: lb.scan(xs, as_, "tree")
+        for name, fn in cases.items():
+            host: list[float] = []
+            t = time_iters(fn, device, args.warmup, args.iters, host_s=host)
+            rows.append(dict(method=name, H=H, P=P, state_bytes=xs[0].numel() * 4, **summarize(t, "us"),
+                             host_us=summarize(host, "us")["median_us"] / P))
+    return rows
+
+
 def collective_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
+    if args.loopback > 1:
+        return loopback_rows(args, device)
     P = dist.get_world_size()
     g = torch.Generator(device="cpu").manual_seed(args.seed + dist.get_rank())
     rows = []

@@ -56,7 +56,7 @@ def bench_main(cls, measure: Callable) -> Callable:
     results) and .md. main returns the JSON's path there (None on other ranks)."""
     def main(argv: list[str] | None = None) -> str | None:
         args = parse_args(cls, argv)
-        device = init_distributed(backend=getattr(args, "backend", "") or None)
+        device = init_distributed()
         stem, results, md = measure(args, device)
         path = write_outputs(args.out, stem, dict(args=dataclasses.asdict(args), env=env_info(device), **results), md)
         finish()
@@ -68,16 +68,14 @@ def bench_main(cls, measure: Callable) -> Callable:
 _OWN_GROUP = False  # did init_distributed create the default group (then finish() tears it down)?
 
 
-def init_distributed(timeout_s: int = 300, backend: str | None = None) -> torch.device:
+def init_distributed(timeout_s: int = 300) -> torch.device:
     """Join (or create: the trainer's rules, lingua_zeco.distributed) the default process group and
-    return this rank's device (backend: see distributed.init_process_group)."""
+    return this rank's device."""
     global _OWN_GROUP
     cuda = torch.cuda.is_available()
     if cuda:
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local % torch.cuda.device_count() if backend == "gloo" else local)
-    _OWN_GROUP = distributed.init_process_group(distributed.DistributedArgs(timeout_s=timeout_s),
-                                                backend) or _OWN_GROUP
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    _OWN_GROUP = distributed.init_process_group(distributed.DistributedArgs(timeout_s=timeout_s)) or _OWN_GROUP
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
