@@ -11,6 +11,8 @@ channel c·P + s of the receiving rank's allocation (one real rank, P virtual se
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -75,9 +77,10 @@ class Loopback:
         self.streams = [torch.cuda.Stream() for _ in range(P)]
 
     def scan(self, xs: list, as_: list, algorithm: str = "chain", n_blocks: int = 1, reverse: bool = False,
-             transition: Transition = DECAY) -> list:
+             transition: Transition = DECAY, host_s: list | None = None) -> list:
         """Every virtual rank's exclusive scan of its (x, a), as all_scan(transport='symm') computes it;
-        the results are ordered on the caller's stream."""
+        the results are ordered on the caller's stream. host_s receives each virtual rank's host seconds
+        for its scan call (the link's and the scan's own software cost, not this harness's)."""
         main = torch.cuda.current_stream()
         outs = [None] * self.P
         # enqueued in scan order: every wait is on work enqueued before it (an allocation that syncs the
@@ -85,9 +88,12 @@ class Loopback:
         for v in (reversed(range(self.P)) if reverse else range(self.P)):
             self.streams[v].wait_stream(main)
             with torch.cuda.stream(self.streams[v]):
+                t0 = time.perf_counter()
                 link = SymmLink(self.group, v, self.P, reverse, self.timeout_s, memory=self.memories[v])
                 outs[v] = (tree_scan(xs[v], as_[v], link, transition) if algorithm == "tree"
                            else chain_scan(xs[v], as_[v], link, n_blocks, transition))
+                if host_s is not None:
+                    host_s.append(time.perf_counter() - t0)
         for s in self.streams:
             main.wait_stream(s)
         return outs

@@ -14,7 +14,7 @@ writes into symmetric memory; rows named symm_chain1, symm_tree). On CUDA every 
 the host time to enqueue one scan (the software cost, apart from the wire).
 One GPU (torch's symmetric memory refuses two ranks on one GPU): loopback=P runs P virtual ranks of the
 symm transport on P streams of one process (comm/symm_loopback.py), the hop's kernels as between GPUs
-minus NVLink; rows loopback_symm_chain<n> / loopback_symm_tree, host_us per virtual rank:
+minus NVLink; rows loopback_symm_chain<n> / loopback_symm_tree (loopback_rows says what is timed):
     python -m apps.gla.bench.bench_comm loopback=4 methods=[chain,tree] p2p_sizes=[]
 Writes <out>/comm_P<world>.json and .md (rank 0).
 """
@@ -55,7 +55,11 @@ def _allgather(out: torch.Tensor, inp: torch.Tensor) -> None:
 
 
 def loopback_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
-    """The symm transport's chain and tree over args.loopback virtual ranks on this GPU."""
+    """The symm transport's chain and tree over args.loopback virtual ranks on this GPU. Two numbers:
+    host_us, one virtual rank's host time for its scan call (the software cost per rank and scan), and
+    median_us, the GPU time of the whole scan with every rank's work enqueued before the first kernel
+    runs (the main stream sleeps while the host enqueues): the hops' kernel chain as on P GPUs whose
+    hosts are ahead, minus NVLink."""
     from lingua_zeco.comm.symm_loopback import Loopback
 
     if device.type != "cuda" or dist.get_world_size() != 1:
@@ -69,14 +73,25 @@ def loopback_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
         cases = {}
         if "chain" in args.methods:
             for n in args.blocks:
-                cases[f"loopback_symm_chain{n}"] = lambda n=n: lb.scan(xs, as_, "chain", n)
+                cases[f"loopback_symm_chain{n}"] = ("chain", n)
         if "tree" in args.methods:
-            cases["loopback_symm_tree"] = lambda: lb.scan(xs, as_, "tree")
-        for name, fn in cases.items():
-            host: list[float] = []
-            t = time_iters(fn, device, args.warmup, args.iters, host_s=host)
+            cases["loopback_symm_tree"] = ("tree", 1)
+        for name, (algo, n) in cases.items():
+            for _ in range(args.warmup):
+                lb.scan(xs, as_, algo, n)
+            host, spans = [], []
+            for _ in range(args.iters):
+                torch.cuda.synchronize(device)
+                torch.cuda._sleep(int(5e6) * P)  # ~2.5 ms per rank: longer than enqueueing it
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                lb.scan(xs, as_, algo, n, host_s=host)
+                end.record()
+                spans.append((start, end))
+            torch.cuda.synchronize(device)
+            t = [s.elapsed_time(e) * 1e-3 for s, e in spans]
             rows.append(dict(method=name, H=H, P=P, state_bytes=xs[0].numel() * 4, **summarize(t, "us"),
-                             host_us=summarize(host, "us")["median_us"] / P))
+                             host_us=summarize(host, "us")["median_us"]))
     return rows
 
 
@@ -171,7 +186,7 @@ def measure(args: BenchCommArgs, device: torch.device) -> tuple[str, dict, str]:
     if cal:
         link = next(iter(cal["links"].items()))
         md += f"\nfit {link[0]}: alpha = {link[1]['alpha_s'] * 1e6:.2f} µs, beta = {link[1]['beta_Bps'] / 1e9:.2f} GB/s\n"
-    return f"comm_P{P}", results, md
+    return (f"comm_loopback_P{args.loopback}" if args.loopback > 1 else f"comm_P{P}"), results, md
 
 
 main = bench_main(BenchCommArgs, measure)
