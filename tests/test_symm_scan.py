@@ -2,8 +2,9 @@
 
 GPU only. torch's symmetric memory refuses two ranks on one GPU, so:
 * one GPU: P virtual ranks on P streams of one process (comm/symm_loopback.py), SymmLink unchanged:
-  the GPU kernels of every position of the chain and the tree, both directions, both transitions, and
-  consecutive scans reusing the buffers (the FREE handshake);
+  the GPU kernels of every position of the chain and the tree, both directions, both transitions, the
+  one-kernel hop (comm/symm_hop.py) and the op-by-op one, and consecutive scans reusing the buffers
+  (the FREE handshake, the sequence numbers);
 * one GPU per rank (a 2-GPU machine and more): real processes through all_scan(transport="symm"),
   also on the side stream, and a broken decay caught downstream."""
 import pytest
@@ -37,10 +38,12 @@ def _loopback_worker(rank, world, P, calls):
         for algo, nb in CASES:
             for reverse in (False, True):
                 for name, tr, a_list in (("decay", DECAY, as_), ("matrix", MATRIX, mats)):
-                    ys = lb.scan([x.cuda() for x in xs], [a.cuda() for a in a_list], algo, nb, reverse, tr)
-                    for p, y in enumerate(ys):
-                        ref = reference(xs, a_list, p, reverse, matrix=tr is MATRIX)
-                        errors[(name, call, algo, nb, reverse, p)] = (y.cpu().double() - ref).abs().max().item()
+                    for fused in (True, False):  # one Triton kernel per hop (decay chain, 1 block) or op by op
+                        ys = lb.scan([x.cuda() for x in xs], [a.cuda() for a in a_list], algo, nb, reverse, tr,
+                                     fused=fused)
+                        for p, y in enumerate(ys):
+                            ref = reference(xs, a_list, p, reverse, matrix=tr is MATRIX)
+                            errors[(name, call, algo, nb, reverse, fused, p)] = (y.cpu().double() - ref).abs().max().item()
     return errors
 
 
@@ -48,7 +51,7 @@ def _loopback_worker(rank, world, P, calls):
 def test_symm_kernels_on_one_gpu_match_reference(P):
     calls = 3
     errs = run_on_ranks(_loopback_worker, 1, P, calls, timeout_s=300)[0]
-    assert len(errs) == calls * len(CASES) * 2 * 2 * P
+    assert len(errs) == calls * len(CASES) * 2 * 2 * 2 * P
     bad = {k: e for k, e in errs.items() if not e < 1e-4}
     assert not bad, bad
 

@@ -59,6 +59,7 @@ class AllScanArgs:
     # hier always runs on nccl. symm_timeout_s bounds every wait on a peer (then the kernel traps).
     transport: str = "nccl"
     symm_timeout_s: float = 600.0
+    symm_fused: bool = True  # symm: a one-block decay chain hop as one kernel (comm/symm_hop.py)
     # fused ZeCO: scan on a side stream overlapped with the intra-chunk work (on), on the caller's stream
     # (off), or whichever measured faster in this run's first calls, per group, shape and direction (auto:
     # lingua_zeco/sp/overlap.py). At P = 2 blocking measured faster in GLA-1B training (51.2K against 48.2K
@@ -238,10 +239,10 @@ def _links(args: AllScanArgs, x, group, rank: int, P: int, reverse: bool):
     if args.transport == "symm":
         if why:
             raise ValueError(f"all_scan(transport='symm'): {why}; use all_scan.transport=nccl (or auto)")
-        return [SymmLink(group, rank, P, reverse, args.symm_timeout_s)]
+        return [SymmLink(group, rank, P, reverse, args.symm_timeout_s, fused=args.symm_fused)]
     if why or not in_one_node(group, args) or group_key(group) in _NO_SYMM:
         return [nccl]
-    return [SymmLink(group, rank, P, reverse, args.symm_timeout_s), nccl]
+    return [SymmLink(group, rank, P, reverse, args.symm_timeout_s, fused=args.symm_fused), nccl]
 
 
 def pair_scan(x: torch.Tensor, A: torch.Tensor, group=None, reverse: bool = False,

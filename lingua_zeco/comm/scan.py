@@ -137,7 +137,8 @@ class P2PLink:
     CPUs): transport="nccl". A link is what chain_scan and tree_scan need from a transport; the other one
     is comm/symm.py's SymmLink (one-sided puts into the next rank's symmetric memory).
 
-    Chain: open_chain(y) before anything else; a block is a view of y (the result); send_first posts
+    Chain: fused_chain(x, a, y) may do a whole one-block decay hop at once (True) or decline (False);
+    otherwise open_chain(y) before anything else; a block is a view of y (the result); send_first posts
     x's blocks at position 0, recv waits for one block and returns the tensor holding it, send_slot
     is where a block's combine writes what goes out, send posts it, close ends the call.
     Tree: exchange(d, inc) sends inc to pos + d and receives the same shape from pos − d (None where
@@ -155,6 +156,9 @@ class P2PLink:
 
     def _scratch(self, tag, like):
         return scratch(tag, like.shape, like.dtype, like.device, self.group)
+
+    def fused_chain(self, x_RV, a_R, y_RV) -> bool:
+        return False
 
     def open_chain(self, y: torch.Tensor, blocks: list) -> None:
         """Post the receives of y's blocks (contiguous ones straight into y); at the last position all in
@@ -206,15 +210,17 @@ def chain_scan(x, a, link, n_blocks: int, transition: Transition = DECAY):
     the P2P link receives it straight into the result. Matrix transitions mix K: x is cut along V."""
     pos, P = link.pos, link.P
     y = torch.empty_like(x)
-    if pos == 0:
-        y.zero_()
-    if P <= 1:
-        return y
     if transition.rows:  # rows of [..., K, V] are independent under decays: [R, V] with a [R]
         x_, a_, y_, d = x.view(-1, x.shape[-1]), a.reshape(-1), y.view(-1, x.shape[-1]), 0
     else:
         x_, a_, y_, d = x, a, y, x.dim() - 1
     spans = split_blocks(x_.shape[d], n_blocks)
+    if P > 1 and transition.rows and len(spans) == 1 and link.fused_chain(x_, a_, y_):
+        return y  # the link did the whole hop in one go
+    if pos == 0:
+        y.zero_()
+    if P <= 1:
+        return y
     y_blks = [y_.narrow(d, s, e - s) for s, e in spans]
     link.open_chain(y, y_blks)
     if pos == 0:  # nothing to combine: x's blocks go out at once

@@ -56,6 +56,16 @@ class SymmBuffer:
     buf: torch.Tensor
     handle: object
     sent_to: set = field(default_factory=set)
+    calls: int = 0                              # scans on this buffer (the fused hop's sequence number)
+    peers: dict = field(default_factory=dict)   # (what, rank) -> a peer's buffer or signal pad, made once
+
+    def peer(self, what: str, rank: int, n: int, dtype) -> torch.Tensor:
+        """rank's buffer ("buf", n elements of dtype) or signal pad ("pad", n int32), cached."""
+        t = self.peers.get((what, rank))
+        if t is None:
+            get = self.handle.get_buffer if what == "buf" else self.handle.get_signal_pad
+            t = self.peers[(what, rank)] = get(rank, (n,), dtype)
+        return t
 
 
 class TorchSymmetricMemory:
@@ -98,8 +108,9 @@ class SymmLink:
 
     name = "symm"
 
-    def __init__(self, group, rank: int, P: int, reverse: bool, timeout_s: float, memory=TORCH_SYMM):
-        self.group, self.P, self.reverse, self.memory = group, P, reverse, memory
+    def __init__(self, group, rank: int, P: int, reverse: bool, timeout_s: float, memory=TORCH_SYMM,
+                 fused: bool = True):
+        self.group, self.P, self.reverse, self.memory, self.fused = group, P, reverse, memory, fused
         self.pos = P - 1 - rank if reverse else rank
         self.timeout_ms = max(1, int(timeout_s * 1000))
 
@@ -127,9 +138,26 @@ class SymmLink:
 
     def _remote(self, rank: int, view: torch.Tensor) -> torch.Tensor:
         """The view of `rank`'s buffer laid out as `view` is inside self._base (same offsets, strides)."""
-        base = self._handle.get_buffer(rank, (self._n,), view.dtype)
+        base = self._sb.peer("buf", rank, self._n, view.dtype)
         off = (view.data_ptr() - self._base.data_ptr()) // view.element_size()
         return base.as_strided(view.shape, view.stride(), base.storage_offset() + off)
+
+    def fused_chain(self, x_RV: torch.Tensor, a_R: torch.Tensor, y_RV: torch.Tensor) -> bool:
+        """The whole chain hop as one kernel (comm/symm_hop.py) where it applies: CUDA, fp32 rows of a
+        power-of-two width, one block. False: the caller runs the hop op by op."""
+        R, V = x_RV.shape
+        if not (self.fused and x_RV.is_cuda and x_RV.dtype == torch.float32 and V & (V - 1) == 0 and V <= 256):
+            return False
+        from .symm_hop import PAD_SLOTS, fused_chain_hop
+        sb = self._buffer("chain_fused", x_RV.numel(), x_RV, 0)
+        prev, nxt = self._rank(-1), self._rank(1)
+        sb.calls += 1
+        fused_chain_hop(x_RV, a_R, y_RV, sb.buf.view(R, V),
+                        sb.peer("buf", nxt, R * V, x_RV.dtype).view(R, V) if nxt is not None else None,
+                        sb.peer("pad", self._rank(0), PAD_SLOTS, torch.int32),
+                        sb.peer("pad", nxt, PAD_SLOTS, torch.int32) if nxt is not None else None,
+                        sb.peer("pad", prev, PAD_SLOTS, torch.int32) if prev is not None else None, sb.calls)
+        return True
 
     # chain: this rank's buffer receives y laid out as y itself
     def open_chain(self, y: torch.Tensor, blocks: list) -> None:
@@ -177,7 +205,7 @@ class SymmLink:
         dst, src = self._rank(d), self._rank(-d)
         if dst is not None:
             self._acquire_for(sb, dst)
-            sb.handle.get_buffer(dst, (rounds, n), inc.dtype)[r].copy_(inc)
+            sb.peer("buf", dst, rounds * n, inc.dtype).view(rounds, n)[r].copy_(inc)
             sb.handle.put_signal(dst, DATA, self.timeout_ms)
         if src is None:
             return None

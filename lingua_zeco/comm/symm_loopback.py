@@ -44,6 +44,9 @@ class _Handle:
     def get_buffer(self, rank, sizes, dtype):
         return self.w.allocs[self.idx][rank].buf.view(*sizes)
 
+    def get_signal_pad(self, rank, sizes, dtype):  # the fused hop's slots: its own allocation's pad
+        return self._real(rank).get_signal_pad(0, sizes, dtype)
+
     def put_signal(self, dst, channel, timeout_ms=0):
         self._real(dst).put_signal(0, channel * self.w.P + self.v, timeout_ms)
 
@@ -77,9 +80,10 @@ class Loopback:
         self.streams = [torch.cuda.Stream() for _ in range(P)]
 
     def scan(self, xs: list, as_: list, algorithm: str = "chain", n_blocks: int = 1, reverse: bool = False,
-             transition: Transition = DECAY, host_s: list | None = None) -> list:
+             transition: Transition = DECAY, host_s: list | None = None, fused: bool = True) -> list:
         """Every virtual rank's exclusive scan of its (x, a), as all_scan(transport='symm') computes it;
-        the results are ordered on the caller's stream. host_s receives each virtual rank's host seconds
+        the results are ordered on the caller's stream (fused=False: the hop op by op, not as one kernel
+        where it could be). host_s receives each virtual rank's host seconds
         for its scan call (the link's and the scan's own software cost, not this harness's)."""
         main = torch.cuda.current_stream()
         outs = [None] * self.P
@@ -89,7 +93,7 @@ class Loopback:
             self.streams[v].wait_stream(main)
             with torch.cuda.stream(self.streams[v]):
                 t0 = time.perf_counter()
-                link = SymmLink(self.group, v, self.P, reverse, self.timeout_s, memory=self.memories[v])
+                link = SymmLink(self.group, v, self.P, reverse, self.timeout_s, memory=self.memories[v], fused=fused)
                 outs[v] = (tree_scan(xs[v], as_[v], link, transition) if algorithm == "tree"
                            else chain_scan(xs[v], as_[v], link, n_blocks, transition))
                 if host_s is not None:

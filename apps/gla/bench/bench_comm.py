@@ -73,19 +73,20 @@ def loopback_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
         cases = {}
         if "chain" in args.methods:
             for n in args.blocks:
-                cases[f"loopback_symm_chain{n}"] = ("chain", n)
+                cases[f"loopback_symm_chain{n}"] = ("chain", n, True)
+            cases["loopback_symm_ops_chain1"] = ("chain", 1, False)  # the same hop op by op: before the kernel
         if "tree" in args.methods:
-            cases["loopback_symm_tree"] = ("tree", 1)
-        for name, (algo, n) in cases.items():
+            cases["loopback_symm_tree"] = ("tree", 1, True)
+        for name, (algo, n, fused) in cases.items():
             for _ in range(args.warmup):
-                lb.scan(xs, as_, algo, n)
+                lb.scan(xs, as_, algo, n, fused=fused)
             host, spans = [], []
             for _ in range(args.iters):
                 torch.cuda.synchronize(device)
                 torch.cuda._sleep(int(5e6) * P)  # ~2.5 ms per rank: longer than enqueueing it
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                lb.scan(xs, as_, algo, n, host_s=host)
+                lb.scan(xs, as_, algo, n, host_s=host, fused=fused)
                 end.record()
                 spans.append((start, end))
             torch.cuda.synchronize(device)

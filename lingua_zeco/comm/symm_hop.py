@@ -1,0 +1,83 @@
+"""One kernel per rank per chain scan over symmetric memory (transport="symm", decay transitions, one block).
+
+SymmLink's op-by-op hop is six launches on a middle rank (wait, copy, wait for FREE, combine into the
+next rank's buffer, signal, FREE): ~20 µs of GPU latency per hop and ~100 µs of host work per scan
+measured with the one-GPU loopback (docs/results/all_scan.md). Here the whole hop is one Triton kernel:
+
+    wait until DATA-in ≥ seq (the previous rank wrote y_p into this rank's buffer)
+    y ← received rows;  wait until FREE-in ≥ seq − 1 (the next rank consumed our previous write)
+    next rank's buffer ← a ⊙ y + x   (x alone at position 0)
+    the last CTA to finish: DATA-out of the next rank ← seq, FREE-out of the previous rank ← seq
+
+Flags are int32 slots of the buffers' signal pads holding sequence numbers (the count of scans on
+this buffer, equal on every rank of the group), so every CTA may wait on them without consuming them
+and nothing needs resetting. Waits are acquire loads at system scope, the flag writes releases after a
+CTA barrier, so a peer that sees a flag also sees the rows written before it. Slots in each rank's pad:
+COUNT (the CTAs done, reset by the last), DATA_IN, FREE_IN. Decays act row by row: x [R, V], a [R].
+"""
+from __future__ import annotations
+
+import torch
+
+PAD_SLOTS = 3  # int32 slots of a pad: 0 COUNT, 1 DATA_IN, 2 FREE_IN (literals in the kernel)
+
+_KERNEL = None
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def hop(x_ptr, a_ptr, y_ptr, recv_ptr, send_ptr, pad_ptr, next_pad_ptr, prev_pad_ptr, seq, R,
+            V: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+        cols = tl.arange(0, V)
+        mask = rows[:, None] < R
+        offs = rows[:, None] * V + cols[None, :]
+        if HAS_SRC:
+            flag = tl.atomic_add(pad_ptr + 1, 0, sem="acquire", scope="sys")
+            while flag < seq:
+                flag = tl.atomic_add(pad_ptr + 1, 0, sem="acquire", scope="sys")
+            got = tl.load(recv_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # L2, never a stale L1 line
+            tl.store(y_ptr + offs, got, mask=mask)
+        else:  # position 0 receives nothing: y = 0
+            tl.store(y_ptr + offs, tl.zeros((BLOCK_R, V), dtype=y_ptr.dtype.element_ty), mask=mask)
+        if HAS_DST:
+            free = tl.atomic_add(pad_ptr + 2, 0, sem="acquire", scope="sys")
+            while free < seq - 1:
+                free = tl.atomic_add(pad_ptr + 2, 0, sem="acquire", scope="sys")
+            out = tl.load(x_ptr + offs, mask=mask, other=0.0)
+            if HAS_SRC:
+                a = tl.load(a_ptr + rows, mask=rows < R, other=0.0)
+                out += a[:, None] * got
+            tl.store(send_ptr + offs, out, mask=mask)
+        tl.debug_barrier()  # every thread's stores happen before this CTA counts itself done
+        done = tl.atomic_add(pad_ptr + 0, 1, sem="acq_rel", scope="sys")
+        if done == tl.num_programs(0) - 1:  # the last CTA: every row is written
+            tl.atomic_xchg(pad_ptr + 0, 0, sem="relaxed", scope="gpu")
+            if HAS_DST:
+                tl.atomic_xchg(next_pad_ptr + 1, seq, sem="release", scope="sys")
+            if HAS_SRC:
+                tl.atomic_xchg(prev_pad_ptr + 2, seq, sem="release", scope="sys")
+
+    _KERNEL = hop
+    return hop
+
+
+def fused_chain_hop(x_RV: torch.Tensor, a_R: torch.Tensor, y_RV: torch.Tensor, recv_RV: torch.Tensor,
+                    send_RV: torch.Tensor | None, pad: torch.Tensor, next_pad: torch.Tensor | None,
+                    prev_pad: torch.Tensor | None, seq: int, block_r: int = 32) -> None:
+    """This rank's whole chain hop (see the module docstring): recv_RV is its own buffer, send_RV the
+    next rank's (None on the last), pads int32 [≥ 3] (None where there is no such rank). Contiguous
+    fp32 / bf16 rows; V a power of two."""
+    R, V = x_RV.shape
+    has_src, has_dst = prev_pad is not None, send_RV is not None
+    grid = (-(-R // block_r),)
+    _kernel()[grid](x_RV, a_R, y_RV, recv_RV, send_RV if has_dst else recv_RV, pad,
+                    next_pad if has_dst else pad, prev_pad if has_src else pad, seq, R,
+                    V=V, BLOCK_R=block_r, HAS_SRC=has_src, HAS_DST=has_dst)
