@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .buffers import buffer_key
+from .symm_hop import PAD_SLOTS, fused_chain_hop
 
 FREE, DATA = 0, 1
 
@@ -148,15 +149,15 @@ class SymmLink:
         R, V = x_RV.shape
         if not (self.fused and x_RV.is_cuda and x_RV.dtype == torch.float32 and V & (V - 1) == 0 and V <= 256):
             return False
-        from .symm_hop import PAD_SLOTS, fused_chain_hop
         sb = self._buffer("chain_fused", x_RV.numel(), x_RV, 0)
-        prev, nxt = self._rank(-1), self._rank(1)
+        plan = sb.peers.get(("plan", self.pos))
+        if plan is None:  # the views this position uses, made once per buffer
+            prev, me, nxt = self._rank(-1), self._rank(0), self._rank(1)
+            pad = lambda r: sb.peer("pad", r, PAD_SLOTS, torch.int32) if r is not None else None  # noqa: E731
+            send = sb.peer("buf", nxt, R * V, x_RV.dtype).view(R, V) if nxt is not None else None
+            plan = sb.peers[("plan", self.pos)] = (sb.buf.view(R, V), send, pad(me), pad(nxt), pad(prev))
         sb.calls += 1
-        fused_chain_hop(x_RV, a_R, y_RV, sb.buf.view(R, V),
-                        sb.peer("buf", nxt, R * V, x_RV.dtype).view(R, V) if nxt is not None else None,
-                        sb.peer("pad", self._rank(0), PAD_SLOTS, torch.int32),
-                        sb.peer("pad", nxt, PAD_SLOTS, torch.int32) if nxt is not None else None,
-                        sb.peer("pad", prev, PAD_SLOTS, torch.int32) if prev is not None else None, sb.calls)
+        fused_chain_hop(x_RV, a_R, y_RV, *plan, sb.calls)
         return True
 
     # chain: this rank's buffer receives y laid out as y itself
