@@ -38,7 +38,7 @@ def outputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     comm, op = str(d / "comm"), str(d / "op")
     torchrun("apps.gla.bench.bench_comm", 2, [f"out={comm}", *TINY, "blocks=1,2", "p2p_sizes=1024,65536,262144"])
-    torchrun("apps.gla.bench.bench_op", 2, [f"out={op}", *TINY, "t_local=64", "methods=none,zeco,lasp1,lasp2"])
+    torchrun("apps.gla.bench.bench_op", 2, [f"out={op}", *TINY, "t_local=64", "methods=none,zeco,zeco_blocking,lasp1,lasp2"])
     return d, comm, op
 
 
@@ -61,7 +61,8 @@ def test_bench_op_json(outputs):
     _, _, op = outputs
     data = json.load(open(os.path.join(op, "op_P2.json")))
     assert data["world_size"] == 2 and data["baseline"] == "none"
-    assert {r["method"] for r in data["results"]} == {"none", "zeco", "lasp1", "lasp2"}
+    assert {r["method"] for r in data["results"]} == {"none", "zeco", "zeco_blocking", "lasp1", "lasp2"}
+    assert data["overlap_decisions"] == []  # auto times both modes on CUDA only
     for r in data["results"]:
         assert r["T_local"] == 64 and r["dtype"] == "float32"
         assert all(finite_positive(r[k]) for k in ("median_ms", "p10_ms", "p90_ms")), r

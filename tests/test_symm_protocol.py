@@ -122,7 +122,7 @@ def run_threads(P, calls, link_cls=SymmLink, slow_reader_s=0.0, cases=(("chain",
     return errors
 
 
-@pytest.mark.parametrize("P", [2, 3, 5])
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
 def test_symm_protocol_is_exact_over_repeated_scans(P):
     errors = run_threads(P, calls=3)
     assert len(errors) == P * 3 * 3 * 2 * 2

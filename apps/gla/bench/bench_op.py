@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from lingua_zeco import reliability
 from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.sp import sp_gla
+from lingua_zeco.sp.overlap import overlap_decisions
 
 from .common import (SliceArgs, bench_main, device_name, markdown_table, peak_memory_mib, reset_peak_memory, summarize,
                      time_iters)
@@ -30,13 +31,16 @@ from .common import (SliceArgs, bench_main, device_name, markdown_table, peak_me
 class BenchOpArgs(SliceArgs):
     out: str = "results/bench_op"  # output folder
     batch: int = 1  # sequences per rank
-    # also: zeco_tree (Hillis-Steele All-Scan), zeco_composed (no overlap: the reference build)
+    # zeco takes suffixes: _tree (Hillis-Steele All-Scan), _composed (the reference build, no overlap),
+    # _symm (all_scan.transport=symm), _overlap / _blocking (all_scan.overlap=on / off; plain zeco: auto,
+    # decided within its first 11 calls per direction, so keep warmup >= 11), e.g. zeco_symm_blocking
     methods: tuple[str, ...] = ("none", "zeco", "lasp1", "lasp2", "fla")  # fla: CUDA only, skipped elsewhere
     n_blocks: int = 0  # chain All-Scan pipelining depth for zeco (0: chosen by the alpha-beta model)
     dtype: str = ""  # "" = bf16 on CUDA, fp32 on CPU
     seed: int = 0  # seed of the random inputs (plus 1000 x rank)
 
 
+ZECO_VARIANTS = {"tree", "composed", "symm", "overlap", "blocking"}
 MODEL_SHAPE = dict(batch=1, heads=16, head_k=128, head_v=128)  # the shape perf_model's kernel_ms means
 
 
@@ -68,9 +72,15 @@ def sp_kwargs(method: str, n_blocks: int, self_group) -> dict:
     """sp_gla keyword arguments for a benchmark method name."""
     if method == "none":
         return dict(method="none", group=self_group)
-    if method in ("zeco", "zeco_composed", "zeco_tree"):
-        algo = "tree" if method == "zeco_tree" else "chain"
-        return dict(method="zeco", fused=method != "zeco_composed", scan=AllScanArgs(algorithm=algo, n_blocks=n_blocks))
+    if method.split("_")[0] == "zeco":
+        parts = set(method.split("_")[1:])
+        if parts - ZECO_VARIANTS or {"overlap", "blocking"} <= parts:
+            raise ValueError(f"unknown benchmark method {method!r}: zeco with any of _{', _'.join(sorted(ZECO_VARIANTS))} "
+                             "(not both _overlap and _blocking)")
+        scan = AllScanArgs(algorithm="tree" if "tree" in parts else "chain", n_blocks=n_blocks,
+                           transport="symm" if "symm" in parts else "nccl",
+                           overlap="on" if "overlap" in parts else "off" if "blocking" in parts else "auto")
+        return dict(method="zeco", fused="composed" not in parts, scan=scan)
     if method in ("lasp1", "lasp2"):
         return dict(method=method)
     raise ValueError(f"unknown benchmark method {method!r}")
@@ -124,7 +134,8 @@ def measure(args: BenchOpArgs, device: torch.device) -> tuple[str, dict, str]:
     base = "fla" if "fla" in methods else "none"
     if all(getattr(args, k) == v for k, v in MODEL_SHAPE.items()) and dtype == torch.bfloat16:
         cal["kernel_ms"] = {str(r["T_local"]): r["median_ms"] for r in rows if r["method"] == base}
-    results = dict(bench="op", world_size=P, baseline=base, results=rows, calibration=cal)
+    results = dict(bench="op", world_size=P, baseline=base, results=rows, calibration=cal,
+                   overlap_decisions=overlap_decisions())  # what plain zeco (overlap=auto) chose, per shape
     md = f"# bench_op, P={P} ({device_name(device)}, {rows[0]['dtype'] if rows else ''})\n\n"
     md += markdown_table(rows, ["method", "T_local", "P", "H", "median_ms", "p10_ms", "p90_ms", "peak_mem_MiB"])
     return f"op_P{P}", results, md
