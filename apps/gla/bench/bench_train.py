@@ -41,6 +41,7 @@ VARIANTS = {
     "sp_zeco": ["distributed.sp_method=zeco"],  # the default: overlap=auto (blocking or overlapped, as measured)
     "sp_zeco_overlap": ["distributed.sp_method=zeco", "distributed.all_scan.overlap=on"],
     "sp_zeco_blocking": ["distributed.sp_method=zeco", "distributed.all_scan.overlap=off"],
+    "sp_zeco_symm": ["distributed.sp_method=zeco", "distributed.all_scan.transport=symm"],  # one node, CUDA
     "sp_lasp1": ["distributed.sp_method=lasp1"],
     "sp_lasp2": ["distributed.sp_method=lasp2"],
 }
