@@ -103,3 +103,25 @@ def _broken_worker(rank, world):  # a wrong decay on one rank must show up downs
 def test_symm_reference_catches_a_wrong_decay():
     errs = run_on_ranks(_broken_worker, 3, timeout_s=300)
     assert errs[0] == 0.0 and errs[1] < 1e-5 and errs[2] > 1e-2
+
+
+def _dead_peer_worker(rank, world, fused):
+    """Position 1 of 2 waits for a predecessor that never runs: its wait must end the process's CUDA
+    work with an error after the timeout, not hang."""
+    from lingua_zeco.comm import SymmLink, chain_scan
+    from lingua_zeco.comm.symm_loopback import Loopback
+    lb = Loopback(2, timeout_s=0.05)
+    link = SymmLink(lb.group, 1, 2, False, 0.05, memory=lb.memories[1], fused=fused)
+    x, a = torch.randn(2, 4, 8, device="cuda"), torch.rand(2, 4, device="cuda")
+    try:
+        chain_scan(x, a, link, 1)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - the CUDA error is the expected outcome
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_dead_peer_ends_the_wait_instead_of_hanging(fused):
+    msg = run_on_ranks(_dead_peer_worker, 1, fused, timeout_s=120)[0]
+    assert msg != "no error" and "launch failure" in msg.lower(), msg

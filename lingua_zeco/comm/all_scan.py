@@ -56,7 +56,7 @@ class AllScanArgs:
     # what carries a hop (chain and tree): nccl = torch.distributed point-to-point (NCCL on GPUs, gloo on
     # CPUs); symm = one-sided writes into the next rank's symmetric memory (CUDA, one node: comm/symm.py);
     # auto = symm where the group is known to sit in one node (node_size / LOCAL_WORLD_SIZE), else nccl.
-    # hier always runs on nccl. symm_timeout_s bounds every wait on a peer (then the kernel traps).
+    # hier always runs on nccl. symm_timeout_s bounds every wait on a peer (then the waiting kernel traps).
     transport: str = "nccl"
     symm_timeout_s: float = 600.0
     symm_fused: bool = True  # symm: a one-block decay chain hop as one kernel (comm/symm_hop.py)
@@ -235,7 +235,7 @@ def _links(args: AllScanArgs, x, group, rank: int, P: int, reverse: bool):
     nccl = P2PLink(group, rank, P, reverse)
     if args.transport == "nccl":
         return [nccl]
-    why = symm_unavailable(x, group)
+    why = symm_unavailable(x)
     if args.transport == "symm":
         if why:
             raise ValueError(f"all_scan(transport='symm'): {why}; use all_scan.transport=nccl (or auto)")

@@ -38,8 +38,8 @@ class SymmSetupError(RuntimeError):
     """Making a symmetric buffer failed (before the scan posted anything): transport=auto falls back."""
 
 
-def symm_unavailable(x: torch.Tensor, group) -> str | None:
-    """Why transport="symm" cannot carry a scan of x over `group` here, None if it can."""
+def symm_unavailable(x: torch.Tensor) -> str | None:
+    """Why transport="symm" cannot carry a scan of x here, None if it can."""
     if not x.is_cuda:
         return f"symmetric memory needs CUDA tensors (got {x.device})"
     try:
@@ -157,7 +157,7 @@ class SymmLink:
             send = sb.peer("buf", nxt, R * V, x_RV.dtype).view(R, V) if nxt is not None else None
             plan = sb.peers[("plan", self.pos)] = (sb.buf.view(R, V), send, pad(me), pad(nxt), pad(prev))
         sb.calls += 1
-        fused_chain_hop(x_RV, a_R, y_RV, *plan, sb.calls)
+        fused_chain_hop(x_RV, a_R, y_RV, *plan, sb.calls, self.timeout_ms / 1000)
         return True
 
     # chain: this rank's buffer receives y laid out as y itself

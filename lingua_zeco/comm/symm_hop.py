@@ -32,7 +32,7 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def hop(x_ptr, a_ptr, y_ptr, recv_ptr, send_ptr, pad_ptr, next_pad_ptr, prev_pad_ptr, seq, R,
+    def hop(x_ptr, a_ptr, y_ptr, recv_ptr, send_ptr, pad_ptr, next_pad_ptr, prev_pad_ptr, seq, R, max_spins,
             V: tl.constexpr, BLOCK_R: tl.constexpr, HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -41,16 +41,24 @@ def _kernel():
         offs = rows[:, None] * V + cols[None, :]
         if HAS_SRC:
             flag = tl.atomic_add(pad_ptr + 1, 0, sem="acquire", scope="sys")
+            spins = 0
             while flag < seq:
                 flag = tl.atomic_add(pad_ptr + 1, 0, sem="acquire", scope="sys")
+                spins += 1
+                if spins > max_spins:  # the previous rank never wrote: end the process, do not hang
+                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
             got = tl.load(recv_ptr + offs, mask=mask, other=0.0, cache_modifier=".cg")  # L2, never a stale L1 line
             tl.store(y_ptr + offs, got, mask=mask)
         else:  # position 0 receives nothing: y = 0
             tl.store(y_ptr + offs, tl.zeros((BLOCK_R, V), dtype=y_ptr.dtype.element_ty), mask=mask)
         if HAS_DST:
             free = tl.atomic_add(pad_ptr + 2, 0, sem="acquire", scope="sys")
+            spins = 0
             while free < seq - 1:
                 free = tl.atomic_add(pad_ptr + 2, 0, sem="acquire", scope="sys")
+                spins += 1
+                if spins > max_spins:  # the next rank never freed its buffer
+                    tl.inline_asm_elementwise("trap;", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
             out = tl.load(x_ptr + offs, mask=mask, other=0.0)
             if HAS_SRC:
                 a = tl.load(a_ptr + rows, mask=rows < R, other=0.0)
@@ -71,13 +79,14 @@ def _kernel():
 
 def fused_chain_hop(x_RV: torch.Tensor, a_R: torch.Tensor, y_RV: torch.Tensor, recv_RV: torch.Tensor,
                     send_RV: torch.Tensor | None, pad: torch.Tensor, next_pad: torch.Tensor | None,
-                    prev_pad: torch.Tensor | None, seq: int, block_r: int = 32) -> None:
+                    prev_pad: torch.Tensor | None, seq: int, timeout_s: float = 600.0, block_r: int = 32) -> None:
     """This rank's whole chain hop (see the module docstring): recv_RV is its own buffer, send_RV the
     next rank's (None on the last), pads int32 [≥ 3] (None where there is no such rank). Contiguous
-    fp32 / bf16 rows; V a power of two."""
+    fp32 / bf16 rows; V a power of two. A wait that lasts past ~timeout_s (counted in polls of a local
+    flag, ~1 µs each) traps the kernel: the process ends with a CUDA error instead of hanging."""
     R, V = x_RV.shape
     has_src, has_dst = prev_pad is not None, send_RV is not None
     grid = (-(-R // block_r),)
     _kernel()[grid](x_RV, a_R, y_RV, recv_RV, send_RV if has_dst else recv_RV, pad,
                     next_pad if has_dst else pad, prev_pad if has_src else pad, seq, R,
-                    V=V, BLOCK_R=block_r, HAS_SRC=has_src, HAS_DST=has_dst)
+                    min(int(timeout_s * 1e6), 2**31 - 1), V=V, BLOCK_R=block_r, HAS_SRC=has_src, HAS_DST=has_dst)
