@@ -342,3 +342,23 @@ def test_calibration_from_raw_h200x2_within_15_percent():
     assert split["per_message_us"] == pytest.approx(topo.links["nvlink"].alpha_s * 1e6)
     assert split["transport_us"] == pytest.approx(min(notes["p2p_one_way_us"].values()))
     assert split["ours_us"] == pytest.approx(split["per_message_us"] - split["transport_us"]) and split["ours_us"] > 0
+
+
+def test_symm_hop_fit_recovers_the_per_hop_cost(tmp_path):
+    """Loopback rows made from fixed + (P-1)(alpha + bytes*slope): the fit gives alpha back; the committed
+    one-H200 loopback gives a few microseconds; too few files are refused with the reason."""
+    from lingua_zeco.perf_model.calibrate import symm_hop_fit
+    fixed, alpha, slope = 4e-6, 3.5e-6, 1.6e-12
+    for P in (2, 4, 8):
+        rows = [dict(method="loopback_symm_chain1", P=P, state_bytes=b,
+                     median_us=(fixed + (P - 1) * (alpha + b * slope)) * 1e6) for b in (1 << 20, 2 << 20)]
+        rows.append(dict(method="loopback_symm_ops_chain1", P=P, state_bytes=1 << 20, median_us=99.0))  # ignored
+        (tmp_path / f"comm_loopback_P{P}.json").write_text(json.dumps(dict(results=rows)))
+    got, source = symm_hop_fit(str(tmp_path))
+    assert got == pytest.approx(alpha, rel=1e-6) and "6 rows" in source
+    measured, _ = symm_hop_fit("docs/results/raw/2026-12-02-h200/run10/loopback")
+    assert 1e-6 < measured < 10e-6
+    for f in tmp_path.glob("comm_loopback_P[48].json"):
+        f.unlink()
+    with pytest.raises(FileNotFoundError, match="at two P or more"):
+        symm_hop_fit(str(tmp_path))

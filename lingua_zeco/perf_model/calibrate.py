@@ -125,6 +125,24 @@ def alpha_split(alpha_s: float, p2p_rows: list[dict], source: str) -> dict:
                 source=source)
 
 
+def symm_hop_fit(folder: str) -> tuple[float, str]:
+    """The symm transport's cost per hop at zero bytes (seconds) and its source, from bench_comm's
+    one-GPU loopback files (comm_loopback_P*.json): relative least squares of the one-kernel chain rows,
+    time = fixed + (P - 1)·(alpha + bytes·slope), over every P and state size. The loopback has no NVLink
+    wire time; the model's bytes/beta per hop stands for it."""
+    files = sorted(glob.glob(os.path.join(find(folder), "comm_loopback_P*.json")))
+    rows = [r for f in files for r in json.load(open(f))["results"] if r["method"] == "loopback_symm_chain1"]
+    if len({r["P"] for r in rows}) < 2:
+        raise FileNotFoundError(f"symm={folder}: needs comm_loopback_P*.json files (bench_comm loopback=P) "
+                                f"with loopback_symm_chain1 rows at two P or more; found {len(files)} files")
+    X = np.array([[1.0, r["P"] - 1, (r["P"] - 1) * r["state_bytes"]] for r in rows])
+    y = np.array([r["median_us"] * 1e-6 for r in rows])
+    (_, alpha, _), *_ = np.linalg.lstsq(X / y[:, None], np.ones_like(y), rcond=None)
+    used = ", ".join(shown(f) for f in files)
+    return float(alpha), (f"measured: {used} (one-kernel symm hop on one GPU, {len(rows)} rows: per-hop slope at "
+                          f"zero bytes; NVLink's wire time is the bytes/beta term)")
+
+
 def calibrate(raw: str = RAW, topology: str = "hier", gpus_per_node: int = 8, raw_1gpu: str | None = RAW_1GPU):
     """Returns (Topology, DeviceArgs, OpArgs, ThroughputArgs, notes) fitted to the files in `raw` (and the
     single-GPU runs in `raw_1gpu`, None: none); notes["sources"] names the file behind every fitted input."""

@@ -20,9 +20,10 @@ from dataclasses import dataclass, field
 
 from lingua_zeco.args import ConfigError, parse_args
 
-from .calibrate import RAW, RAW_1GPU, calibrate, check_rows, shown
+from .calibrate import RAW, RAW_1GPU, calibrate, check_rows, shown, symm_hop_fit
 from .inputs import NotMeasured, format_inputs, inputs_rows
-from .links import Topology, TopologyArgs, apply_link_calibration, default_links, load_calibration, numeric_keys
+from .links import (Topology, TopologyArgs, apply_link_calibration, complete_links, default_links, load_calibration,
+                    numeric_keys)
 from .memory import MemoryArgs, peak_memory
 from .op_model import OpArgs, op_rows
 from .schedules import DeviceArgs, comm_rows
@@ -49,6 +50,9 @@ class PerfModelArgs:
     # one-H200 runs (calibrate.RAW_1GPU) whenever raw= is used; none: not used
     raw_1gpu: str = "default"
     json: str = ""  # also write every table here
+    # folder of bench_comm loopback=P outputs (comm_loopback_P*.json): hops inside a node at the symm
+    # transport's measured cost (calibrate.symm_hop_fit); across nodes unchanged
+    symm: str = ""
 
 
 def parse(argv: list[str]) -> tuple[PerfModelArgs, list[str]]:
@@ -117,6 +121,10 @@ def build(ns: PerfModelArgs, overrides: list[str] = ()):
             if new:
                 table.update(new)
                 sources[key] = f"measured: {shown(path)}"
+    if ns.symm:  # after IB took its latencies from NVLink's NCCL-measured ones
+        links = complete_links(links)
+        alpha, sources["link.nvlink.alpha_s"] = symm_hop_fit(ns.symm)
+        links["nvlink"] = dataclasses.replace(links["nvlink"], alpha_s=alpha)
     topo_args = TopologyArgs(kind=ns.topology, gpus_per_node=ns.gpus_per_node)
     targets = dict(op=op, tput=tput, mem=mem, dev=dev, topo=topo_args, link=links)
     for item in overrides:
