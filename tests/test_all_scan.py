@@ -159,6 +159,10 @@ def _sp_groups_worker(rank, world, sp, node_size):
     for reverse in (False, True):
         y = gather_scan(xs[rank], as_[rank], env.sp_group, reverse=reverse)
         errors[("gather", reverse)] = (y.double() - reference(sub_x, sub_a, p, reverse)).abs().max().item()
+        for algo in ("chain", "tree"):  # transport=auto: here (CPU) it must fall back to point-to-point
+            args = AllScanArgs(algorithm=algo, transport="auto", node_size=node_size, n_blocks=2)
+            y = all_scan(xs[rank], as_[rank], env.sp_group, reverse=reverse, args=args)
+            errors[(f"{algo}_auto", reverse)] = (y.double() - reference(sub_x, sub_a, p, reverse)).abs().max().item()
     return errors
 
 
@@ -168,7 +172,7 @@ def test_every_algorithm_on_several_sp_groups(world, sp, node_size):
     world, so SP groups that built different sub-groups mixed up their gloo connections."""
     results = run_on_ranks(_sp_groups_worker, world, sp, node_size, timeout_s=180)
     for rank, errs in enumerate(results):
-        assert len(errs) == 10
+        assert len(errs) == 14
         bad = {k: e for k, e in errs.items() if e > 1e-5}
         assert not bad, f"rank {rank} of {world} (SP groups of {sp}, node_size={node_size}): {bad}"
 
