@@ -5,7 +5,8 @@ the address space of every other rank of the group (NVLink / PCIe peer access in
 then the sender's combine kernel a·y + x writing its result straight into the receiver's buffer and a
 signal kernel setting a flag in the receiver's signal pad; the receiver's wait kernel spins on that flag.
 No NCCL launch, no proxy thread, no staging copy on the sender. Only unicast writes and signals: NVLink
-multicast is never used.
+multicast is never used. A one-block decay chain hop (what the chain runs at small P) is ONE kernel
+instead, with its own flags (symm_hop.py, fused_chain); the rest below is the op-by-op hop.
 
 Signals are slots [channel, sender] of the receiver's pad, set 0 → 1 by put_signal and 1 → 0 by
 wait_signal; both spin on the GPU, with a timeout after which the kernel traps (a dead peer ends the
@@ -52,8 +53,9 @@ def symm_unavailable(x: torch.Tensor) -> str | None:
 @dataclass
 class SymmBuffer:
     """A rank's symmetric buffer: its memory [n], the handle (get_buffer(rank, sizes, dtype),
-    put_signal(rank, channel, timeout_ms), wait_signal(rank, channel, timeout_ms), signal_pad_size), and
-    the peers this rank has written into (from then on each write waits for the peer's FREE)."""
+    get_signal_pad(rank, sizes, dtype), put_signal(rank, channel, timeout_ms), wait_signal(rank, channel,
+    timeout_ms), signal_pad_size), and the peers this rank has written into (from then on each write
+    waits for the peer's FREE)."""
     buf: torch.Tensor
     handle: object
     sent_to: set = field(default_factory=set)
