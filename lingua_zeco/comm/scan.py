@@ -144,8 +144,6 @@ class P2PLink:
     Tree: exchange(d, inc) sends inc to pos + d and receives the same shape from pos − d (None where
     there is no such position); release(d) says the received tensor was consumed."""
 
-    name = "nccl"
-
     def __init__(self, group, rank: int, P: int, reverse: bool):
         self.group, self.P = group, P
         self.pos, self._peer = scan_position(group, rank, P, reverse)

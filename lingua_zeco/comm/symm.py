@@ -98,9 +98,6 @@ class TorchSymmetricMemory:
         hit = self._pool[key] = SymmBuffer(buf, handle)
         return hit
 
-    def clear(self) -> None:
-        self._pool.clear()
-
 
 TORCH_SYMM = TorchSymmetricMemory()
 
@@ -108,8 +105,6 @@ TORCH_SYMM = TorchSymmetricMemory()
 class SymmLink:
     """A scan order over `group` whose hops are writes into symmetric memory (the P2PLink interface of
     comm/scan.py). `timeout_s` bounds every wait on a peer."""
-
-    name = "symm"
 
     def __init__(self, group, rank: int, P: int, reverse: bool, timeout_s: float, memory=TORCH_SYMM,
                  fused: bool = True):
@@ -217,8 +212,3 @@ class SymmLink:
 
     def release(self, d: int) -> None:
         self._sb.handle.put_signal(self._rank(-d), FREE, self.timeout_ms)
-
-
-def clear_symm_buffers() -> None:
-    """Drop the symmetric buffers (the next scan makes new ones, collectively)."""
-    TORCH_SYMM.clear()
