@@ -33,7 +33,9 @@ def _run_folder(tmp_path, args=TINY, tokenizer=None):
     if tokenizer is not None:
         cfg.data.tokenizer = tokenizer
     dump_config(cfg, dump)
-    CheckpointManager(CheckpointArgs(), str(dump)).save(7, ours, None, extra={"step": 7}, per_rank={})
+    ckpt = CheckpointManager(CheckpointArgs(), str(dump))
+    ckpt.save(7, ours, None, extra={"step": 7}, per_rank={})
+    ckpt.close()  # with CUDA present the save is asynchronous (the default): finalised here
     return ours.eval(), dump
 
 
