@@ -1,0 +1,160 @@
+"""The layout is the architecture (README, issue 21): comm and kernels at the bottom, sp above them, the
+trainer's modules above that, apps/ on top. These checks read the import statements of every module of
+lingua_zeco/ and apps/ (module level and inside functions) and fail on an import that points up, an
+import cycle, a private name taken from another module, or fla's internal stages used outside kernels/."""
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOTTOM = ("lingua_zeco.comm", "lingua_zeco.kernels")  # each imports only itself
+
+
+def module_name(rel_path: str) -> str:
+    name = rel_path[:-3].replace(os.sep, ".")
+    return name[: -len(".__init__")] if name.endswith(".__init__") else name
+
+
+def read_imports() -> dict[str, list[tuple[str, str]]]:
+    """{module: [(imported module, imported name or ""), ...]} for every .py under lingua_zeco/ and apps/."""
+    found = {}
+    for top in ("lingua_zeco", "apps"):
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    found[module_name(os.path.relpath(path, ROOT))] = path
+    imports = {}
+    for mod, path in found.items():
+        package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+        pairs = []
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.Import):
+                pairs += [(a.name, "") for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = package
+                for _ in range(max(node.level - 1, 0)):
+                    base = base.rpartition(".")[0]
+                target = (base + "." + node.module if node.module else base) if node.level else node.module
+                for a in node.names:  # `from pkg import submodule` is an import of the submodule
+                    sub = f"{target}.{a.name}"
+                    pairs.append((sub, "") if sub in found else (target, a.name))
+        imports[mod] = pairs
+    return imports
+
+
+def project_edges(imports) -> dict[str, set[str]]:
+    return {m: {t for t, _ in pairs if t in imports and t != m} for m, pairs in imports.items()}
+
+
+def rank(mod: str) -> int:
+    if mod.startswith(BOTTOM):
+        return 0
+    if mod.startswith("lingua_zeco.sp"):
+        return 1
+    return 2 if mod.startswith("lingua_zeco") else 3
+
+
+def upward_imports(edges) -> list[str]:
+    bad = []
+    for m, targets in edges.items():
+        for t in targets:
+            if m.startswith(BOTTOM):
+                ok = t.startswith(".".join(m.split(".")[:2]))  # only its own package
+            else:
+                ok = rank(t) <= rank(m)
+            if not ok:
+                bad.append(f"{m} -> {t}")
+    return sorted(bad)
+
+
+def cycles(edges) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def private_imports(imports) -> list[str]:
+    return sorted(f"{m}: {t}.{name}" for m, pairs in imports.items() for t, name in pairs
+                  if name.startswith("_") and t.startswith(("lingua_zeco", "apps")))
+
+
+def fla_internals_outside_kernels(imports) -> list[str]:
+    """fla.ops.<family> is fla's public API; anything deeper (chunk stages, fla.ops.utils, fla.ops.common)
+    is internal and may change with any fla release: only lingua_zeco/kernels/ imports it."""
+    return sorted(f"{m}: {t}" for m, pairs in imports.items() for t, _ in pairs
+                  if (t.startswith(("fla.ops.utils", "fla.ops.common")) or t.startswith("fla.ops.") and t.count(".") >= 3)
+                  and not m.startswith("lingua_zeco.kernels"))
+
+
+IMPORTS = read_imports()
+
+
+def test_the_tree_is_read():
+    assert {"lingua_zeco.comm.all_scan", "lingua_zeco.sp.fused_zeco", "apps.gla.train"} <= set(IMPORTS)
+    assert "lingua_zeco.comm.scan" in project_edges(IMPORTS)["lingua_zeco.comm.all_scan"]
+
+
+def test_imports_point_down_only():
+    assert upward_imports(project_edges(IMPORTS)) == []
+
+
+def test_no_import_cycles():
+    assert cycles(project_edges(IMPORTS)) == []
+
+
+def test_modules_use_each_others_public_names_only():
+    assert private_imports(IMPORTS) == []
+
+
+def test_fla_internal_stages_only_in_kernels():
+    assert fla_internals_outside_kernels(IMPORTS) == []
+
+
+@pytest.mark.parametrize("case", ["up", "cycle", "private", "fla"])
+def test_the_checks_catch_a_broken_layout(case):
+    """Each check on a small made-up tree with one violation (the checks above could otherwise pass by
+    reading nothing)."""
+    if case == "up":
+        assert upward_imports({"lingua_zeco.comm.scan": {"lingua_zeco.sp.delta"}}) == [
+            "lingua_zeco.comm.scan -> lingua_zeco.sp.delta"]
+        assert upward_imports({"lingua_zeco.kernels.naive": {"lingua_zeco.comm.scan"}}) != []
+        assert upward_imports({"lingua_zeco.checkpoint": {"apps.gla.model"}}) != []
+    elif case == "cycle":
+        edges = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+        assert cycles(edges) == [["a", "b", "c"]]
+    elif case == "private":
+        assert private_imports({"lingua_zeco.sp.delta": [("lingua_zeco.comm.scan", "_k_blocks")]}) != []
+    else:
+        imports = {"lingua_zeco.sp.fused_zeco": [("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")],
+                   "apps.gla.bench.bench_op": [("fla.ops.gla", "chunk_gla")],
+                   "lingua_zeco.kernels.fla_stages": [("fla.ops.common.chunk_h", "chunk_fwd_h")]}
+        assert fla_internals_outside_kernels(imports) == ["lingua_zeco.sp.fused_zeco: fla.ops.gla.chunk"]
