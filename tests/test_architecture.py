@@ -110,9 +110,11 @@ def private_imports(imports) -> list[str]:
 def fla_internals_outside_kernels(imports) -> list[str]:
     """fla.ops.<family> is fla's public API; anything deeper (chunk stages, fla.ops.utils, fla.ops.common)
     is internal and may change with any fla release: only lingua_zeco/kernels/ imports it."""
+    def internal(t):
+        deep = t.startswith("fla.ops.") and t.count(".") >= 3
+        return deep or t.startswith(("fla.ops.utils", "fla.ops.common"))
     return sorted(f"{m}: {t}" for m, pairs in imports.items() for t, _ in pairs
-                  if (t.startswith(("fla.ops.utils", "fla.ops.common")) or t.startswith("fla.ops.") and t.count(".") >= 3)
-                  and not m.startswith("lingua_zeco.kernels"))
+                  if internal(t) and not m.startswith("lingua_zeco.kernels"))
 
 
 IMPORTS = read_imports()
