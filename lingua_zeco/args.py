@@ -134,16 +134,10 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
         exit_with_help(cls)
     config, overrides = split_cli(argv, yaml_key=_yaml_key(cls))
     overrides = _bracket_lists(cls, overrides)
-    layers = []
-    if config is not None:
-        yaml_cfg = OmegaConf.load(resolve_config_path(config))
-        check_keys(cls, OmegaConf.to_container(yaml_cfg))
-        layers.append(yaml_cfg)
+    layers = [OmegaConf.load(resolve_config_path(config))] if config is not None else []
     if overrides:
-        cli_cfg = OmegaConf.from_dotlist(overrides)
-        check_keys(cls, OmegaConf.to_container(cli_cfg))
-        layers.append(cli_cfg)
-    return build(cls, *layers)
+        layers.append(OmegaConf.from_dotlist(overrides))
+    return build(cls, *layers)  # which checks every layer's keys, the YAML's first
 
 
 def build(cls: type[T], *layers: Any) -> T:

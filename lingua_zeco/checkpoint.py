@@ -13,6 +13,7 @@ optimizer moments is never saved; a load verifies the checksums first and refuse
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -23,7 +24,6 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 from lingua_zeco import checkpoint_integrity as integrity
 from lingua_zeco.args import ConfigError
 from lingua_zeco.checkpoint_async import AsyncWriter
-from lingua_zeco.reliability import NonFiniteError, StorageError
+from lingua_zeco.reliability import NonFiniteError, StorageError, gather_all, is_distributed, rank_world
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,9 @@ class ModelMismatchError(ConfigError):
     """The checkpoint holds other tensors (names or shapes) than the model: another model, not damage.
     `mismatches`: one line per tensor."""
 
-    def __init__(self, msg: str, mismatches: list[str] | None = None):
+    def __init__(self, msg: str, mismatches: list[str]):
         super().__init__(msg)
-        self.mismatches = mismatches or []
+        self.mismatches = mismatches
 
 
 @dataclass
@@ -70,38 +70,10 @@ class CheckpointArgs:
     async_save: bool | None = None
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank_world() -> tuple[int, int]:
-    return (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-
-
-def _all_ok(ok: bool) -> bool:
-    """True only if every rank says ok: ranks must take the same branch after a local failure."""
-    if not _distributed():
-        return ok
-    backend = str(dist.get_backend())
-    device = torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend and torch.cuda.is_available() else "cpu"
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
-
-def _gather(obj) -> list:
-    """Every rank's `obj` (small, picklable), in rank order; [obj] without a process group."""
-    if not _distributed():
-        return [obj]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def _agree(err: BaseException | None, kind: type = None) -> BaseException | None:
     """Collective: None if no rank failed, else this rank's own failure or one naming the failing rank.
     Ranks must take the same branch before the next collective, or they wait on each other forever."""
-    infos = _gather(None if err is None else (isinstance(err, ConfigError), integrity.root_cause(err)))
+    infos = gather_all(None if err is None else (isinstance(err, ConfigError), integrity.root_cause(err)))
     if err is not None:
         return err
     for r, info in enumerate(infos):
@@ -119,24 +91,39 @@ def _state(model, optimizer) -> dict:
 
 def _dcp(fn, state: dict, path: str):
     """dcp.save / dcp.load; without a process group DCP runs single-process (we say so, and mute its note)."""
-    if _distributed():
+    if is_distributed():
         return fn(state, checkpoint_id=path)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         return fn(state, checkpoint_id=path, no_dist=True)
 
 
-def _load_file(path: str):
-    # Our own files, which may hold numpy RNG states or other plain objects: full unpickling.
-    return torch.load(path, map_location="cpu", weights_only=False)
+def _marker(path: str) -> dict:
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _check_tensors(path: str, state: dict) -> None:
+    """The model's tensor names and shapes against the checkpoint's metadata (no data read)."""
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
+             if k.startswith("model.") and hasattr(v, "size")}
+    now = {k: tuple(t.shape) for k, t in state["model"].items() if isinstance(t, torch.Tensor)}
+    diff = [f"{k}: saved {list(saved[k])}, now {list(now[k])}" for k in now if k in saved and saved[k] != now[k]]
+    diff += [f"{k}: not in the checkpoint" for k in now if k not in saved]
+    diff += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in now]
+    if diff:
+        raise ModelMismatchError(f"{path} holds another model: {'; '.join(diff[:3])}"
+                                 f"{f' (and {len(diff) - 3} more)' if len(diff) > 3 else ''}", diff)
 
 
 def _remove_checkpoint(path: str):
     # Drop the marker first: a deletion cut short must not look like a complete checkpoint.
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.remove(os.path.join(path, MARKER))
-    except FileNotFoundError:
-        pass
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -169,8 +156,8 @@ class CheckpointManager:
                 log.warning("ignoring torn checkpoint %s (no %s marker)", folder, MARKER)
         return out
 
-    def latest_complete(self) -> str | None:
-        done = self.complete_checkpoints()
+    def latest_complete(self, warn: bool = True) -> str | None:
+        done = self.complete_checkpoints(warn=warn)
         return done[-1][1] if done else None
 
     # -- save --------------------------------------------------------------------------------
@@ -180,19 +167,19 @@ class CheckpointManager:
         Asynchronous (args.async_save): returns once the state is copied to host memory; the folder
         is complete only after `poll`/`wait`/`close` (or the next save) has finalised it."""
         self.wait()  # a pending asynchronous save first: its host buffers are reused below
-        rank, world = _rank_world()
+        rank, world = rank_world()
         name = f"step_{step:010d}"
-        tmp, final = os.path.join(self.path, "." + "tmp_" + name), os.path.join(self.path, name)
+        tmp, final = os.path.join(self.path, f".tmp_{name}"), os.path.join(self.path, name)
         state = _state(model, optimizer)
         # A non-finite state saved as COMPLETE would be resumed from, and retention would delete the
         # good checkpoints behind it: refuse before staging or writing anything.
-        bad = sorted({n for names in _gather(integrity.nonfinite(state)) for n in names})
+        bad = sorted({n for names in gather_all(integrity.nonfinite(state)) for n in names})
         if bad:
-            done = self.complete_checkpoints(warn=False)
+            listed = ", ".join(bad[:4]) + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+            newest = self.latest_complete(warn=False) or "(none yet)"
             raise NonFiniteError(
-                f"step {step}: non-finite values in the weights or optimizer state ({', '.join(bad[:4])}"
-                f"{f' and {len(bad) - 4} more' if len(bad) > 4 else ''}); not saved. The newest complete "
-                f"checkpoint {done[-1][1] if done else '(none yet)'} is kept: rerun to resume from it")
+                f"step {step}: non-finite values in the weights or optimizer state ({listed}); not saved. "
+                f"The newest complete checkpoint {newest} is kept: rerun to resume from it")
         t0 = time.perf_counter()
 
         def make_tmp():
@@ -210,7 +197,7 @@ class CheckpointManager:
 
         def write_state():  # collective; DCP raises on every rank if any rank failed
             if self.async_save:  # returns once staged in host memory; written in the background
-                self._async.start(step, state, tmp, final, t0, skip=(MARKER,))
+                self._async.start(step, state, tmp, final, t0)
             else:
                 _dcp(dcp.save, state, tmp)
 
@@ -220,20 +207,16 @@ class CheckpointManager:
                 phase()
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed and re-raised below
                 err = e
-            if (err := _agree(err, StorageError)) is not None:  # also a barrier
-                self._async.abandon()  # a started background write must not outlive its folder
-                self._save_failed(step, tmp, err)
+            self._raise_if_failed(step, tmp, err)  # also a barrier
         if self.async_save:
             return final
-        return self._finalise(step, tmp, final, integrity.checksums(tmp, rank, world, skip=(MARKER,)), t0)
+        return self._finalise(step, tmp, final, integrity.checksums(tmp, rank, world), t0)
 
     def _finalise(self, step: int, tmp: str, final: str, mine: dict, t0: float) -> str:
         """Collective, once every rank's files are in tmp (`mine`: the checksums of this rank's files):
         rank 0 renames tmp to final, writes the marker, then runs retention."""
-        rank, world = _rank_world()
-        files: dict = {}
-        for theirs in _gather(mine):
-            files.update(theirs)
+        rank, world = rank_world()
+        files = {name: sums for theirs in gather_all(mine) for name, sums in theirs.items()}
         err = None
         if rank == 0:
             try:
@@ -252,8 +235,7 @@ class CheckpointManager:
                     self._retain()
                 except OSError as e:  # the new checkpoint is complete: a failed cleanup is not a failed save
                     log.warning("retention failed (%s); older checkpoints left in place", e)
-        if (err := _agree(err, StorageError)) is not None:
-            self._save_failed(step, final, err)
+        self._raise_if_failed(step, final, err)
         log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
         return final
 
@@ -268,8 +250,7 @@ class CheckpointManager:
         if not self._async.pending:
             return None
         step, tmp, final, t0, mine, err = self._async.result()
-        if (err := _agree(err, StorageError)) is not None:
-            self._save_failed(step, tmp, err)
+        self._raise_if_failed(step, tmp, err)
         return self._finalise(step, tmp, final, mine, t0)
 
     def close(self) -> str | None:
@@ -279,17 +260,22 @@ class CheckpointManager:
         finally:
             self._async.close()
 
-    def _save_failed(self, step: int, folder: str, err: BaseException):
-        """Every rank: name the cause (a full disk above all), drop the half-written folder, raise."""
+    def _raise_if_failed(self, step: int, folder: str, err: BaseException | None) -> None:
+        """Collective: if any rank failed, every rank names the cause (a full disk above all), drops
+        the half-written folder and raises StorageError."""
+        if (err := _agree(err, StorageError)) is None:
+            return
+        self._async.abandon()  # a started background write must not outlive its folder
         problem = integrity.storage_problem(err, self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
-        if _rank_world()[0] == 0 and not os.path.isfile(os.path.join(folder, MARKER)):
+        if rank_world()[0] == 0 and not os.path.isfile(os.path.join(folder, MARKER)):
             shutil.rmtree(folder, ignore_errors=True)  # never complete; frees the space it took
-        done = self.complete_checkpoints(warn=False)
+        newest = self.latest_complete(warn=False)
+        kept = (f"the newest complete checkpoint is {newest}" if newest else
+                "there is no complete checkpoint yet")
         raise StorageError(
-            f"checkpoint of step {step} could not be written to {self.path}: {problem or integrity.root_cause(err)}. "
-            f"Nothing of it is kept; " + (f"the newest complete checkpoint is {done[-1][1]}" if done else
-                                           "there is no complete checkpoint yet") +
-            f". Free space or set checkpoint.path, then rerun the same command{' to resume' if done else ''}") from err
+            f"checkpoint of step {step} could not be written to {self.path}: "
+            f"{problem or integrity.root_cause(err)}. Nothing of it is kept; {kept}. Free space or set "
+            f"checkpoint.path, then rerun the same command{' to resume' if newest else ''}") from err
 
     def _retain(self):
         keep = self.args.dump.keep
@@ -298,7 +284,7 @@ class CheckpointManager:
         done = self.complete_checkpoints(warn=False)
         # Never delete the newest checkpoint known to hold finite values (saves check this), even if
         # newer ones (older code's, which did not) crowd it out of the newest `keep`.
-        finite = [folder for _, folder in done if self._marker(folder).get("finite") is True]
+        finite = [folder for _, folder in done if _marker(folder).get("finite") is True]
         for _, folder in done[:-keep]:  # keep >= 1 so the newest is never in this slice
             if finite and folder == finite[-1]:
                 log.info("retention: keeping %s, the newest checkpoint known to be finite", folder)
@@ -314,8 +300,8 @@ class CheckpointManager:
         the tensor names and shapes against the model (ModelMismatchError), and `source_rank(path,
         extra, saved_world_size)`, which says whose rank{r}.pt to return (None: {}) and may raise
         ConfigError to refuse the layout. Default: this rank's file if the world size is unchanged."""
-        rank, world = _rank_world()
-        marker = self._marker(path)
+        rank, world = rank_world()
+        marker = _marker(path)
         saved_world = marker.get("world_size", world)
         state = _state(model, optimizer)
         err, extra, src = None, None, None
@@ -323,8 +309,8 @@ class CheckpointManager:
             problems = integrity.verify(path, marker["files"], rank, world) if "files" in marker else []
             if problems:
                 raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
-            extra = _load_file(os.path.join(path, "extra.pt"))
-            self._check_tensors(path, state)
+            extra = integrity.load_file(os.path.join(path, "extra.pt"))
+            _check_tensors(path, state)
             if source_rank is not None:
                 src = source_rank(path, extra, saved_world)
             elif saved_world == world:
@@ -345,21 +331,7 @@ class CheckpointManager:
             set_model_state_dict(model, state["model"])
         else:
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return extra, (_load_file(os.path.join(path, f"rank{src}.pt")) if src is not None else {})
-
-    @staticmethod
-    def _check_tensors(path: str, state: dict) -> None:
-        """The model's tensor names and shapes against the checkpoint's metadata (no data read)."""
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
-                 if k.startswith("model.") and hasattr(v, "size")}
-        now = {k: tuple(t.shape) for k, t in state["model"].items() if isinstance(t, torch.Tensor)}
-        diff = [f"{k}: saved {list(saved[k])}, now {list(now[k])}" for k in now if k in saved and saved[k] != now[k]]
-        diff += [f"{k}: not in the checkpoint" for k in now if k not in saved]
-        diff += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in now]
-        if diff:
-            raise ModelMismatchError(f"{path} holds another model: {'; '.join(diff[:3])}"
-                                     f"{f' (and {len(diff) - 3} more)' if len(diff) > 3 else ''}", diff)
+        return extra, (integrity.load_file(os.path.join(path, f"rank{src}.pt")) if src is not None else {})
 
     def load_model_only(self, path: str, model):
         """Weights only, from a step folder or from a checkpoints root (its newest complete one)."""
@@ -369,24 +341,15 @@ class CheckpointManager:
                 raise FileNotFoundError(f"init checkpoint {path!r}: neither a DCP folder (.metadata) "
                                         f"nor a folder of complete step_* checkpoints")
             path = done[-1][1]
-        rank, world = _rank_world()
-        files = self._marker(path).get("files")
-        problems = sum(_gather(integrity.verify(path, files, rank, world) if files else []), [])
+        files = _marker(path).get("files")
+        problems = sum(gather_all(integrity.verify(path, files, *rank_world()) if files else []), [])
         if problems:
             raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
-        state = {"model": get_model_state_dict(model)}
+        state = _state(model, None)
         _dcp(dcp.load, state, path)
         set_model_state_dict(model, state["model"])
         log.info("initialized model weights from %s", path)
         return path
-
-    @staticmethod
-    def _marker(path: str) -> dict:
-        try:
-            with open(os.path.join(path, MARKER)) as f:
-                return json.load(f)
-        except (OSError, ValueError):
-            return {}
 
     def maybe_resume(self, model, optimizer, source_rank=None) -> tuple[int, dict, dict] | None:
         """Resume from the newest complete checkpoint that loads on every rank, falling back to older
@@ -396,15 +359,14 @@ class CheckpointManager:
         done = self.complete_checkpoints()
         failures = []
         for step, folder in reversed(done):
+            err = None
             try:
                 extra, per_rank = self.load(folder, model, optimizer, source_rank)
-                err = None
             except ConfigError:
                 raise
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
-                # any rank failing means all fall back together
                 err = e
-            if _all_ok(err is None):
+            if all(gather_all(err is None)):  # any rank failing means all fall back together
                 log.info("resumed from %s", folder)
                 return step, extra, per_rank
             log.warning("checkpoint %s failed to load (%s); falling back to the previous complete one",

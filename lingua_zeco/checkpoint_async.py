@@ -34,12 +34,9 @@ from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # D
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from lingua_zeco import checkpoint_integrity as integrity
+from lingua_zeco.reliability import is_distributed, rank_world
 
 WRITE_DELAY_ENV = "LINGUA_ZECO_CKPT_WRITE_DELAY"
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
 
 
 def _test_delay() -> float:
@@ -85,12 +82,12 @@ class _HeldWriter(FileSystemWriter):
         return super().write_data(plan, planner)
 
 
-def _hash_when_written(upload: Future, tmp: str, rank: int, world: int, skip: tuple[str, ...]) -> dict:
+def _hash_when_written(upload: Future, tmp: str, rank: int, world: int) -> dict:
     """Background: wait for DCP's write (re-raising its failure), then hash the files this rank wrote.
     Each rank's own files are final once its DCP save returns (rank 0 writes .metadata last)."""
     upload.result()
     time.sleep(_test_delay())
-    return integrity.checksums(tmp, rank, world, skip=skip)
+    return integrity.checksums(tmp, rank, world)
 
 
 class AsyncWriter:
@@ -104,16 +101,15 @@ class AsyncWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._groups: tuple | None = None  # (DCP's, the done flag's)
 
-    def start(self, step: int, state: dict, tmp: str, final: str, t0: float, skip: tuple[str, ...]) -> None:
+    def start(self, step: int, state: dict, tmp: str, final: str, t0: float) -> None:
         """Collective: copy `state` to host memory, start writing it into `tmp`, return."""
         assert self.pending is None, "finalise the previous save first: its host buffers get reused"
-        cuda = torch.cuda.is_available()
         if self._stager is None:
             # The stager keeps its host copies keyed by the source storages, so later saves copy into
             # the same (pinned) buffers instead of allocating and pinning again.
-            self._stager = _KeptStager(cuda)
+            self._stager = _KeptStager(torch.cuda.is_available())
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
-        if _distributed() and self._groups is None:
+        if is_distributed() and self._groups is None:
             self._groups = tuple(dist.new_group(backend="gloo", timeout=self.timeout) for _ in range(2))
         where = dict(process_group=self._groups[0]) if self._groups else dict(no_dist=True)
         if not self._groups:  # DCP then notes from its thread that it saves single-process, where the
@@ -124,8 +120,8 @@ class AsyncWriter:
             where["storage_writer"] = _HeldWriter(tmp)
         upload = dcp.async_save(state, checkpoint_id=tmp, async_stager=self._stager, **where)
         upload = getattr(upload, "upload_completion", upload)  # an AsyncSaveResponse with async staging
-        rank, world = (dist.get_rank(), dist.get_world_size()) if _distributed() else (0, 1)
-        self.pending = (step, tmp, final, t0, self._pool.submit(_hash_when_written, upload, tmp, rank, world, skip))
+        hashed = self._pool.submit(_hash_when_written, upload, tmp, *rank_world())
+        self.pending = (step, tmp, final, t0, hashed)
 
     def done_everywhere(self) -> bool:
         """Collective (call only while a save is pending): has every rank's background save finished?"""

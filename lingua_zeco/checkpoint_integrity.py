@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -31,16 +32,13 @@ STORAGE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk q
 
 # -- durable writes ---------------------------------------------------------------------------------
 def fsync_dir(path: str):
-    try:
+    # some filesystems refuse fsync on folders (or opening them): the rename order still holds
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on folders; the rename order still holds
-        pass
-    finally:
-        os.close(fd)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def save_file(obj, path: str, as_json: bool = False):
@@ -54,6 +52,11 @@ def save_file(obj, path: str, as_json: bool = False):
         f.flush()
         os.fsync(f.fileno())
     os.replace(part, path)
+
+
+def load_file(path: str):
+    """A file of save_file's; ours may hold numpy RNG states or other plain objects: full unpickling."""
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 # -- checksums ---------------------------------------------------------------------------------------
@@ -70,12 +73,12 @@ def _owner(name: str) -> int:
     return int(m.group(1) or m.group(2)) if m else 0
 
 
-def checksums(folder: str, rank: int, world: int, skip: tuple[str, ...] = ()) -> dict[str, dict]:
+def checksums(folder: str, rank: int, world: int) -> dict[str, dict]:
     """{name: {size, sha256}} of the files of `folder` this rank wrote (rank 0: also the unowned ones)."""
     out = {}
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        if name in skip or name.endswith(".part") or not os.path.isfile(path):
+        if name.endswith(".part") or not os.path.isfile(path):
             continue
         owner = _owner(name)
         if owner == rank or (rank == 0 and owner >= world):
@@ -86,9 +89,7 @@ def checksums(folder: str, rank: int, world: int, skip: tuple[str, ...] = ()) ->
 def verify(folder: str, files: dict[str, dict], rank: int, world: int) -> list[str]:
     """Problems with this rank's share of `files` (every world-th file, by name): missing, size, hash."""
     problems = []
-    for i, name in enumerate(sorted(files)):
-        if i % world != rank:
-            continue
+    for name in sorted(files)[rank::world]:
         path, want = os.path.join(folder, name), files[name]
         try:
             size = os.path.getsize(path)
@@ -139,10 +140,8 @@ def probe_writable(folder: str) -> None:
             f.flush()
             os.fsync(f.fileno())
     finally:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(path)
-        except FileNotFoundError:
-            pass
 
 
 def _causes(e: BaseException):

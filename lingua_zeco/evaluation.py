@@ -44,6 +44,7 @@ from lingua_zeco.data.mqar import across_ranks
 from lingua_zeco.data.overlap import shared_data
 from lingua_zeco.data.sources import BUILTIN_SPLITS, resolve_sources
 from lingua_zeco.position_loss import PositionLoss, position_offset
+from lingua_zeco.reliability import is_distributed, rank_world
 from lingua_zeco.token_loss import TokenLosses
 
 log = logging.getLogger(__name__)
@@ -64,10 +65,6 @@ class EvalArgs:
     # data.synthetic=mqar only: P >= 2 puts the pairs at the sequence start and the queries in its last
     # 1/P (with P SP ranks: queries on the last rank, pairs on the first); 0 = the training layout
     recall_span: int = 0
-
-
-def _is_builtin(data: DataArgs) -> bool:
-    return data.root_dir is None and (not data.sources or set(data.sources) <= set(BUILTIN_SPLITS))
 
 
 def training_data_args(data: DataArgs, ev: EvalArgs) -> DataArgs:
@@ -120,9 +117,10 @@ def _validation_source(data: DataArgs, ev: EvalArgs) -> DataArgs:
         if not os.path.isdir(ev.root_dir):
             raise FileNotFoundError(f"eval.root_dir={ev.root_dir!r} is not a folder")
         return dataclasses.replace(data, root_dir=ev.root_dir, sources={}, **common)
-    if _is_builtin(data):
-        return dataclasses.replace(data, root_dir=None, sources={"builtin:valid": 1.0}, **common)
-    if data.root_dir is None:  # Hub sources only (data.sources={"hf:...": w})
+    if data.root_dir is None:
+        if not data.sources or set(data.sources) <= set(BUILTIN_SPLITS):  # the built-in corpus
+            return dataclasses.replace(data, sources={"builtin:valid": 1.0}, **common)
+        # Hub sources only (data.sources={"hf:...": w})
         raise FileNotFoundError("no validation data: data.root_dir is not set; set eval.root_dir (a folder of "
                                 "jsonl / parquet files or a save_to_disk folder)")
     valid = os.path.join(data.root_dir, "valid")
@@ -164,10 +162,9 @@ def evaluate(model, data: DataArgs, ev: EvalArgs, *, device, dp_rank: int = 0, d
     finally:
         loader.close()
         model.train(was_training)
-    distributed = dist.is_available() and dist.is_initialized()
-    if distributed:
+    if is_distributed():
         dist.all_reduce(totals)
-    _warn_if_repeated(ev, valid, unique, distributed, device)
+    _warn_if_repeated(ev, valid, unique, device)
     loss_sum, n_tok = totals.tolist()
     loss = loss_sum / max(n_tok, 1.0)
     prefix = "train_set" if shared else "val"
@@ -178,18 +175,18 @@ def evaluate(model, data: DataArgs, ev: EvalArgs, *, device, dp_rank: int = 0, d
             _, answers, hits = by_pos.totals()
             out.update({f"{prefix}_recall_acc": hits / answers if answers else float("nan"),
                         f"{prefix}_recall_answers": answers})
-        if not distributed or dist.get_rank() == 0:
+        if rank_world()[0] == 0:
             log.info("%s", by_pos.table(prefix))
     return out
 
 
-def _warn_if_repeated(ev: EvalArgs, valid: DataArgs, unique: int, distributed: bool, device) -> None:
+def _warn_if_repeated(ev: EvalArgs, valid: DataArgs, unique: int, device) -> None:
     """Silent cycling would weight the repeated documents twice; the fewest batches of any rank count."""
-    if distributed:
+    if is_distributed():
         t = torch.tensor([unique], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         unique = int(t.item())
-    if unique < ev.steps and (not distributed or dist.get_rank() == 0):
+    if unique < ev.steps and rank_world()[0] == 0:
         where = valid.root_dir or ", ".join(valid.sources)
         log.warning("eval.steps=%d but the validation data (%s) holds only %d batch(es) per data-parallel rank: "
                     "its documents repeat from batch %d on and count more than once; lower eval.steps or add "

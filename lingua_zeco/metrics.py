@@ -108,14 +108,15 @@ class MetricLogger:
     def __init__(self, dump_dir: str, args: LoggingArgs, *, active: bool, run_name: str = "", config: dict | None = None):
         self.active, self.args = active, args
         self.path = Path(dump_dir) / args.metrics_file
-        self._file = None
-        self._wandb = None
+        self._file = self._wandb = None
         if not active:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # O_APPEND: a resumed run appends after the old lines, never truncates them
-        self._file = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        if _ends_torn(self.path):  # a crash mid-line: end that fragment so our first line stays whole
+        self._file = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        size = os.fstat(self._file).st_size
+        # a crash mid-line: end that fragment so our first line stays whole
+        if size and os.pread(self._file, 1, size - 1) != b"\n":
             _write_all(self._file, b"\n")
         if args.wandb not in ("disabled", "online", "offline"):
             raise ValueError(f"logging.wandb={args.wandb!r}; use disabled, online or offline")
@@ -128,7 +129,8 @@ class MetricLogger:
     def log(self, metrics: dict) -> None:
         if not self.active:
             return
-        record = {"time": time.time(), **{k: _plain(v) for k, v in metrics.items()}}
+        plain = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+        record = {"time": time.time(), **plain}
         # one write of one whole line (no buffering in this process): a crash loses at most this line
         _write_all(self._file, (json.dumps(record) + "\n").encode())
         if self._wandb is not None:
@@ -141,21 +143,6 @@ class MetricLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
-
-
-def _plain(v):
-    if isinstance(v, torch.Tensor):
-        return v.item()
-    return v
-
-
-def _ends_torn(path: Path) -> bool:
-    with open(path, "rb") as f:
-        f.seek(0, os.SEEK_END)
-        if f.tell() == 0:
-            return False
-        f.seek(-1, os.SEEK_END)
-        return f.read(1) != b"\n"
 
 
 def _write_all(fd: int, data: bytes) -> None:

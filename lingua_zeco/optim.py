@@ -43,16 +43,13 @@ def lr_factor(step: int, args: OptimArgs, total: int) -> float:
 
 def build_optimizer(model: torch.nn.Module, args: OptimArgs, total_steps: int):
     """AdamW (no decay on norms and biases) and its LambdaLR scheduler."""
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [dict(params=decay, weight_decay=args.weight_decay), dict(params=no_decay, weight_decay=0.0)]
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [dict(params=[p for p in params if p.ndim >= 2], weight_decay=args.weight_decay),
+              dict(params=[p for p in params if p.ndim < 2], weight_decay=0.0)]
     opt = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=args.eps,
                             fused=args.fused)
     horizon = args.decay_steps if args.decay_steps > 0 else total_steps
-    sched = LambdaLR(opt, lambda step: lr_factor(step, args, horizon))
-    return opt, sched
+    return opt, LambdaLR(opt, lambda step: lr_factor(step, args, horizon))
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, optimizer=None) -> torch.Tensor:

@@ -52,8 +52,7 @@ class PositionLoss:
             raise ValueError(f"positions [{offset}, {offset + T_local}) run past the context {self.context}")
         pos_T = (torch.arange(offset, offset + T_local, device=mask_BT.device) if cu_seqlens is None
                  else doc_offsets(cu_seqlens, offset, T_local, mask_BT.device))
-        pos_BT = pos_T.expand_as(mask_BT)
-        b_N = bucket_of(pos_BT[mask_BT])
+        b_N = bucket_of(pos_T.expand_as(mask_BT)[mask_BT])
         self.sums_3B[0].index_add_(0, b_N, loss_N.to(torch.float64))
         self.sums_3B[1].index_add_(0, b_N, torch.ones_like(loss_N, dtype=torch.float64))
         self.sums_3B[2].index_add_(0, b_N, hit_N.to(torch.float64))

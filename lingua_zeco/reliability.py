@@ -66,13 +66,29 @@ class StorageError(RuntimeError):
     """A checkpoint could not be written (full disk, quota, read-only...); the message names the cause."""
 
 
+# -- what every rank agrees on -----------------------------------------------------------------
+def is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def gather_all(obj) -> list:
+    """Every rank's `obj` (small, picklable), in rank order; [obj] without other ranks."""
+    out = [obj] * rank_world()[1]
+    if len(out) > 1:
+        dist.all_gather_object(out, obj)
+    return out
+
+
 # -- stop signals ------------------------------------------------------------------------------
 class StopSignals:
     """Context manager that turns SIGTERM/SIGUSR2/SIGINT into a flag (main thread only; elsewhere a no-op)."""
 
-    def __init__(self, enabled: bool = True, names: tuple[str, ...] = STOP_SIGNALS):
+    def __init__(self, enabled: bool = True):
         self.enabled = enabled and threading.current_thread() is threading.main_thread()
-        self.signums = [getattr(signal, n) for n in names if hasattr(signal, n)]
         self.received: int | None = None
         self._previous: dict[int, object] = {}
 
@@ -89,8 +105,8 @@ class StopSignals:
 
     def __enter__(self):
         if self.enabled:
-            for s in self.signums:
-                self._previous[s] = signal.signal(s, self._handle)
+            signums = [getattr(signal, n) for n in STOP_SIGNALS if hasattr(signal, n)]
+            self._previous = {s: signal.signal(s, self._handle) for s in signums}
         return self
 
     def __exit__(self, *exc):
@@ -139,7 +155,7 @@ class StepGuard:
                              torch.full((), float(stop_requested), dtype=torch.float64, device=dev)])
         if dist.is_initialized():
             dist.all_reduce(flags)
-        stop_before = self._read_pending()
+        stop_before = self.settle()
         record = torch.cat([flags, n_tokens.detach().to(device=dev, dtype=torch.float64).reshape(1),
                             grad_norm.reshape(1)])
         deferrable = optimizer is not None and bool(optimizer.defaults.get("fused"))
@@ -150,18 +166,14 @@ class StepGuard:
             return Verdict(apply=v.apply, stop=v.stop or stop_before)
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=dev.type == "cuda")
         host.copy_(record, non_blocking=True)
-        event = None
-        if dev.type == "cuda":
-            event = torch.cuda.Event()
+        event = torch.cuda.Event() if dev.type == "cuda" else None
+        if event is not None:
             event.record()
         self._pending = (step, host, event)
         return Verdict(apply=True, stop=stop_before)  # the optimizer skips on the device if bad
 
-    def settle(self) -> None:
-        """Read a deferred verdict now (raises per the policy); nothing to do after a sync step."""
-        self._read_pending()
-
-    def _read_pending(self) -> bool:
+    def settle(self) -> bool:
+        """Read a deferred verdict now (raises per the policy); its stop flag, False when none is pending."""
         if self._pending is None:
             return False
         step, host, event = self._pending
@@ -205,10 +217,7 @@ def check_config(args) -> None:
 def check_same_config(config: dict) -> None:
     """Collective: every rank must run the same resolved config (an SP group would otherwise
     disagree on shapes, or a DP rank on the schedule). Raises on every rank, naming the keys."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, flatten_config(config))
+    every = gather_all(flatten_config(config))
     diffs = []
     for r, other in enumerate(every[1:], start=1):
         keys = sorted(k for k in set(every[0]) | set(other) if every[0].get(k) != other.get(k))
@@ -221,11 +230,10 @@ def flatten_config(d: dict, prefix: str = "") -> dict:
     """{"a": {"b": 1}} -> {"a.b": 1} (empty dicts stay as values)."""
     out = {}
     for k, v in d.items():
-        key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(flatten_config(v, key + "."))
+            out.update(flatten_config(v, f"{prefix}{k}."))
         else:
-            out[key] = v
+            out[f"{prefix}{k}"] = v
     return out
 
 
@@ -234,9 +242,8 @@ _COMM_HINTS = ("gloo", "nccl", "timed out", "connection", "broken pipe", "peer")
 
 
 def is_collective_failure(e: BaseException) -> bool:
-    if isinstance(e, getattr(dist, "DistError", ())):
-        return True
-    return isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _COMM_HINTS)
+    return isinstance(e, getattr(dist, "DistError", ())) or (
+        isinstance(e, RuntimeError) and any(h in str(e).lower() for h in _COMM_HINTS))
 
 
 def collective_error(e: BaseException, rank: int, world: int, timeout_s: int) -> CollectiveError:
@@ -271,8 +278,8 @@ class FaultInjection:
     """LINGUA_ZECO_FAULT="SIGKILL@12" or "SIGSTOP@3:1": signal this process after that step (on that rank).
     Several comma-separated faults are sent in order, e.g. "SIGUSR2@2,SIGUSR2@2" (a second signal)."""
 
-    def __init__(self, rank: int, spec: str | None = None):
-        spec = os.environ.get("LINGUA_ZECO_FAULT", "") if spec is None else spec
+    def __init__(self, rank: int):
+        spec = os.environ.get("LINGUA_ZECO_FAULT", "")
         self.faults: list[tuple[int, int]] = []  # (step, signum)
         for one in filter(None, spec.split(",")):
             try:

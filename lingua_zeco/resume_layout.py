@@ -14,9 +14,8 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 
-import torch
-
 from lingua_zeco.args import ConfigError
+from lingua_zeco.checkpoint_integrity import load_file
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +43,7 @@ def layout(world: int, dp: int, sp: int, seq_len: int) -> dict:
 def _legacy_layout(path: str, world: int) -> Layout | None:
     """Checkpoints written before extra["layout"]: the packed loader's state of rank 0 knows it."""
     try:
-        d = torch.load(os.path.join(path, "rank0.pt"), map_location="cpu", weights_only=False).get("data", {})
+        d = load_file(os.path.join(path, "rank0.pt")).get("data", {})
         return Layout(world, int(d["dp_size"]), int(d["sp_size"]), int(d["seq_len"]))
     except (OSError, KeyError, TypeError, ValueError, RuntimeError, AttributeError):
         return None
@@ -71,9 +70,8 @@ class RankStateSource:
                 log.warning("checkpoint %s was written by %s, this run is %s: same data stream, per-rank "
                             "state of SP rank 0 of each DP rank restored", path, old, now)
             return self.dp_rank * old.sp + (self.sp_rank if old.sp == now.sp else 0)
-        hint = ""
-        if old.dp == now.dp and old.tokens % now.sp == 0:
-            hint = f", here data.seq_len={old.tokens // now.sp} with sp {now.sp}"
+        fits = old.dp == now.dp and old.tokens % now.sp == 0
+        hint = f", here data.seq_len={old.tokens // now.sp} with sp {now.sp}" if fits else ""
         raise ConfigError(
             f"checkpoint {path} was written by {old}; this run is {now}. The data position moves to another "
             f"layout only with the same dp and the same sequence length sp x seq_len ({old.tokens} tokens{hint}): "
@@ -84,8 +82,5 @@ class RankStateSource:
         """After a re-shard: the loader state of the saved rank, re-labelled with this run's SP layout."""
         if not self.resharded or not isinstance(per_rank.get("data"), dict):
             return per_rank
-        data = dict(per_rank["data"])
-        for key, value in (("sp_size", self.now.sp), ("seq_len", self.now.seq_len)):
-            if key in data:
-                data[key] = value
-        return {**per_rank, "data": data}
+        relabel = {"sp_size": self.now.sp, "seq_len": self.now.seq_len}
+        return {**per_rank, "data": {k: relabel.get(k, v) for k, v in per_rank["data"].items()}}

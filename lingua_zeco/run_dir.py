@@ -18,12 +18,11 @@ import os
 import socket
 import time
 
-import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from lingua_zeco.args import ConfigError
 from lingua_zeco.checkpoint_integrity import probe_writable
-from lingua_zeco.reliability import flatten_config
+from lingua_zeco.reliability import flatten_config, gather_all, rank_world
 
 LOCK_NAME = ".lock"
 CONFIG_NAME = "config.yaml"
@@ -33,11 +32,7 @@ log = logging.getLogger(__name__)
 
 def _agree(msg: str | None) -> str | None:
     """Collective: the first rank's error message, on every rank (None if no rank has one)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return msg
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, msg)
-    return next((m for m in every if m is not None), None)
+    return next((m for m in gather_all(msg) if m is not None), None)
 
 
 def _oserror(what: str, e: OSError, fix: str) -> str:
@@ -90,25 +85,23 @@ class DumpDirLock:
 def lock_dump_dir(dump_dir: str, is_master: bool) -> DumpDirLock | None:
     """Collective: rank 0 takes the lock (returned; release it at the end); every rank raises alike."""
     lock = DumpDirLock(dump_dir) if is_master else None
-    err = _agree(lock.acquire() if lock else None)
-    if err is not None:
+    if (err := _agree(lock.acquire() if lock else None)) is not None:
         if lock:
             lock.release()
         raise ConfigError(err)
     return lock
 
 
-def check_writable(folder: str, what: str = "checkpoint folder") -> None:
+def check_writable(folder: str) -> None:
     """Collective: every rank probes `folder` (created if missing); a failure anywhere stops every rank."""
     msg = None
     try:
         probe_writable(folder)
     except OSError as e:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        msg = _oserror(f"{what} {folder}{f' (rank {rank})' if rank else ''}", e,
+        rank = rank_world()[0]
+        msg = _oserror(f"checkpoint folder {folder}{f' (rank {rank})' if rank else ''}", e,
                        "set checkpoint.path (or dump_dir) to a writable folder with free space")
-    err = _agree(msg)
-    if err is not None:
+    if (err := _agree(msg)) is not None:
         raise ConfigError(err)
 
 

@@ -80,12 +80,10 @@ def script_args_class(script: str):
 def resolve_script_config(args: StoolArgs, overrides: list[str]):
     """The script's full config (defaults < YAML < overrides), with dump_dir set to the job's folder."""
     cls = script_args_class(args.script)
-    argv = ([f"config={args.config}"] if args.config else []) + overrides
-    cfg = parse_args(cls, argv)
-    names = {f.name for f in dataclasses.fields(cls)}
+    cfg = parse_args(cls, ([f"config={args.config}"] if args.config else []) + overrides)
     dump_dir = args.dump_dir or getattr(cfg, "dump_dir", "") or os.path.join("dumps", getattr(cfg, "name", "run"))
     dump_dir = os.path.abspath(dump_dir)
-    if "dump_dir" in names:
+    if "dump_dir" in {f.name for f in dataclasses.fields(cls)}:
         cfg = dataclasses.replace(cfg, dump_dir=dump_dir)
     return cfg, dump_dir
 
@@ -128,16 +126,15 @@ def prepare(args: StoolArgs, overrides: list[str]) -> Path:
     dump_config(cfg, out)
     code_dir = str(copy_code(out / "code")) if args.copy_code else str(ROOT)
     values = sbatch_values(args, cfg, dump_dir, code_dir)
-    for name in ("job.sbatch", "node.sh"):
-        text = render((TEMPLATE_DIR / f"{name}.tmpl").read_text(), values)
-        target = out / ("submit.sbatch" if name == "job.sbatch" else name)
-        target.write_text(text)
+    for template, name in (("job.sbatch", "submit.sbatch"), ("node.sh", "node.sh")):
+        target = out / name
+        target.write_text(render((TEMPLATE_DIR / f"{template}.tmpl").read_text(), values))
         target.chmod(0o755)
     return out / "submit.sbatch"
 
 
 def submit(args: StoolArgs, sbatch_file: Path) -> str:
-    cmd = ["sbatch", str(sbatch_file)] if args.launcher == "sbatch" else ["bash", str(sbatch_file)]
+    cmd = [args.launcher, str(sbatch_file)]  # sbatch or bash (split_argv checks)
     if args.dry_run:
         print("dry run; would run: " + " ".join(cmd))
         return ""
@@ -148,8 +145,7 @@ def submit(args: StoolArgs, sbatch_file: Path) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    args, overrides = split_argv(argv)
+    args, overrides = split_argv(sys.argv[1:] if argv is None else argv)
     sbatch_file = prepare(args, overrides)
     print(f"wrote {sbatch_file.parent}/{{config.yaml, code/, submit.sbatch, node.sh}}")
     out = submit(args, sbatch_file)

@@ -25,8 +25,7 @@ class TokenLosses:
         if not (hasattr(model, "model") and hasattr(model, "lm_head")):
             raise TypeError(f"{type(model).__name__} has no .model / .lm_head (fla layout): cannot score tokens")
         self.model = model
-        self._labels = None
-        self._last = None
+        self._labels = self._last = None
         self._handles = []
 
     def __enter__(self) -> "TokenLosses":

@@ -16,24 +16,27 @@ class TokenizerArgs:
     path: str | None = None  # model file for sp / tiktoken
 
 
-class ByteTokenizer:
-    """UTF-8 bytes are ids 0..255; bos = 256, eos = 257."""
-
-    def __init__(self):
-        self.bos_id = 256
-        self.eos_id = 257
-        self.n_words = 258
+class _Tokenizer:
+    """encode() for all: the subclass sets bos_id, eos_id, n_words and turns text into ids in _ids()."""
 
     def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-        ids = list(text.encode("utf-8"))
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+        return ([self.bos_id] if add_bos else []) + self._ids(text) + ([self.eos_id] if add_eos else [])
+
+
+class ByteTokenizer(_Tokenizer):
+    """UTF-8 bytes are ids 0..255; bos = 256, eos = 257."""
+
+    bos_id, eos_id, n_words = 256, 257, 258
+
+    def _ids(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
 
     def decode(self, ids) -> str:
         # Special ids are dropped; a sequence cut inside a multi-byte character decodes with U+FFFD.
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(_Tokenizer):
     def __init__(self, path: str):
         import sentencepiece as spm
 
@@ -45,9 +48,8 @@ class SentencePieceTokenizer:
             # Packing relies on both markers; a model trained without them cannot delimit documents.
             raise ValueError(f"sentencepiece model {path} has no bos/eos piece (bos={self.bos_id}, eos={self.eos_id})")
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
-        ids = self.sp.encode(text)
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+    def _ids(self, text: str) -> list[int]:
+        return self.sp.encode(text)
 
     def decode(self, ids) -> str:
         return self.sp.decode([int(i) for i in ids])
@@ -79,30 +81,22 @@ def read_tiktoken_ranks(path: str) -> dict[bytes, int]:
     return ranks
 
 
-class TikTokenTokenizer:
+class TikTokenTokenizer(_Tokenizer):
     """BPE from a local tiktoken file; bos/eos are two special tokens appended after the ranks."""
-
-    BOS = "<|begin_of_text|>"
-    EOS = "<|end_of_text|>"
 
     def __init__(self, path: str):
         import tiktoken
 
         ranks = read_tiktoken_ranks(path)
         n_base = max(ranks.values()) + 1 if ranks else 0
-        self.bos_id, self.eos_id = n_base, n_base + 1
-        self.enc = tiktoken.Encoding(
-            name=os.path.basename(path),
-            pat_str=TIKTOKEN_PATTERN,
-            mergeable_ranks=ranks,
-            special_tokens={self.BOS: self.bos_id, self.EOS: self.eos_id},
-        )
-        self.n_words = n_base + 2
+        self.bos_id, self.eos_id, self.n_words = n_base, n_base + 1, n_base + 2
+        specials = {"<|begin_of_text|>": self.bos_id, "<|end_of_text|>": self.eos_id}
+        self.enc = tiktoken.Encoding(name=os.path.basename(path), pat_str=TIKTOKEN_PATTERN,
+                                     mergeable_ranks=ranks, special_tokens=specials)
 
-    def encode(self, text: str, add_bos: bool = True, add_eos: bool = True) -> list[int]:
+    def _ids(self, text: str) -> list[int]:
         # encode_ordinary: text that happens to contain "<|end_of_text|>" stays plain text.
-        ids = self.enc.encode_ordinary(text)
-        return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+        return self.enc.encode_ordinary(text)
 
     def decode(self, ids) -> str:
         return self.enc.decode([int(i) for i in ids if int(i) not in (self.bos_id, self.eos_id)])
@@ -120,6 +114,4 @@ def build_tokenizer(args: TokenizerArgs):
             f"not found: {args.path!r}. Copy the file to this machine and set tokenizer.path "
             f"(nothing is downloaded at run time), or use tokenizer.name=bytes."
         )
-    if args.name == "sp":
-        return SentencePieceTokenizer(args.path)
-    return TikTokenTokenizer(args.path)
+    return (SentencePieceTokenizer if args.name == "sp" else TikTokenTokenizer)(args.path)

@@ -256,6 +256,8 @@ def test_cli_reads_calibration_and_writes_json(tmp_path, capsys):
 def test_cli_refuses_unknown_fields():
     with pytest.raises(ConfigError, match="op.no_such_field: no such field"):
         cli_main(["what=op", "op.no_such_field=1"])
+    with pytest.raises(ConfigError, match="link.foo.alpha_s: no such input"):  # was a raw KeyError
+        cli_main(["what=op", "link.foo.alpha_s=1"])
     with pytest.raises(ConfigError, match="carrier_pigeon"):
         cli_main(["what=op", "topology=carrier_pigeon"])
     with pytest.raises(ConfigError, match="unknown config key 'tables'"):

@@ -33,8 +33,7 @@ import torch
 
 from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
-from lingua_zeco import distributed
-from lingua_zeco import reliability
+from lingua_zeco import checkpoint_integrity, distributed, reliability
 from lingua_zeco.args import ConfigError, parse_args
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
@@ -83,7 +82,7 @@ def training_context(cfg: TrainArgs, ckpt_path: str) -> int:
     """Tokens per training sequence: the layout the trainer saved with the checkpoint, else the config's
     sp_size x seq_len (a run with sp_size=auto and no recorded layout needs context=)."""
     try:
-        extra = torch.load(os.path.join(ckpt_path, "extra.pt"), map_location="cpu", weights_only=False)
+        extra = checkpoint_integrity.load_file(os.path.join(ckpt_path, "extra.pt"))
         return Layout(**extra["layout"]).tokens
     except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError, RuntimeError):
         pass  # no readable layout: the config's

@@ -131,11 +131,6 @@ def train_step(model, optimizer, scheduler, data, env: distributed.DistEnv, args
     return loss_sum, n_sum, data_wait, grad_norm, verdict
 
 
-def _saves_or_evaluates(args: TrainArgs, step: int) -> bool:
-    every = args.checkpoint.dump.every
-    return (every > 0 and step % every == 0) or evaluation.due(args.eval, step, args.steps)
-
-
 def _dump_dir(args: TrainArgs) -> str:
     return args.dump_dir or os.path.join("dumps", args.name)
 
@@ -274,8 +269,7 @@ class _Run:
                 self.model, args.data, args.eval, device=env.device, autocast=self.autocast, dp_rank=env.dp_rank,
                 dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
         self.ckpt.poll()  # a background save written on every rank is marked complete now
-        every = args.checkpoint.dump.every
-        if (every > 0 and step % every == 0) or step == args.steps or stop:
+        if self.ckpt.should_save(step) or step == args.steps or stop:
             self.guard.settle()  # a stop found one step late: read this step's verdict before saving
             self.ckpt.save(step, self.model, self.optimizer,
                            extra={"step": step, "scheduler": self.scheduler.state_dict(),
@@ -290,10 +284,12 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
         with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
                 reliability.StopSignals(args.reliability.handle_signals) as signals:
             while run.step < args.steps:
-                log_now = (run.step + 1) % args.logging.freq == 0 or run.step + 1 == args.steps
+                nxt = run.step + 1
+                log_now = nxt % args.logging.freq == 0 or nxt == args.steps
+                sync = log_now or run.ckpt.should_save(nxt) or evaluation.due(args.eval, nxt, args.steps)
                 loss_sum, n_sum, data_wait, grad_norm, verdict = train_step(
                     run.model, run.optimizer, run.scheduler, run.data, env, args, run.autocast, run.guard, run.step,
-                    signals.received is not None, sync=log_now or _saves_or_evaluates(args, run.step + 1))
+                    signals.received is not None, sync=sync)
                 run.data_wait_window += data_wait
                 run.step += 1
                 prof.step()

@@ -77,27 +77,25 @@ def _matrix_then_(acc, got, tmp):  # acc ← acc @ got; a GEMM cannot write over
 class Transition:
     """How a rank's transition a acts on a state y [..., K, V] and composes with the next rank's."""
     apply: Callable       # (a, y) -> a·y
-    then: Callable        # (a_earlier, a_later) -> a_later·a_earlier, both slices in a row
     adjoint: Callable     # a -> aᵀ: the transition of the reverse scan of gradients
     grad_a: Callable      # (E, y) -> ∂L/∂a, given E = ∂L/∂(a·y + x)
     a_shape: Callable     # x's shape -> the shape a must have
     a_doc: str
-    chain_dim: int        # the dim of x whose blocks a keeps independent: the chain cuts x along it
-    chain_part: Callable  # (a, start, end) -> what of a acts on x's block [start, end) along chain_dim
     hier: bool            # whether the hierarchical all_scan is built for it
     tree_sends_a: bool    # whether the α–β model counts a's bytes in a tree round (K decays beside K×V: no)
     combine_into: Callable = _decay_combine_into  # (x, a, y, out) -> out = a·y + x, in one op
     then_: Callable = _decay_then_                # (acc, got, tmp) -> acc = acc·got in place
-    rows: bool = True     # whether every row of x (all dims but V) is independent: the chain cuts flat rows
+    # whether every row of x (all dims but V) is independent, so the chain cuts x into flat rows and a
+    # block of rows takes the same rows of a; else (A mixes K) it cuts x along V and every block takes A
+    rows: bool = True
 
 
-DECAY = Transition(apply=lambda a, y: a[..., None] * y, then=lambda e, l: e * l, adjoint=lambda a: a,
-                   grad_a=lambda E, y: (E * y).sum(-1), a_shape=lambda s: s[:-1], a_doc="[..., K]",
-                   chain_dim=-2, chain_part=lambda a, s, e: a[..., s:e], hier=True, tree_sends_a=False)
-MATRIX = Transition(apply=lambda A, y: A @ y, then=lambda E, L: L @ E, adjoint=lambda A: A.transpose(-1, -2),
+DECAY = Transition(apply=lambda a, y: a[..., None] * y, adjoint=lambda a: a, grad_a=lambda E, y: (E * y).sum(-1),
+                   a_shape=lambda s: s[:-1], a_doc="[..., K]", hier=True, tree_sends_a=False)
+MATRIX = Transition(apply=lambda A, y: A @ y, adjoint=lambda A: A.transpose(-1, -2),
                     grad_a=lambda E, y: E @ y.transpose(-1, -2), a_shape=lambda s: (*s[:-1], s[-2]),
-                    a_doc="[..., K, K]", chain_dim=-1, chain_part=lambda A, s, e: A, hier=False,
-                    tree_sends_a=True, combine_into=_matrix_combine_into, then_=_matrix_then_, rows=False)
+                    a_doc="[..., K, K]", hier=False, tree_sends_a=True, combine_into=_matrix_combine_into,
+                    then_=_matrix_then_, rows=False)
 
 
 def check_pair(where: str, x: torch.Tensor, a: torch.Tensor, transition: Transition) -> None:
@@ -231,7 +229,7 @@ def chain_scan(x, a, link, n_blocks: int, transition: Transition = DECAY):
             y_blks[j].copy_(got)
         if pos < P - 1:
             out = link.send_slot(j, y_blks[j])
-            a_blk = a_.narrow(0, s, e - s) if transition.rows else transition.chain_part(a_, s, e)
+            a_blk = a_.narrow(0, s, e - s) if transition.rows else a_
             transition.combine_into(x_.narrow(d, s, e - s), a_blk, got, out)
             link.send(j, out)
     link.close()

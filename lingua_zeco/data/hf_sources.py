@@ -1,6 +1,5 @@
-"""Hugging Face `datasets` as document sources, with the same contract as sources.DocumentSource:
-epochs, record k of the stream belongs to DP rank k % dp_size, bad rows skipped and counted (or an
-error), and a small integer position that resumes exactly.
+"""Hugging Face `datasets` as document sources, with the contract of sources.Source (DP stride, epochs,
+bad rows, a small integer position that resumes exactly).
 
 * MapSource (a save_to_disk folder, a Hub dataset from the local cache): epoch e reads the rows in a
   seeded permutation of range(rows) (permutation.py); state {epoch, index, record, rows}.
@@ -14,12 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import threading
 
 from lingua_zeco.data.permutation import Permutation
 from lingua_zeco.data.source_spec import SourceSpec
-from lingua_zeco.data.sources import bad_record
+from lingua_zeco.data.sources import FileSource, Source
 
 STRING_DTYPES = ("string", "large_string")
 STREAM_BATCH = 256  # rows per `datasets` batch while streaming (one Python dict per batch, not per row)
@@ -110,36 +108,7 @@ def _check_text_column(spec: SourceSpec, features) -> None:
                          f"not strings")
 
 
-class _HFSource:
-    """What both kinds share: the bad-row policy and the "no data for this rank" check."""
-
-    def __init__(self, spec: SourceSpec, *, dp_rank: int, dp_size: int, seed: int, shuffle: bool,
-                 on_bad_line: str, stats: dict):
-        self.spec, self.name, self.text_key = spec, spec.name, spec.text_key
-        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
-        self.on_bad_line, self.stats = on_bad_line, stats
-        self._fresh_epoch, self._mine_this_epoch = True, 0
-
-    def _text(self, value, where: str) -> str | None:
-        if isinstance(value, str):
-            self._mine_this_epoch += 1
-            return value
-        problem = "missing" if value is None else f"{type(value).__name__}, not a string"
-        return bad_record(where, f"{self.text_key!r} is {problem}", self.on_bad_line, self.stats)
-
-    def _end_epoch(self):
-        if self._fresh_epoch and self._mine_this_epoch == 0:
-            raise ValueError(f"data source {self.name!r} has no usable document for data-parallel rank "
-                             f"{self.dp_rank} of {self.dp_size} in a whole epoch; add data or lower dp_size")
-        self.state["epoch"] += 1
-        self._fresh_epoch, self._mine_this_epoch = True, 0
-
-    def _loaded(self, sd: dict, keys: tuple[str, ...]) -> dict:
-        self._fresh_epoch, self._mine_this_epoch = False, 0
-        return {k: int(sd[k]) for k in keys}
-
-
-class MapSource(_HFSource):
+class MapSource(Source):
     """A memory-mapped `datasets.Dataset`, read in a seeded permutation per epoch."""
 
     def __init__(self, spec: SourceSpec, **kw):
@@ -161,6 +130,9 @@ class MapSource(_HFSource):
             self._perm = (self.state["epoch"], Permutation(self.rows, f"{self.seed}:{self.name}:{self.state['epoch']}"))
         return self._perm[1][index]
 
+    def _where(self) -> str:
+        return f"{self.name} row {self._row(self.state['index'] - 1)}"
+
     def next_doc(self) -> str:
         s = self.state
         while True:
@@ -174,43 +146,28 @@ class MapSource(_HFSource):
             s["index"] += step
             s["record"] += step
             if step == skip + 1:
-                row = self._row(s["index"] - 1)
-                text = self._text(self.ds[row][self.text_key], f"{self.name} row {row}")
+                text = self._text(self.ds[self._row(s["index"] - 1)][self.text_key])
                 if text is not None:
                     return text
-
-    def state_dict(self) -> dict:
-        return dict(self.state)
 
     def load_state_dict(self, sd: dict):
         if int(sd["rows"]) != self.rows:
             raise ValueError(f"cannot resume data source {self.name!r}: it had {int(sd['rows'])} rows when the "
                              f"state was saved and has {self.rows} now")
-        self.state = self._loaded(sd, ("epoch", "index", "record", "rows"))
+        super().load_state_dict(sd)
 
 
-class StreamSource(_HFSource):
+class StreamSource(FileSource):
     """Local parquet / json(l) files read by `datasets` streaming, one file at a time."""
 
-    def __init__(self, spec: SourceSpec, **kw):
-        super().__init__(spec, **kw)
-        self.files = list(spec.files)
-        self.state = {"epoch": 0, "file": 0, "row": 0, "record": 0}
-        self._it = None
+    POSITION = ("row",)  # rows of the current file read (a resume re-reads them)
+    WHERE = "{path}:row {row}"
 
-    def _order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.files)))
-        if self.shuffle and len(order) > 1:  # the same rule as DocumentSource: rank-independent seed
-            random.Random(f"{self.seed}:{self.name}:{epoch}").shuffle(order)
-        return order
-
-    def _path(self) -> str:
-        return self.files[self._order(self.state["epoch"])[self.state["file"]]]
-
-    def _rows(self, path: str, start: int):
-        """The text_key value of each row from row `start` (None where the row has none)."""
+    def _records(self):
+        """(row number, text_key value) of each row after the saved one (None where the row has none)."""
         import datasets
 
+        path, start = self._path(), self.state["row"]
         builder = "parquet" if path.endswith(".parquet") else "json"
         with offline():
             ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
@@ -218,41 +175,6 @@ class StreamSource(_HFSource):
             ds = ds.skip(start)
         for batch in ds.iter(batch_size=STREAM_BATCH):
             n = len(next(iter(batch.values()))) if batch else 0
-            yield from batch.get(self.text_key, [None] * n)
-
-    def next_doc(self) -> str:
-        s = self.state
-        while True:
-            if self._it is None:
-                self._it = self._rows(self._path(), s["row"])
-            value = next(self._it, StopIteration)
-            if value is StopIteration:
-                self._next_file()
-                continue
-            s["row"] += 1
-            mine = s["record"] % self.dp_size == self.dp_rank
-            s["record"] += 1
-            if mine:
-                text = self._text(value, f"{self._path()}:row {s['row']}")
-                if text is not None:
-                    return text
-
-    def _next_file(self):
-        s = self.state
-        self._it = None
-        s["file"] += 1
-        s["row"] = 0
-        if s["file"] >= len(self.files):
-            self._end_epoch()
-            s["file"] = 0
-
-    def state_dict(self) -> dict:
-        return dict(self.state)
-
-    def load_state_dict(self, sd: dict):
-        self.state = self._loaded(sd, ("epoch", "file", "row", "record"))
-        self._it = None
-
-
-def build_hf_source(spec: SourceSpec, **kw) -> MapSource | StreamSource:
-    return StreamSource(spec, **kw) if spec.kind == "stream" else MapSource(spec, **kw)
+            for value in batch.get(self.text_key, [None] * n):
+                start += 1
+                yield start, value

@@ -8,6 +8,8 @@ SP ranks of one group compute the same global sequences independently.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 import queue
 import random
 import threading
@@ -16,8 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lingua_zeco.data.mqar import MQARArgs, MQARLoader
-from lingua_zeco.data.hf_sources import build_hf_source
-from lingua_zeco.data.source_spec import SourceSpec
+from lingua_zeco.data.hf_sources import MapSource, StreamSource
 from lingua_zeco.data.sources import DocumentSource, resolve_specs
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
@@ -58,32 +59,23 @@ class _Packer:
         weights = args.sources or {name: 1.0 for name in specs}
         self.names = sorted(specs)
         total = float(sum(weights[n] for n in self.names))
-        self.cum_weights, acc = [], 0.0
-        for n in self.names:
-            acc += weights[n] / total
-            self.cum_weights.append(acc)
-        self.sources = {n: self._source(specs[n]) for n in self.names}
+        self.cum_weights = list(itertools.accumulate(weights[n] / total for n in self.names))
+        kw = dict(dp_rank=dp_rank, dp_size=dp_size, seed=seed, shuffle=args.shuffle_files,
+                  on_bad_line=args.on_bad_line, stats=self.stats)
+        # builtin / files: read directly; stream: `datasets` streaming; saved / hub: a map-style dataset
+        kinds = {"builtin": DocumentSource, "files": DocumentSource, "stream": StreamSource}
+        self.sources = {n: kinds.get(specs[n].kind, MapSource)(specs[n], **kw) for n in self.names}
         self.doc_count = 0  # documents drawn by this DP rank: indexes the stateless source choice
         self.buffer: list[int] = []  # tokens not yet emitted (starts with the overlap token)
         self.starts: list[int] = []  # buffer positions where a document begins
-
-    def _source(self, spec: SourceSpec):
-        kw = dict(dp_rank=self.dp_rank, dp_size=self.dp_size, seed=self.seed, on_bad_line=self.args.on_bad_line,
-                  stats=self.stats)
-        if spec.kind in ("builtin", "files"):
-            files = None if spec.files is None else list(spec.files)
-            return DocumentSource(spec.name, files, text_key=spec.text_key, shuffle_files=self.args.shuffle_files, **kw)
-        return build_hf_source(spec, shuffle=self.args.shuffle_files, **kw)
 
     def _pick_source(self) -> str:
         if len(self.names) == 1:
             return self.names[0]
         # A fresh RNG per draw keyed by (seed, rank, draw): the state is just the counter.
         u = random.Random(f"{self.seed}:{self.dp_rank}:{self.doc_count}").random()
-        for name, c in zip(self.names, self.cum_weights):
-            if u < c:
-                return name
-        return self.names[-1]
+        # The first source whose cumulative weight exceeds u (the last one if rounding leaves a gap).
+        return self.names[min(bisect.bisect_right(self.cum_weights, u), len(self.names) - 1)]
 
     def _next_global(self) -> tuple[list[int], list[int]]:
         n = self.sp_size * self.args.seq_len + 1
@@ -151,22 +143,19 @@ class _Packer:
 
 def _produce(packer: _Packer, q: queue.Queue, stop: threading.Event):
     """Background producer: each item carries the state *after* its batch, so resume stays exact."""
-    try:
-        while not stop.is_set():
-            item = ("ok", packer.next_batch(), packer.state_dict())
-            while not stop.is_set():
-                try:
-                    q.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    pass
-    except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised in next()
+    def put(item):  # waits for room, but gives up once stopped (nobody may read the queue any more)
         while not stop.is_set():
             try:
-                q.put(("error", e, None), timeout=0.1)
-                break
+                q.put(item, timeout=0.1)
+                return
             except queue.Full:
                 pass
+
+    try:
+        while not stop.is_set():
+            put(("ok", packer.next_batch(), packer.state_dict()))
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, raised in next()
+        put(("error", e, None))
 
 
 class PackedDataLoader:
@@ -185,20 +174,16 @@ class PackedDataLoader:
         self.args = args
         self._packer = _Packer(args, dp_rank, dp_size, sp_rank, sp_size, seed)
         self._thread = None
-        self._consumed_state = None  # prefetch mode: state after the last batch handed out
+        self._consumed_state = None  # while the producer runs: state after the last batch handed out
 
     @property
     def stats(self) -> dict:
-        if self._thread is not None and self._consumed_state is not None:
-            return dict(self._consumed_state["stats"])
-        return self._packer.stats
+        return dict(self.state_dict()["stats"])
 
     @property
     def epoch(self) -> int:
         """The furthest epoch of any source in the batches handed out: > 0 once a document repeats."""
-        if self._thread is not None and self._consumed_state is not None:
-            return max(s["epoch"] for s in self._consumed_state["sources"].values())
-        return max(s.state["epoch"] for s in self._packer.sources.values())
+        return max(s["epoch"] for s in self.state_dict()["sources"].values())
 
     def __iter__(self):
         return self
@@ -227,13 +212,10 @@ class PackedDataLoader:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        if self._consumed_state is not None:
-            self._packer.load_state_dict(self._consumed_state)
+        self._packer.load_state_dict(self._consumed_state)
 
     def state_dict(self) -> dict:
-        if self._thread is not None:
-            return self._consumed_state
-        return self._packer.state_dict()
+        return self._consumed_state if self._thread is not None else self._packer.state_dict()
 
     def load_state_dict(self, sd: dict):
         self._halt()

@@ -111,11 +111,14 @@ class MQARLoader:
     def __init__(self, args: MQARArgs, *, seq_len: int, batch_size: int, dp_rank: int, dp_size: int,
                  sp_rank: int, sp_size: int, seed: int):
         self.args, self.seq_len, self.batch_size = args, seq_len, batch_size
-        self.dp_rank, self.dp_size, self.sp_rank, self.sp_size, self.seed = dp_rank, dp_size, sp_rank, sp_size, seed
+        self.dp_rank, self.dp_size, self.sp_rank, self.seed = dp_rank, dp_size, sp_rank, seed
         self.n_tokens = sp_size * seq_len
         check_mqar(args, self.n_tokens)
         self.count = 0  # global sequences produced by this DP rank
-        self.stats = {"sequences": 0}
+
+    @property
+    def stats(self) -> dict:
+        return {"sequences": self.count}
 
     def __iter__(self):
         return self
@@ -129,7 +132,6 @@ class MQARLoader:
             xs.append(x[p * L:(p + 1) * L])
             ys.append(y[p * L:(p + 1) * L])
             self.count += 1
-        self.stats["sequences"] = self.count
         return {"input_ids": torch.tensor(xs, dtype=torch.long), "labels": torch.tensor(ys, dtype=torch.long)}
 
     def layout(self) -> dict:
@@ -144,7 +146,6 @@ class MQARLoader:
         if diff:
             raise ValueError(f"cannot resume the MQAR data: saved vs now {diff}")
         self.count = int(sd["count"])
-        self.stats["sequences"] = self.count
 
     def close(self) -> None:
         pass

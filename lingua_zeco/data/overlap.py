@@ -10,10 +10,10 @@ mean reading all the training data.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
 from collections import defaultdict
 
+from lingua_zeco.checkpoint_integrity import sha256
 from lingua_zeco.data.sources import BUILTIN_SPLITS, builtin_documents
 
 Sources = dict[str, "list[str] | None"]  # what resolve_sources returns: name -> files (None = built-in)
@@ -23,15 +23,13 @@ def shared_data(a: Sources, b: Sources) -> list[str]:
     """One short description per thing that `b` (validation) reads and `a` (training) reads too;
     empty when they are disjoint. Both as resolve_sources returns them."""
     out = []
-    builtin_a = sorted(n for n, files in a.items() if files is None)
-    builtin_b = sorted(n for n, files in b.items() if files is None)
+    builtin_a, builtin_b = (sorted(n for n, files in s.items() if files is None) for s in (a, b))
     if builtin_a and builtin_b:
         docs = [set().union(*(builtin_documents(BUILTIN_SPLITS[n]) for n in names)) for names in (builtin_a, builtin_b)]
         if n := len(docs[0] & docs[1]):
             out.append(f"{n} built-in documents (training reads {', '.join(builtin_a)}; "
                        f"validation reads {', '.join(builtin_b)})")
-    files_a = [f for files in a.values() if files for f in files]
-    files_b = [f for files in b.values() if files for f in files]
+    files_a, files_b = ([f for files in s.values() if files for f in files] for s in (a, b))
     return out + _shared_files(files_a, files_b)
 
 
@@ -48,23 +46,19 @@ def _shared_files(train: list[str], valid: list[str]) -> list[str]:
         if same is not None:
             out.append(f"{path} is the training file {same}")
         elif st.st_size > 0 and by_size.get(st.st_size):
-            digest = _sha256(path, st.st_size, st.st_mtime_ns)
-            twin = next((p for p in by_size[st.st_size] if _sha256(p, *_size_mtime(p)) == digest), None)
+            digest = _digest(path)
+            twin = next((p for p in by_size[st.st_size] if _digest(p) == digest), None)
             if twin is not None:
                 out.append(f"{path} is a copy of the training file {twin}")
     return out
 
 
-def _size_mtime(path: str) -> tuple[int, int]:
+def _digest(path: str) -> str:
     st = os.stat(path)
-    return st.st_size, st.st_mtime_ns
+    return _sha256(path, st.st_size, st.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=256)
 def _sha256(path: str, size: int, mtime_ns: int) -> str:
     """Keyed by size and mtime too, so a file changed between two evaluations is hashed again."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return sha256(path)

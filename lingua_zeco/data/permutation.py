@@ -31,9 +31,6 @@ class Permutation:
         digest = hashlib.blake2b(key.encode(), digest_size=8 * ROUNDS).digest()
         self.keys = [int.from_bytes(digest[8 * r:8 * r + 8], "little") for r in range(ROUNDS)]
 
-    def __len__(self) -> int:
-        return self.n
-
     def __getitem__(self, i: int) -> int:
         if not 0 <= i < self.n:
             raise IndexError(i)

@@ -86,114 +86,143 @@ def _jsonl_text(raw: bytes, key: str) -> tuple[str | None, str | None]:
     return text, None
 
 
-def bad_record(where: str, problem: str, on_bad_line: str, stats: dict) -> None:
-    """on_bad_line=error: raise; skip: count it in stats["bad_lines"] (logging the first). Returns None."""
-    if on_bad_line == "error":
-        raise ValueError(f"{where}: bad record: {problem} (set data.on_bad_line=skip to skip and count)")
-    if stats["bad_lines"] == 0:
-        log.warning("%s: skipping bad record (%s); further ones are only counted", where, problem)
-    stats["bad_lines"] += 1
+class Source:
+    """What every source shares: epochs, the bad-record policy and the "no data for this rank" check.
+    A subclass sets `state` (a dict of ints, "epoch" and "record" among them), reads in next_doc() and
+    names the record just read in _where() (for a bad-record message)."""
 
-
-class DocumentSource:
-    """One named source: a list of files (or the built-in documents), read in epochs, strided by DP rank."""
-
-    def __init__(self, name: str, files: list[str] | None, *, dp_rank: int, dp_size: int, seed: int,
-                 text_key: str = "text", shuffle_files: bool = True, on_bad_line: str = "skip",
-                 stats: dict | None = None):
-        self.name, self.files = name, files
-        self.builtin = builtin_documents(BUILTIN_SPLITS.get(name, "all")) if files is None else None
-        self.dp_rank, self.dp_size, self.seed = dp_rank, dp_size, seed
-        self.text_key, self.shuffle_files, self.on_bad_line = text_key, shuffle_files, on_bad_line
-        self.stats = stats if stats is not None else {"bad_lines": 0}
-        self.state = {"epoch": 0, "file": 0, "offset": 0, "line": 0, "record": 0}
-        self._it = None
+    def __init__(self, spec: SourceSpec, *, dp_rank: int, dp_size: int, seed: int, shuffle: bool,
+                 on_bad_line: str, stats: dict):
+        self.name, self.text_key = spec.name, spec.text_key
+        self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.on_bad_line, self.stats = on_bad_line, stats
         self._fresh_epoch = True  # this epoch was read from its start (lets us detect a rank with no data)
         self._mine_this_epoch = 0
 
-    # -- epoch order -------------------------------------------------------------------------
-    def _order(self, epoch: int) -> list[int]:
-        n = 1 if self.builtin is not None else len(self.files)
-        order = list(range(n))
-        if self.shuffle_files and n > 1:
+    def _parse(self, value) -> tuple[str | None, str | None]:
+        """(text, None) for a usable record, else (None, what is wrong with it)."""
+        if isinstance(value, str):
+            return value, None
+        problem = "missing" if value is None else f"{type(value).__name__}, not a string"
+        return None, f"{self.text_key!r} is {problem}"
+
+    def _text(self, value) -> str | None:
+        """The text of one of this rank's records, or None for a bad one (on_bad_line=skip: counted in
+        stats["bad_lines"], the first logged; error: raised)."""
+        text, problem = self._parse(value)
+        if problem is None:
+            self._mine_this_epoch += 1
+            return text
+        where = self._where()
+        if self.on_bad_line == "error":
+            raise ValueError(f"{where}: bad record: {problem} (set data.on_bad_line=skip to skip and count)")
+        if self.stats["bad_lines"] == 0:
+            log.warning("%s: skipping bad record (%s); further ones are only counted", where, problem)
+        self.stats["bad_lines"] += 1
+        return None
+
+    def _end_epoch(self):
+        if self._fresh_epoch and self._mine_this_epoch == 0:
+            raise ValueError(f"data source {self.name!r} has no usable document for data-parallel rank "
+                             f"{self.dp_rank} of {self.dp_size} in a whole epoch; add data or lower dp_size")
+        self.state["epoch"] += 1
+        self._fresh_epoch, self._mine_this_epoch = True, 0
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, sd: dict):
+        self.state = {k: int(sd[k]) for k in self.state}
+        self._fresh_epoch, self._mine_this_epoch = False, 0
+
+
+class FileSource(Source):
+    """Files visited in a seeded per-epoch order, records in file order. `_records()` yields, for each
+    record of the current file from the saved position on, the POSITION values after it, then the record."""
+
+    POSITION: tuple[str, ...]  # state keys of the read position inside the current file
+    WHERE: str  # names a record, formatted with the state and `path`
+
+    def __init__(self, spec: SourceSpec, **kw):
+        super().__init__(spec, **kw)
+        self.files = spec.files
+        self.state = {"epoch": 0, "file": 0, **dict.fromkeys(self.POSITION, 0), "record": 0}
+        self._it = None
+
+    def _path(self) -> str:
+        order = list(range(len(self.files)))
+        if self.shuffle and len(order) > 1:
             # Seeded without the DP rank: all ranks must agree on the order to stay disjoint.
-            random.Random(f"{self.seed}:{self.name}:{epoch}").shuffle(order)
-        return order
+            random.Random(f"{self.seed}:{self.name}:{self.state['epoch']}").shuffle(order)
+        return self.files[order[self.state["file"]]]
 
-    def _open(self):
-        s = self.state
-        if self.builtin is not None:
-            docs = self.builtin
-            return ((i + 1, i + 1, docs[i]) for i in range(s["offset"], len(docs)))
-        path = self.files[self._order(s["epoch"])[s["file"]]]
-        if path.endswith(".parquet"):
-            return _parquet_records(path, s["offset"], self.text_key)
-        return _jsonl_records(path, s["offset"], s["line"])
-
-    def _current_path(self) -> str:
-        if self.builtin is not None:
-            return "<builtin pydoc topics>"
-        return self.files[self._order(self.state["epoch"])[self.state["file"]]]
-
-    # -- reading -----------------------------------------------------------------------------
-    def _parse(self, payload, line_no: int) -> str | None:
-        if isinstance(payload, str):
-            return payload
-        if isinstance(payload, bytes):  # a jsonl line
-            text, problem = _jsonl_text(payload, self.text_key)
-            if problem is None:
-                return text
-        else:
-            problem = f"{self.text_key!r} is {type(payload).__name__}, not a string"
-        return bad_record(f"{self._current_path()}:{line_no}", problem, self.on_bad_line, self.stats)
+    def _where(self) -> str:
+        return self.WHERE.format(path=self._path(), **self.state)
 
     def next_doc(self) -> str:
         s = self.state
         while True:
             if self._it is None:
-                self._it = self._open()
+                self._it = self._records()
             item = next(self._it, None)
             if item is None:
                 self._next_file()
                 continue
-            s["offset"], s["line"], payload = item
+            *position, payload = item
+            s.update(zip(self.POSITION, position))
             mine = s["record"] % self.dp_size == self.dp_rank
             s["record"] += 1
             if mine:
-                text = self._parse(payload, s["line"])
+                text = self._text(payload)
                 if text is not None:
-                    self._mine_this_epoch += 1
                     return text
 
     def _next_file(self):
         s = self.state
         self._it = None
         s["file"] += 1
-        s["offset"] = s["line"] = 0
-        if s["file"] >= len(self._order(s["epoch"])):
-            if self._fresh_epoch and self._mine_this_epoch == 0:
-                raise ValueError(
-                    f"data source {self.name!r} has no usable document for data-parallel rank "
-                    f"{self.dp_rank} of {self.dp_size} in a whole epoch; add data or lower dp_size")
-            s["epoch"] += 1
+        s.update(dict.fromkeys(self.POSITION, 0))
+        if s["file"] >= len(self.files):
+            self._end_epoch()
             s["file"] = 0
-            self._fresh_epoch, self._mine_this_epoch = True, 0
-
-    # -- state -------------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        return dict(self.state)
 
     def load_state_dict(self, sd: dict):
-        self.state = {k: int(sd[k]) for k in ("epoch", "file", "offset", "line", "record")}
+        super().load_state_dict(sd)
         self._it = None
-        self._fresh_epoch, self._mine_this_epoch = False, 0
+
+
+class DocumentSource(FileSource):
+    """jsonl / parquet files read directly, or the built-in documents (as one file)."""
+
+    POSITION = ("offset", "line")  # jsonl: byte offset and line number; parquet, built-in: row, row
+    WHERE = "{path}:{line}"
+
+    def __init__(self, spec: SourceSpec, **kw):
+        super().__init__(spec, **kw)
+        self.builtin = builtin_documents(BUILTIN_SPLITS[spec.name]) if spec.files is None else None
+        if self.builtin is not None:
+            self.files = ("<builtin pydoc topics>",)
+
+    def _records(self):
+        s = self.state
+        if self.builtin is not None:
+            return ((i + 1, i + 1, self.builtin[i]) for i in range(s["offset"], len(self.builtin)))
+        path = self._path()
+        if path.endswith(".parquet"):
+            return _parquet_records(path, s["offset"], self.text_key)
+        return _jsonl_records(path, s["offset"], s["line"])
+
+    def _parse(self, value) -> tuple[str | None, str | None]:
+        if isinstance(value, bytes):  # a jsonl line
+            return _jsonl_text(value, self.text_key)
+        return super()._parse(value)
 
 
 def resolve_specs(root_dir: str | None, sources: dict[str, float], text_key: str = "text") -> dict[str, SourceSpec]:
     """Map source name -> what it reads (source_spec.py); one error listing all that is missing."""
-    builtin = {n: SourceSpec(n, "builtin", None, text_key, files=None) for n in sources or ("builtin",)}
     if root_dir is None and (not sources or set(sources) <= set(BUILTIN_SPLITS)):
-        return builtin  # the built-in corpus, or its train / valid split
+        # the built-in corpus, or its train / valid split
+        return {n: SourceSpec(n, "builtin", None, text_key, files=None) for n in sources or ("builtin",)}
     paths = [n for n in sources if not n.startswith(HUB_PREFIX)]
     if root_dir is None and paths:
         raise FileNotFoundError(f"data.sources={sorted(paths)} given but data.root_dir is not set")

@@ -36,7 +36,7 @@ import numpy as np
 from .inputs import assumed_origin
 from .links import Topology, TopologyArgs, default_links
 from .op_model import OpArgs, op_times
-from .schedules import (DeviceArgs, StateArgs, allgather_scan, allreduce_state, chain_sim, tree_sim)
+from .schedules import DeviceArgs, StateArgs, method_time
 from .throughput import ThroughputArgs, tokens_per_gpu
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,23 +61,17 @@ def shown(path: str) -> str:
         return str(path)
 
 
-def _one(raw: str, pattern: str) -> str | None:
-    files = sorted(glob.glob(os.path.join(raw, pattern)))
-    return files[0] if files else None
-
-
 def load_raw(raw: str) -> dict:
     """The folder's files, parsed; out["files"] names the file behind each key."""
     raw = find(raw)
     if not os.path.isdir(raw):
         raise FileNotFoundError(f"raw={raw}: no such folder of benchmark outputs")
-    out: dict = {"files": {}}
+    out: dict = {"files": {}, "metrics": {}}
     for key, pat in (("comm", "comm_P*.json"), ("op", "op_P*.json"), ("fused", "bench_fused.json")):
-        f = _one(raw, pat)
-        if f:
-            out[key] = json.load(open(f))
-            out["files"][key] = shown(f)
-    out["metrics"] = {}
+        found = sorted(glob.glob(os.path.join(raw, pat)))
+        if found:
+            out[key] = json.load(open(found[0]))
+            out["files"][key] = shown(found[0])
     for f in sorted(glob.glob(os.path.join(raw, "metrics_*.jsonl"))):
         name = os.path.basename(f)[len("metrics_"):-len(".jsonl")]
         out["metrics"][name] = [json.loads(line) for line in open(f) if line.strip()]
@@ -85,10 +79,10 @@ def load_raw(raw: str) -> dict:
     return out
 
 
-def single_gpu_runs(folder: str, variant: str = "fla") -> dict[int, dict]:
+def single_gpu_runs(folder: str) -> dict[int, dict]:
     """bench_train JSON of one GPU without overrides: per seq_len the median tokens/s and peak GiB of
-    `variant` over the files, and the files."""
-    found: dict[int, dict] = {}
+    fla's model over the files, and the files."""
+    found: dict[int, list[dict]] = {}
     for f in sorted(glob.glob(os.path.join(find(folder), "*.json"))):
         data = json.load(open(f))
         if not isinstance(data, dict) or data.get("env", {}).get("world_size") != 1:
@@ -96,23 +90,17 @@ def single_gpu_runs(folder: str, variant: str = "fla") -> dict[int, dict]:
         if data.get("args", {}).get("overrides"):  # e.g. activation checkpointing: not the plain model
             continue
         for r in data.get("rows", []):
-            if r.get("variant") == variant and "tok_per_s" in r:
-                one = found.setdefault(int(r["seq_len"]), dict(tok_s=[], peak_gib=[], files=[]))
-                one["tok_s"].append(r["tok_per_s"])
-                one["peak_gib"].append(r["peak_gib"])
-                one["files"].append(shown(f))
-    return {T: dict(tok_s=statistics.median(v["tok_s"]), peak_gib=statistics.median(v["peak_gib"]),
-                    files=sorted(set(v["files"]))) for T, v in sorted(found.items())}
+            if r.get("variant") == "fla" and "tok_per_s" in r:
+                found.setdefault(int(r["seq_len"]), []).append(dict(r, file=shown(f)))
+    return {T: dict(tok_s=statistics.median(r["tok_per_s"] for r in rs),
+                    peak_gib=statistics.median(r["peak_gib"] for r in rs),
+                    files=sorted({r["file"] for r in rs})) for T, rs in sorted(found.items())}
 
 
 def median_tok_s(rows: list[dict]) -> float:
     """Median tokens/s/GPU over the logged steps, the first logged step (warm-up) left out."""
     # the 2026-11-30 files predate the rename to tok_per_s_per_gpu
     return statistics.median(r.get("tok_per_s_per_gpu", r.get("tokens_per_s_per_gpu")) for r in rows[1:])
-
-
-def _model_state(H: int, K: int = 128, V: int = 128) -> StateArgs:
-    return StateArgs(H=H, K=K, V=V)
 
 
 def alpha_split(alpha_s: float, p2p_rows: list[dict], source: str) -> dict:
@@ -147,123 +135,123 @@ def calibrate(raw: str = RAW, topology: str = "hier", gpus_per_node: int = 8, ra
     """Returns (Topology, DeviceArgs, OpArgs, ThroughputArgs, notes) fitted to the files in `raw` (and the
     single-GPU runs in `raw_1gpu`, None: none); notes["sources"] names the file behind every fitted input."""
     data = load_raw(raw)
-    files = data["files"]
-    links = default_links()
-    nv = links["nvlink"]
-    dev = DeviceArgs()
-    notes: dict = {}
-    src: dict[str, str] = {}
-    comm = data.get("comm")
-    if comm:
-        rows = [r for r in comm["results"] if r["P"] > 1]
-        P = rows[0]["P"]
-        ka, kv = comm["args"]["head_k"], comm["args"]["head_v"]
-        chain = [r for r in rows if r["method"].startswith("chain")]
-        # chain at the measured P: fixed + (n + P - 2) * alpha + bytes-term (one block per hop, P - 1 hops)
-        X, y = [], []
-        for r in chain:
-            n = int(r["method"][5:])
-            st = _model_state(r["H"], ka, kv)
-            X.append([1.0, n + P - 2, st.state_bytes + st.decay_bytes])
-            y.append(r["median_us"] * 1e-6)
-        w = 1 / np.array(y)  # relative least squares: every row's error counts alike
-        (fixed, alpha, per_byte), *_ = np.linalg.lstsq(np.array(X) * w[:, None], np.array(y) * w, rcond=None)
-        nv = replace(nv, alpha_s=float(alpha), coll_alpha_s=0.0)  # no collective in the P2P fits below
-        dev = replace(dev, scan_fixed_s=float(fixed), scan_s_per_byte=max(float(per_byte) - 1 / nv.beta_Bps, 0.0))
-        how = f"measured: {files['comm']}"
-        src["link.nvlink.alpha_s"] = f"{how} (per-block slope of the {len(chain)} chain rows, relative least squares)"
-        src["dev.scan_fixed_s"] = f"{how} (intercept of the chain fit)"
-        src["dev.scan_s_per_byte"] = f"{how} (bytes-slope of the chain fit minus 1/beta)"
-        links["nvlink"] = nv
-        topo1 = Topology(TopologyArgs(kind="nvlink"), links)
-        trees = [r for r in rows if r["method"] == "tree"]
-        if trees:
-            resid = [r["median_us"] * 1e-6 - tree_sim(P, _model_state(r["H"], ka, kv), topo1, dev) for r in trees]
-            rounds = max(1, (P - 1).bit_length())
-            dev = replace(dev, tree_round_s=max(statistics.mean(resid) / rounds, 0.0))
-            src["dev.tree_round_s"] = f"{how} (tree rows minus the alpha-beta tree, per round)"
-        colls = [r for r in rows if r["method"] in ("allgather", "allreduce")]
-        coll_alpha = float("nan")
-        if colls:
-            resid = []
-            for r in colls:
-                st = _model_state(r["H"], ka, kv)
-                m = allgather_scan(P, st, topo1, dev) if r["method"] == "allgather" else allreduce_state(P, st, topo1)
-                resid.append(r["median_us"] * 1e-6 - m)
-            coll_alpha = statistics.mean(resid)
-            src["link.nvlink.coll_alpha_s"] = f"{how} (all-gather / all-reduce rows: mean residual of the ring model)"
-        links["nvlink"] = replace(nv, coll_alpha_s=coll_alpha)
-        for f in ("alpha_s", "coll_alpha_s"):
-            src[f"link.ib.{f}"] = f"{assumed_origin(f'link.ib.{f}')} (NVLink's from {files['comm']})"
-        notes["comm_P"] = P
-        notes["p2p_one_way_us"] = {r["bytes"]: r["median_us"] for r in comm.get("p2p", [])}
-        if comm.get("p2p"):
-            notes["alpha_split"] = alpha_split(float(alpha), comm["p2p"], files["comm"])
+    notes: dict = {"sources": {}}
+    links, dev = _fit_comm(data, notes) if data.get("comm") else (default_links(), DeviceArgs())
     topo = Topology(TopologyArgs(kind=topology, gpus_per_node=gpus_per_node), links)
+    op = _fit_op(data, topo, dev, notes["sources"]) if data.get("op") else OpArgs()
+    notes["single_gpu"] = single_gpu_runs(raw_1gpu) if raw_1gpu else {}
+    return topo, dev, op, _fit_tput(data, notes["single_gpu"], notes["sources"]), notes
 
-    op = OpArgs()
-    opd = data.get("op")
-    if opd:
-        res = opd["results"]
-        P = res[0]["P"]
-        base = "fla" if any(r["method"] == "fla" for r in res) else "none"
-        op.kernel_ms = {r["T_local"]: r["median_ms"] for r in res if r["method"] == base}
-        op.n_blocks = int(opd["args"].get("n_blocks", op.n_blocks))
-        how = f"measured: {files['op']}"
-        src["op.kernel_ms"] = f"{how} ({base} rows, B=1 H={opd['args']['heads']} K=V={opd['args']['head_k']})"
-        if data.get("fused"):
-            op.zeco_extra_by_T = {r["T_local"]: r["extra_pct"] / 100 for r in data["fused"]["rows"]}
-            src["op.zeco_extra_by_T"] = f"measured: {files['fused']} (extra_pct: fused ZeCO without comm vs fla)"
-        meas = {(r["method"], r["T_local"]): r["median_ms"] * 1e-3 for r in res}
-        Ts = sorted(op.kernel_ms)
-        # composition path: what lasp2 costs beyond kernel + exposed all-gathers
-        comp = {}
-        for T in Ts:
-            if ("lasp2", T) in meas:
-                comp[T] = (meas[("lasp2", T)] - op_times(P, T, op, topo, dev)["lasp2"]) * 1e3
-        op.compose_extra_ms = comp
-        if comp:
-            src["op.compose_extra_ms"] = f"{how} (lasp2 rows minus kernel and all-gathers)"
-        # in-operator scan overhead of the fused path, from the smallest T (chain, as bench_op ran it)
-        cal_op = replace(op, scan="chain")
-        if ("zeco", Ts[0]) in meas:
-            op.scan_op_overhead_s = _bisect(lambda d: op_times(P, Ts[0], replace(cal_op, scan_op_overhead_s=d), topo, dev)["zeco"],
-                                            meas[("zeco", Ts[0])], 0.0, 0.05)
-            src["op.scan_op_overhead_s"] = f"{how} (zeco row at T={Ts[0]})"
-        fs = [_bisect(lambda f: op_times(P, T, replace(op, lasp1_serial_frac=f), topo, dev)["lasp1"],
-                      meas[("lasp1", T)], 0.0, 1.0) for T in Ts if ("lasp1", T) in meas]
-        if fs:
-            op.lasp1_serial_frac = statistics.mean(fs)
-            notes["lasp1_serial_frac_per_T"] = dict(zip(Ts, fs))
-            src["op.lasp1_serial_frac"] = f"{how} (mean over the lasp1 rows of the value reproducing each)"
-        notes["op_P"] = P
 
-    tput = ThroughputArgs()
-    runs = single_gpu_runs(raw_1gpu) if raw_1gpu else {}
-    notes["single_gpu"] = runs
+def _state(row: dict, comm: dict) -> StateArgs:
+    """The state one bench_comm row exchanged: the row's heads, the run's head dims."""
+    return StateArgs(H=row["H"], K=comm["args"]["head_k"], V=comm["args"]["head_v"])
+
+
+def _fit_comm(data: dict, notes: dict) -> tuple[dict, DeviceArgs]:
+    """NVLink's latencies and the scan's software costs from comm_P*.json; notes get their sources, the
+    P2P one-way times and alpha_split."""
+    comm, files, src = data["comm"], data["files"], notes["sources"]
+    rows = [r for r in comm["results"] if r["P"] > 1]
+    P = rows[0]["P"]
+    chain = [r for r in rows if r["method"].startswith("chain")]
+    # chain at the measured P: fixed + (n + P - 2) * alpha + bytes-term (one block per hop, P - 1 hops)
+    X = [[1.0, int(r["method"][5:]) + P - 2, _state(r, comm).msg_bytes] for r in chain]
+    y = np.array([r["median_us"] * 1e-6 for r in chain])
+    w = 1 / y  # relative least squares: every row's error counts alike
+    (fixed, alpha, per_byte), *_ = np.linalg.lstsq(np.array(X) * w[:, None], y * w, rcond=None)
+    links = default_links()
+    # coll_alpha_s is fitted last: no collective in the P2P fits below
+    nv = replace(links["nvlink"], alpha_s=float(alpha), coll_alpha_s=0.0)
+    dev = DeviceArgs(scan_fixed_s=float(fixed), scan_s_per_byte=max(float(per_byte) - 1 / nv.beta_Bps, 0.0))
+    how = f"measured: {files['comm']}"
+    src["link.nvlink.alpha_s"] = (f"{how} (per-block slope of the {len(chain)} chain rows, "
+                                  "relative least squares)")
+    src["dev.scan_fixed_s"] = f"{how} (intercept of the chain fit)"
+    src["dev.scan_s_per_byte"] = f"{how} (bytes-slope of the chain fit minus 1/beta)"
+    topo1 = Topology(TopologyArgs(kind="nvlink"), {**links, "nvlink": nv})
+
+    def residuals(method_rows: list[dict]) -> list[float]:  # measured minus the model, seconds
+        return [r["median_us"] * 1e-6 - method_time(r["method"], P, _state(r, comm), topo1, dev)
+                for r in method_rows]
+
+    trees = [r for r in rows if r["method"] == "tree"]
+    if trees:
+        rounds = max(1, (P - 1).bit_length())
+        dev = replace(dev, tree_round_s=max(statistics.mean(residuals(trees)) / rounds, 0.0))
+        src["dev.tree_round_s"] = f"{how} (tree rows minus the alpha-beta tree, per round)"
+    colls = [r for r in rows if r["method"] in ("allgather", "allreduce")]
+    coll_alpha = float("nan")
+    if colls:
+        coll_alpha = statistics.mean(residuals(colls))
+        src["link.nvlink.coll_alpha_s"] = (f"{how} (all-gather / all-reduce rows: "
+                                           "mean residual of the ring model)")
+    links["nvlink"] = replace(nv, coll_alpha_s=coll_alpha)
+    for f in ("alpha_s", "coll_alpha_s"):
+        src[f"link.ib.{f}"] = f"{assumed_origin(f'link.ib.{f}')} (NVLink's from {files['comm']})"
+    notes["p2p_one_way_us"] = {r["bytes"]: r["median_us"] for r in comm.get("p2p", [])}
+    if comm.get("p2p"):
+        notes["alpha_split"] = alpha_split(float(alpha), comm["p2p"], files["comm"])
+    return links, dev
+
+
+def _fit_op(data: dict, topo: Topology, dev: DeviceArgs, src: dict) -> OpArgs:
+    """The operator's measured inputs from op_P*.json and bench_fused.json."""
+    opd, op = data["op"], OpArgs()
+    res = opd["results"]
+    P = res[0]["P"]
+    base = "fla" if any(r["method"] == "fla" for r in res) else "none"
+    op.kernel_ms = {r["T_local"]: r["median_ms"] for r in res if r["method"] == base}
+    op.n_blocks = int(opd["args"].get("n_blocks", op.n_blocks))
+    how = f"measured: {data['files']['op']}"
+    src["op.kernel_ms"] = f"{how} ({base} rows, B=1 H={opd['args']['heads']} K=V={opd['args']['head_k']})"
+    if data.get("fused"):
+        op.zeco_extra_by_T = {r["T_local"]: r["extra_pct"] / 100 for r in data["fused"]["rows"]}
+        src["op.zeco_extra_by_T"] = (f"measured: {data['files']['fused']} "
+                                     "(extra_pct: fused ZeCO without comm vs fla)")
+    meas = {(r["method"], r["T_local"]): r["median_ms"] * 1e-3 for r in res}
+    Ts = sorted(op.kernel_ms)
+    # composition path: what lasp2 costs beyond kernel + exposed all-gathers
+    op.compose_extra_ms = {T: (meas["lasp2", T] - op_times(P, T, op, topo, dev)["lasp2"]) * 1e3
+                           for T in Ts if ("lasp2", T) in meas}
+    if op.compose_extra_ms:
+        src["op.compose_extra_ms"] = f"{how} (lasp2 rows minus kernel and all-gathers)"
+    # in-operator scan overhead of the fused path, from the smallest T (chain, as bench_op ran it)
+    if ("zeco", Ts[0]) in meas:
+        op.scan_op_overhead_s = _bisect(
+            lambda d: op_times(P, Ts[0], replace(op, scan="chain", scan_op_overhead_s=d), topo, dev)["zeco"],
+            meas["zeco", Ts[0]], 0.0, 0.05)
+        src["op.scan_op_overhead_s"] = f"{how} (zeco row at T={Ts[0]})"
+    fs = [_bisect(lambda f: op_times(P, T, replace(op, lasp1_serial_frac=f), topo, dev)["lasp1"],
+                  meas["lasp1", T], 0.0, 1.0) for T in Ts if ("lasp1", T) in meas]
+    if fs:
+        op.lasp1_serial_frac = statistics.mean(fs)
+        src["op.lasp1_serial_frac"] = f"{how} (mean over the lasp1 rows of the value reproducing each)"
+    return op
+
+
+def _fit_tput(data: dict, runs: dict[int, dict], src: dict) -> ThroughputArgs:
+    """Training tokens/s/GPU from metrics_dp.jsonl, other lengths through fla's single-GPU runs."""
+    tput, files = ThroughputArgs(), data["files"]
+    used = ", ".join(sorted({f for run in runs.values() for f in run["files"]}))
     dp = data["metrics"].get("dp")
     if dp:
-        world = (comm or {}).get("world_size", 1)
+        world = (data.get("comm") or {}).get("world_size", 1)
         T = int(dp[0]["tokens_global"] // world)
-        tput.tok_s = {T: median_tok_s(dp)}
-        tput.tok_s_world = world
+        tput.tok_s, tput.tok_s_world = {T: median_tok_s(dp)}, world
         how = f"measured: {files['metrics_dp']} (median tokens/s/GPU after the first logged step, T={T})"
         src["tput.tok_s_world"] = f"measured: {files.get('comm', files['metrics_dp'])} (world size)"
         if T in runs:  # other lengths: the trainer's value times fla's single-GPU ratio between the lengths
             ratio = tput.tok_s[T] / runs[T]["tok_s"]
             for t, run in runs.items():
                 tput.tok_s.setdefault(t, run["tok_s"] * ratio)
-            notes["tok_s_scaled_ratio"] = ratio
-            used = sorted({f for run in runs.values() for f in run["files"]})
-            how += f"; other lengths scaled by fla's single-GPU tokens/s in {', '.join(used)}"
+            how += f"; other lengths scaled by fla's single-GPU tokens/s in {used}"
         src["tput.tok_s"] = how
     elif runs:  # no trainer run: fla's own single-GPU throughput
         tput.tok_s = {t: run["tok_s"] for t, run in runs.items()}
-        used = sorted({f for run in runs.values() for f in run["files"]})
-        src["tput.tok_s"] = f"measured: {', '.join(used)} (fla, one GPU)"
-        src["tput.tok_s_world"] = f"measured: {', '.join(used)} (world size 1)"
-    notes["sources"] = src
-    return topo, dev, op, tput, notes
+        src["tput.tok_s"] = f"measured: {used} (fla, one GPU)"
+        src["tput.tok_s_world"] = f"measured: {used} (world size 1)"
+    return tput
 
 
 def _bisect(fn, target: float, lo: float, hi: float, iters: int = 60) -> float:
@@ -289,35 +277,22 @@ def check_rows(raw: str, topo: Topology, dev: DeviceArgs, op: OpArgs, tput: Thro
 
     comm = data.get("comm")
     if comm:
-        ka, kv = comm["args"]["head_k"], comm["args"]["head_v"]
         for r in comm["results"]:
-            P, m, st = r["P"], r["method"], _model_state(r["H"], ka, kv)
-            if m.startswith("chain"):
-                v = chain_sim(P, st, int(m[5:]), topo, dev)
-            elif m == "tree":
-                v = tree_sim(P, st, topo, dev)
-            elif m == "allgather":
-                v = allgather_scan(P, st, topo, dev)
-            else:
-                v = allreduce_state(P, st, topo)
-            add("comm", f"{m} H={r['H']} P={P}", r["median_us"], v * 1e6, "µs", "fit")
+            v = method_time(r["method"], r["P"], _state(r, comm), topo, dev)
+            add("comm", f"{r['method']} H={r['H']} P={r['P']}", r["median_us"], v * 1e6, "µs", "fit")
+    chain_op = replace(op, scan="chain")  # the All-Scan bench_op and the trainer ran
     opd = data.get("op")
     if opd:
-        Ts = sorted({r["T_local"] for r in opd["results"]})
+        T0 = min(r["T_local"] for r in opd["results"])  # the zeco row there is fitted, the others checked
         for r in opd["results"]:
             P, T, m = r["P"], r["T_local"], r["method"]
-            chain_op = replace(op, scan="chain")
-            t = op_times(P, T, chain_op, topo, dev)
-            key = {"fla": "none"}.get(m, m)
-            role = {"fla": "fit", "lasp2": "fit", "lasp1": "fit (mean f)", "zeco": "fit" if T == Ts[0] else "check",
-                    "none": "check", "zeco_composed": "check"}.get(m, "check")
-            add("op", f"{m} T={T} P={P}", r["median_ms"], t[key] * 1e3, "ms", role)
-    metrics = data["metrics"]
-    if metrics:
-        world = (comm or {}).get("world_size", 1)
-        for name, rows in metrics.items():
-            T = int(rows[0]["tokens_global"] // world) if name == "dp" else int(rows[0]["tokens_global"] // world)
-            r = tokens_per_gpu(world, T, tput, replace(op, scan="chain"), topo, dev, sp=1 if name == "dp" else world)
-            add("tput", f"{name} T={T} N={world}", median_tok_s(rows) / 1e3, r[name if name != "dp" else "dp"] / 1e3,
-                "Ktok/s/GPU", "fit" if name == "dp" else "check")
+            t = op_times(P, T, chain_op, topo, dev)["none" if m == "fla" else m]
+            role = dict(fla="fit", lasp2="fit", lasp1="fit (mean f)", zeco="fit" if T == T0 else "check")
+            add("op", f"{m} T={T} P={P}", r["median_ms"], t * 1e3, "ms", role.get(m, "check"))
+    world = (comm or {}).get("world_size", 1)
+    for name, rows in data["metrics"].items():
+        T = int(rows[0]["tokens_global"] // world)
+        r = tokens_per_gpu(world, T, tput, chain_op, topo, dev, sp=1 if name == "dp" else world)
+        add("tput", f"{name} T={T} N={world}", median_tok_s(rows) / 1e3, r[name] / 1e3, "Ktok/s/GPU",
+            "fit" if name == "dp" else "check")
     return out

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from lingua_zeco.args import ConfigError, parse_args
 
 from .calibrate import RAW, RAW_1GPU, calibrate, check_rows, shown, symm_hop_fit
-from .inputs import NotMeasured, format_inputs, inputs_rows
+from .inputs import NotMeasured, format_inputs, inputs_rows, lookup
 from .links import (Topology, TopologyArgs, apply_link_calibration, complete_links, default_links, load_calibration,
                     numeric_keys)
 from .memory import MemoryArgs, peak_memory
@@ -78,15 +78,15 @@ def _coerce(old, text: str):
 def apply_set(targets: dict[str, object], item: str) -> None:
     """`op.intra_frac=0.3` or `link.ib.alpha_s=1.5e-5`: walk attributes / dict keys, refuse unknowns."""
     key, _, text = item.partition("=")
-    head, *path = key.split(".")
-    if head not in targets or not path:
+    if key.split(".")[0] not in targets or "." not in key:
         raise ConfigError(f"{key}: prefix must be one of {sorted(targets)}")
-    obj = targets[head]
-    for part in path[:-1]:
-        obj = obj[part] if isinstance(obj, dict) else getattr(obj, part)
-    name = path[-1]
-    if not dataclasses.is_dataclass(obj) or name not in {f.name for f in dataclasses.fields(obj)}:
-        fields = sorted(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else []
+    owner, name = key.rsplit(".", 1)
+    try:
+        obj = lookup(targets, owner)
+    except (KeyError, AttributeError) as e:
+        raise ConfigError(f"{key}: no such input ({e}); every run prints its inputs first") from e
+    fields = sorted(f.name for f in dataclasses.fields(obj)) if dataclasses.is_dataclass(obj) else []
+    if name not in fields:
         raise ConfigError(f"{key}: no such field; valid: {', '.join(fields)}")
     setattr(obj, name, _coerce(getattr(obj, name), text))
 
@@ -103,24 +103,21 @@ def build(ns: PerfModelArgs, overrides: list[str] = ()):
     then calib= files, then the overrides; `sources` names where each set input came from, `notes` holds
     the calibration's by-products (e.g. alpha_split)."""
     op, tput, mem, dev = OpArgs(), ThroughputArgs(), MemoryArgs(), DeviceArgs()
-    links = default_links()
-    sources: dict[str, str] = {}
-    notes: dict = {}
+    links, notes = default_links(), {"sources": {}}
     raw, raw_1gpu = folders(ns)
     if raw:
         topo_raw, dev, op, tput, notes = calibrate(raw, "nvlink", ns.gpus_per_node, raw_1gpu=raw_1gpu)
         links = dict(topo_raw.links)
-        sources.update(notes["sources"])
+    sources: dict[str, str] = dict(notes["sources"])
     for path in ns.calib:
-        cal = load_calibration([path])
+        cal, how = load_calibration([path]), f"measured: {shown(path)}"
         links = apply_link_calibration(links, cal)
-        sources.update({f"link.{name}.{k}": f"measured: {shown(path)}" for name, fields in cal["links"].items()
-                        for k in fields})
+        sources.update({f"link.{name}.{k}": how for name, fields in cal["links"].items() for k in fields})
         for key, table in (("op.kernel_ms", op.kernel_ms), ("tput.tok_s", tput.tok_s)):
             new = numeric_keys(cal[key.split(".")[1]])
             if new:
                 table.update(new)
-                sources[key] = f"measured: {shown(path)}"
+                sources[key] = how
     if ns.symm:  # after IB took its latencies from NVLink's NCCL-measured ones
         links = complete_links(links)
         alpha, sources["link.nvlink.alpha_s"] = symm_hop_fit(ns.symm)
@@ -162,10 +159,8 @@ def format_table(rows: list[dict], title: str) -> str:
 def run(ns: PerfModelArgs, overrides: list[str] = ()) -> dict[str, list[dict]]:
     """Every table asked for; tables["inputs"]: where each input came from."""
     topo, dev, op, tput, mem, sources, notes = build(ns, overrides)
-    names = topo.link_names() if topo else []
-    tables: dict[str, list[dict]] = {}
-    tables["inputs"] = inputs_rows(dict(op=op, tput=tput, mem=mem, dev=dev, link=topo.links if topo else {}),
-                                   names, sources)
+    targets = dict(op=op, tput=tput, mem=mem, dev=dev, link=topo.links if topo else {})
+    tables = {"inputs": inputs_rows(targets, topo.link_names() if topo else [], sources)}
     if ns.what == "check":
         raw = folders(ns)[0]
         if not raw:

@@ -38,17 +38,12 @@ def _assumed_link(name: str, **measured: float) -> LinkArgs:
     return LinkArgs(**fields)
 
 
-def _nvlink() -> LinkArgs:
-    # alpha and the collective start cost are measured only (calibrate.py, comm_P*.json)
-    return _assumed_link("nvlink")
-
-
 def default_links() -> dict[str, LinkArgs]:
     """The links before any measurement: assumed fields from inputs.ASSUMED, NaN for the measured
     ones (NVLink's alpha and collective start cost). The inter-node link's latencies are derived from
     NVLink's once those are known (complete_links); gloo is assumed whole (smoke runs)."""
     # ib's two latencies are NVLink's plus an assumed extra, not values of their own: NaN until then
-    return {"nvlink": _nvlink(), "ib": _assumed_link("ib", alpha_s=NAN, coll_alpha_s=NAN),
+    return {"nvlink": _assumed_link("nvlink"), "ib": _assumed_link("ib", alpha_s=NAN, coll_alpha_s=NAN),
             "gloo": _assumed_link("gloo")}
 
 
@@ -91,15 +86,11 @@ class Topology:
         a = self.args
         return [a.intra, a.inter] if a.kind == "hier" else [a.kind]
 
-    def same_node(self, r1: int, r2: int) -> bool:
-        g = self.args.gpus_per_node
-        return r1 // g == r2 // g
-
     def link(self, src: int, dst: int) -> LinkArgs:
         a = self.args
         if a.kind != "hier":
             return self.links[a.kind]
-        return self.links[a.intra if self.same_node(src, dst) else a.inter]
+        return self.links[a.intra if src // a.gpus_per_node == dst // a.gpus_per_node else a.inter]
 
     def slowest(self, world: int) -> LinkArgs:
         """Link bounding a ring over `world` ranks: inter-node as soon as the ring spans two nodes."""
@@ -124,17 +115,15 @@ def load_calibration(paths: list[str] | None) -> dict:
             data = json.load(f)
         cal = data.get("calibration", data)
         for key in merged:
-            for k, v in (cal.get(key) or {}).items():
-                merged[key][k] = v
+            merged[key].update(cal.get(key) or {})
     return merged
 
 
 def apply_link_calibration(links: dict[str, LinkArgs], cal: dict) -> dict[str, LinkArgs]:
     out = dict(links)
     for name, fields in cal.get("links", {}).items():
-        base = out.get(name, _nvlink())
-        kw = {k: float(v) for k, v in fields.items() if k in LinkArgs.__dataclass_fields__ and _finite(v)}
-        out[name] = replace(base, **kw)
+        kw = {k: float(v) for k, v in fields.items() if k in LINK_FIELDS and _finite(v)}
+        out[name] = replace(out.get(name, _assumed_link("nvlink")), **kw)  # a new link: NVLink's assumptions
     return out
 
 
@@ -154,11 +143,8 @@ def fit_alpha_beta(sizes_bytes: list[float], times_s: list[float]) -> tuple[floa
     n = len(sizes_bytes)
     if n < 2:
         raise ValueError("need at least two sizes to fit alpha and beta")
-    mx = sum(sizes_bytes) / n
-    my = sum(times_s) / n
+    mx, my = sum(sizes_bytes) / n, sum(times_s) / n
     sxx = sum((x - mx) ** 2 for x in sizes_bytes)
     sxy = sum((x - mx) * (y - my) for x, y in zip(sizes_bytes, times_s))
-    slope = sxy / sxx if sxx > 0 else 0.0
-    slope = max(slope, 1e-15)  # noise can tilt a latency-bound fit negative
-    alpha = max(my - slope * mx, 0.0)
-    return alpha, 1.0 / slope
+    slope = max(sxy / sxx if sxx > 0 else 0.0, 1e-15)  # noise can tilt a latency-bound fit negative
+    return max(my - slope * mx, 0.0), 1.0 / slope

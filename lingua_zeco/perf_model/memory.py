@@ -103,7 +103,4 @@ def peak_memory(args: MemoryArgs) -> dict:
         sp_extra = 0
     parts = dict(sharded_states=static, fsdp_inflight=inflight, activations=act, logits=logits,
                  sp_states=sp_extra, overhead=args.overhead_gib * GiB)
-    out = {k: v / GiB for k, v in parts.items()}
-    out["total"] = sum(parts.values()) / GiB
-    out["n_params"] = n
-    return out
+    return {**{k: v / GiB for k, v in parts.items()}, "total": sum(parts.values()) / GiB, "n_params": n}

@@ -42,11 +42,11 @@ class OpArgs:
     compose_extra_ms: dict[int, float] = field(default_factory=dict)  # unfused composition path (lasp2, zeco_composed)
 
 
-def kernel_seconds(T: int, kernel_ms: dict[int, float], key: str = "op.kernel_ms") -> float:
+def kernel_seconds(T: int, kernel_ms: dict[int, float]) -> float:
     """Interpolate (or extrapolate) the measured time linearly in T; one point scales with T."""
     pts = sorted((int(t), float(ms)) for t, ms in kernel_ms.items())
     if not pts:
-        raise missing(key)
+        raise missing("op.kernel_ms")
     if len(pts) == 1:
         t0, m0 = pts[0]
         return m0 * T / t0 * 1e-3
@@ -65,35 +65,27 @@ def interp_clamped(T: int, table: dict[int, float], default: float) -> float:
         return pts[0][1]
     if T >= pts[-1][0]:
         return pts[-1][1]
-    for (t0, v0), (t1, v1) in zip(pts, pts[1:]):
-        if t0 <= T <= t1:
-            return v0 + (v1 - v0) * (T - t0) / (t1 - t0)
-    raise AssertionError("unreachable")
+    (t0, v0), (t1, v1) = next((a, b) for a, b in zip(pts, pts[1:]) if T <= b[0])  # the segment holding T
+    return v0 + (v1 - v0) * (T - t0) / (t1 - t0)
 
 
 def lasp1_sim(P: int, c_fwd: float, c_bwd: float, serial_frac: float, st: StateArgs,
               topo: Topology) -> float:
     """Forward wave 0 -> P-1, then backward wave P-1 -> 0 (rank p starts its backward when its own
     forward is done); returns when the last rank finishes its backward."""
-    msg = st.state_bytes + st.decay_bytes
     f = serial_frac
     fwd_end = []
     arrive = 0.0
-    for p in range(P):
-        start_serial = max((1 - f) * c_fwd, arrive)
-        end = start_serial + f * c_fwd
-        fwd_end.append(end)
+    for p in range(P):  # the serial part of rank p's pass starts once S_in has arrived
+        fwd_end.append(max((1 - f) * c_fwd, arrive) + f * c_fwd)
         if p + 1 < P:
-            arrive = end + topo.link(p, p + 1).p2p(msg)
-    arrive = 0.0
-    last = 0.0
+            arrive = fwd_end[p] + topo.link(p, p + 1).p2p(st.msg_bytes)
+    arrive = last = 0.0
     for p in reversed(range(P)):
-        start = fwd_end[p]
-        start_serial = max(start + (1 - f) * c_bwd, arrive)
-        end = start_serial + f * c_bwd
+        end = max(fwd_end[p] + (1 - f) * c_bwd, arrive) + f * c_bwd
         last = max(last, end)
         if p > 0:
-            arrive = end + topo.link(p, p - 1).p2p(msg)
+            arrive = end + topo.link(p, p - 1).p2p(st.msg_bytes)
     return last
 
 
@@ -112,8 +104,7 @@ def op_times(P: int, T_local: int, args: OpArgs, topo: Topology, dev: DeviceArgs
         return max(0.0, t_comm - args.intra_frac * c_pass) if overlap else t_comm
 
     extra = interp_clamped(T_local, args.zeco_extra_by_T, args.zeco_extra_frac)
-    compose = (kernel_seconds(T_local, args.compose_extra_ms, "op.compose_extra_ms")
-               if args.compose_extra_ms and P > 1 else 0.0)
+    compose = kernel_seconds(T_local, args.compose_extra_ms) if args.compose_extra_ms and P > 1 else 0.0
 
     def zeco_time(algorithm: str) -> tuple[float, float, str]:
         scan, algo = scan_time(P, st, topo, dev, algorithm, args.n_blocks)
@@ -132,11 +123,13 @@ def op_times(P: int, T_local: int, args: OpArgs, topo: Topology, dev: DeviceArgs
                 scan_algo=algo, scan_s=scan, allgather_s=ag)
 
 
+OP_COLS = ("none", "zeco", "zeco_chain", "zeco_composed", "lasp1", "lasp2")  # op_rows: one column each
+
+
 def op_rows(P_list: list[int], T_list: list[int], args: OpArgs, topo: Topology, dev: DeviceArgs) -> list[dict]:
     rows = []
     for T in T_list:
         for P in P_list:
             r = op_times(P, T, args, topo, dev)
-            rows.append(dict(T_local=T, P=P, scan=r["scan_algo"],
-                             **{f"{m}_ms": r[m] * 1e3 for m in ("none", "zeco", "zeco_chain", "zeco_composed", "lasp1", "lasp2")}))
+            rows.append(dict(T_local=T, P=P, scan=r["scan_algo"], **{f"{m}_ms": r[m] * 1e3 for m in OP_COLS}))
     return rows

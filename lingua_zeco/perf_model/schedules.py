@@ -29,6 +29,11 @@ class StateArgs:
     def decay_bytes(self) -> int:
         return self.H * self.K * self.elem_bytes
 
+    @property
+    def msg_bytes(self) -> int:
+        """What one scan message carries: the state and its decays."""
+        return self.state_bytes + self.decay_bytes
+
 
 @dataclass
 class DeviceArgs:
@@ -54,15 +59,13 @@ def chain_sim(P: int, st: StateArgs, n_blocks: int, topo: Topology, dev: DeviceA
     """Pipelined chain All-Scan: rank p combines block j as it arrives and forwards it to p+1."""
     if P <= 1:
         return 0.0
-    block = (st.state_bytes + st.decay_bytes) / n_blocks
+    block = st.msg_bytes / n_blocks
     ready = [0.0] * n_blocks  # rank 0's local blocks are ready at t=0 (nothing to combine)
     for p in range(P - 1):
         link = topo.link(p, p + 1)
-        free = 0.0
-        arrive = []
-        for j in range(n_blocks):
-            start = max(ready[j], free)
-            free = start + link.p2p(block)
+        free, arrive = 0.0, []
+        for j in range(n_blocks):  # block j leaves once it is ready and the link is free
+            free = max(ready[j], free) + link.p2p(block)
             arrive.append(free)
         # rank p+1 must combine a block before it can forward it (the last rank only receives)
         ready = [t + dev.combine(block) for t in arrive] if p + 1 < P - 1 else arrive
@@ -70,14 +73,14 @@ def chain_sim(P: int, st: StateArgs, n_blocks: int, topo: Topology, dev: DeviceA
 
 
 def _scan_fixed(st: StateArgs, dev: DeviceArgs) -> float:
-    return dev.scan_fixed_s + dev.scan_s_per_byte * (st.state_bytes + st.decay_bytes)
+    return dev.scan_fixed_s + dev.scan_s_per_byte * st.msg_bytes
 
 
 def chain_closed(P: int, st: StateArgs, n_blocks: int, link: LinkArgs) -> float:
     """(n + P - 2) block times: n blocks drain through P - 1 links, one stage per link."""
     if P <= 1:
         return 0.0
-    block = (st.state_bytes + st.decay_bytes) / n_blocks
+    block = st.msg_bytes / n_blocks
     return (n_blocks + P - 2) * link.p2p(block)
 
 
@@ -87,24 +90,23 @@ def tree_sim(P: int, st: StateArgs, topo: Topology, dev: DeviceArgs) -> float:
     gets from p - 2^r into both its inclusive and its exclusive aggregate (ceil(log2 P) rounds)."""
     if P <= 1:
         return 0.0
-    msg = st.state_bytes + st.decay_bytes
     t = [0.0] * P
     d = 1
     while d < P:
         nxt = list(t)
         # a rank leaves the round once its send is done and what it received is folded in
         for q in range(P - d):
-            nxt[q] = t[q] + dev.tree_round_s + topo.link(q, q + d).p2p(msg)
+            nxt[q] = t[q] + dev.tree_round_s + topo.link(q, q + d).p2p(st.msg_bytes)
         for q in range(d, P):
-            arrive = t[q - d] + dev.tree_round_s + topo.link(q - d, q).p2p(msg)
-            nxt[q] = max(nxt[q], arrive + dev.combine(msg))
+            arrive = t[q - d] + dev.tree_round_s + topo.link(q - d, q).p2p(st.msg_bytes)
+            nxt[q] = max(nxt[q], arrive + dev.combine(st.msg_bytes))
         t = nxt
         d *= 2
     return max(t) + _scan_fixed(st, dev)
 
 
 def tree_closed(P: int, st: StateArgs, link: LinkArgs) -> float:
-    return math.ceil(math.log2(P)) * link.p2p(st.state_bytes + st.decay_bytes) if P > 1 else 0.0
+    return math.ceil(math.log2(P)) * link.p2p(st.msg_bytes) if P > 1 else 0.0
 
 
 # ---------------------------------------------------------------------------------------- ring
@@ -119,8 +121,7 @@ def ring_sim(P: int, steps: int, chunk_bytes: float, topo: Topology) -> float:
         for p in range(P):
             dst = (p + 1) % P
             link = topo.link(p, dst)
-            start = max(got[p], free[p])
-            free[p] = start + link.step_alpha_s + chunk_bytes / link.beta_Bps
+            free[p] = max(got[p], free[p]) + link.step_alpha_s + chunk_bytes / link.beta_Bps
             new[dst] = free[p]
         got = new
     return topo.slowest(P).coll_alpha_s + max(got)
@@ -134,7 +135,7 @@ def allgather_scan(P: int, st: StateArgs, topo: Topology, dev: DeviceArgs) -> fl
     """LASP-2: ring all-gather of every rank's (decay, state), then a local scan over P states."""
     if P <= 1:
         return 0.0
-    gather = ring_sim(P, P - 1, st.state_bytes + st.decay_bytes, topo)
+    gather = ring_sim(P, P - 1, st.msg_bytes, topo)
     return gather + dev.launch_s + (P + 1) * st.state_bytes / dev.hbm_Bps
 
 
@@ -151,8 +152,7 @@ def allreduce_big(nbytes: float, N: int, topo: Topology) -> float:
         return 0.0
     a, g = topo.args, topo.args.gpus_per_node
     if a.kind != "hier" or N <= g:
-        link = topo.slowest(N)
-        return ring_closed(N, 2 * (N - 1), nbytes / N, link)
+        return ring_closed(N, 2 * (N - 1), nbytes / N, topo.slowest(N))
     intra, inter = topo.links[a.intra], topo.links[a.inter]
     nodes = math.ceil(N / g)
     rs = ring_closed(g, g - 1, nbytes / g, intra)
@@ -178,17 +178,27 @@ def scan_time(P: int, st: StateArgs, topo: Topology, dev: DeviceArgs, algorithm:
     raise ValueError(f"unknown All-Scan algorithm {algorithm!r} (chain | tree | auto)")
 
 
+def method_time(method: str, P: int, st: StateArgs, topo: Topology, dev: DeviceArgs) -> float:
+    """One state exchange by bench_comm's method name: chain<n>, tree, allgather, else the all-reduce."""
+    if method.startswith("chain"):
+        return chain_sim(P, st, int(method[5:]), topo, dev)
+    if method == "tree":
+        return tree_sim(P, st, topo, dev)
+    if method == "allgather":
+        return allgather_scan(P, st, topo, dev)
+    return allreduce_state(P, st, topo)
+
+
 def recv_bytes(method: str, P: int, st: StateArgs) -> float:
     """Bytes one rank receives (the busiest rank)."""
-    s = st.state_bytes + st.decay_bytes
     if P <= 1:
         return 0.0
     if method.startswith("chain"):
-        return s
+        return st.msg_bytes
     if method == "tree":
-        return math.ceil(math.log2(P)) * s
+        return math.ceil(math.log2(P)) * st.msg_bytes
     if method == "allgather":
-        return (P - 1) * s
+        return (P - 1) * st.msg_bytes
     if method == "allreduce":
         return 2 * (P - 1) * st.state_bytes / P
     raise ValueError(method)
@@ -197,17 +207,12 @@ def recv_bytes(method: str, P: int, st: StateArgs) -> float:
 def comm_rows(P_list: list[int], H_list: list[int], topo: Topology, dev: DeviceArgs,
               blocks: tuple[int, ...] = (1, 2, 4, 8)) -> list[dict]:
     """Table 2: time of one scan per method, P and head count."""
+    methods = [f"chain{n}" for n in dict.fromkeys(blocks)] + ["tree", "allgather", "allreduce"]  # no repeats
     rows = []
     for H in H_list:
         st = StateArgs(H=H)
-        for P in P_list:
-            times = {f"chain{n}": chain_sim(P, st, n, topo, dev) for n in blocks}
-            times["tree"] = tree_sim(P, st, topo, dev)
-            times["allgather"] = allgather_scan(P, st, topo, dev)
-            times["allreduce"] = allreduce_state(P, st, topo)
-            for m, t in times.items():
-                rows.append(dict(H=H, P=P, method=m, time_us=t * 1e6,
-                                 recv_MiB=recv_bytes(m, P, st) / 2**20))
+        rows += [dict(H=H, P=P, method=m, time_us=method_time(m, P, st, topo, dev) * 1e6,
+                      recv_MiB=recv_bytes(m, P, st) / 2**20) for P in P_list for m in methods]
     return rows
 
 
@@ -221,8 +226,7 @@ def hier_scan(P: int, st: StateArgs, topo: Topology, dev: DeviceArgs, n_blocks: 
     fixed = _scan_fixed(st, dev)
     intra = Topology(replace(topo.args, kind=topo.args.intra), topo.links)
     inter = Topology(replace(topo.args, kind=topo.args.inter), topo.links)
-    msg = st.state_bytes + st.decay_bytes
     t_chain = chain_sim(g, st, n_blocks, intra, dev) - fixed
     t_tree = tree_sim(-(-P // g), st, inter, dev) - fixed
-    t_bcast = intra.link(0, 1).p2p(msg) + dev.combine(msg)
+    t_bcast = intra.link(0, 1).p2p(st.msg_bytes) + dev.combine(st.msg_bytes)
     return t_chain + t_tree + t_bcast + fixed

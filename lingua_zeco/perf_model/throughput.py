@@ -49,13 +49,9 @@ def tokens_per_gpu(N: int, T_local: int, args: ThroughputArgs, op: OpArgs, topo:
     if args.hide_op_overhead:
         op = replace(op, scan_op_overhead_s=0.0)
     ops = op_times(P, T_local, op, topo, dev)
-    out = dict(dp=T_local / (T0 + grad))
-    for m in ("zeco", "zeco_chain", "lasp1", "lasp2"):
-        extra = args.n_layers * (ops[m] - ops["none"])
-        out[m] = T_local / (T0 + extra + grad)
-    out["grad_sync_ms"] = grad * 1e3
-    out["scan"] = ops["scan_algo"]
-    return out
+    sp_methods = {m: T_local / (T0 + args.n_layers * (ops[m] - ops["none"]) + grad)
+                  for m in ("zeco", "zeco_chain", "lasp1", "lasp2")}
+    return dict(dp=T_local / (T0 + grad), **sp_methods, grad_sync_ms=grad * 1e3, scan=ops["scan_algo"])
 
 
 def throughput_rows(N_list: list[int], T_list: list[int], args: ThroughputArgs, op: OpArgs,

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from apps.gla.bench.common import bench_main, markdown_table, trainer_step
+from apps.gla.bench.common import bench_main, markdown_table, slowest, trainer_step
 from lingua_zeco import reliability
 
 MODELS = {  # name -> trainer overrides
@@ -44,12 +44,6 @@ class BenchCheckpointArgs:
     seq_len: int = 256  # tokens per step and rank
     idle_steps: int = 3  # steps timed with no save pending
     path: str = ""  # checkpoint folder; empty: <out>/ckpt, removed afterwards
-
-
-def _slowest(x: float, device) -> float:
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 
 def _state_bytes(model, optimizer) -> int:
@@ -85,7 +79,7 @@ def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
         return time.perf_counter() - t
 
     step(), step()  # optimizer state exists, kernels warm
-    idle = _slowest(statistics.fmean(step() for _ in range(a.idle_steps)), env.device)
+    idle = slowest([statistics.fmean(step() for _ in range(a.idle_steps))], env.device)[0]
     n_params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global shape
     rows = []
     for mode in a.modes:
@@ -96,19 +90,19 @@ def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
             dist.barrier()
             t0 = time.perf_counter()
             ckpt.save(i + 1, model, optimizer, extra={"step": i + 1}, per_rank={})
-            blocked.append(_slowest(time.perf_counter() - t0, env.device))
+            blocked += slowest([time.perf_counter() - t0], env.device)
             steps = []
             while ckpt.async_save:  # train on until the background save is finalised
                 steps.append(step())
                 if ckpt.poll() is not None:
                     break
-            complete.append(_slowest(time.perf_counter() - t0, env.device))
+            complete += slowest([time.perf_counter() - t0], env.device)
             during += steps
         ckpt.close()
         rows.append(dict(model=name, mode=mode, params_M=n_params / 1e6,
                          state_GB_per_rank=_state_bytes(model, optimizer) / 1e9,
                          blocked_s=blocked, complete_s=complete, steps_during_write=len(during),
-                         step_ms=1e3 * _slowest(statistics.fmean(during), env.device) if during else None,
+                         step_ms=1e3 * slowest([statistics.fmean(during)], env.device)[0] if during else None,
                          idle_step_ms=1e3 * idle))
         print(rows[-1], flush=True)
     return rows

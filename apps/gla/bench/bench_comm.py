@@ -72,8 +72,7 @@ def loopback_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
         as_ = [torch.rand(H, args.head_k, generator=g).to(device) for _ in range(P)]
         cases = {}
         if "chain" in args.methods:
-            for n in args.blocks:
-                cases[f"loopback_symm_chain{n}"] = ("chain", n, True)
+            cases |= {f"loopback_symm_chain{n}": ("chain", n, True) for n in args.blocks}
             cases["loopback_symm_ops_chain1"] = ("chain", 1, False)  # the same hop op by op: before the kernel
         if "tree" in args.methods:
             cases["loopback_symm_tree"] = ("tree", 1, True)
@@ -123,9 +122,8 @@ def collective_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
         if "allreduce" in args.methods:
             cases["allreduce"] = lambda: dist.all_reduce(reduced)
         for name, fn in cases.items():
-            host: list[float] = []
-            t = time_iters(fn, device, args.warmup, args.iters, host_s=host)
-            extra = dict(host_us=summarize(host, "us")["median_us"]) if host else {}
+            t, host = time_iters(fn, device, args.warmup, args.iters)
+            extra = dict(host_us=summarize(host, "us")["median_us"]) if device.type == "cuda" else {}
             rows.append(dict(method=name, H=H, P=P, state_bytes=x.numel() * 4, **summarize(t, "us"), **extra))
     return rows
 
@@ -155,7 +153,7 @@ def p2p_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
 
-        t = time_iters(pingpong, device, args.warmup, args.iters)
+        t, _ = time_iters(pingpong, device, args.warmup, args.iters)
         s = summarize([x / 2 for x in t], "us")  # one way = half the round trip
         rows.append(dict(method="p2p_one_way", bytes=buf.numel() * 4, peer=peer, **s))
     return rows
@@ -184,9 +182,9 @@ def measure(args: BenchCommArgs, device: torch.device) -> tuple[str, dict, str]:
     md += markdown_table(rows, cols + (["host_us"] if rows and "host_us" in rows[0] else []))
     if p2p:
         md += "\n## P2P one way\n\n" + markdown_table(p2p, ["bytes", "peer", "median_us", "p10_us", "p90_us"])
-    if cal:
-        link = next(iter(cal["links"].items()))
-        md += f"\nfit {link[0]}: alpha = {link[1]['alpha_s'] * 1e6:.2f} µs, beta = {link[1]['beta_Bps'] / 1e9:.2f} GB/s\n"
+    for name, link in cal.get("links", {}).items():  # the one link measured
+        md += f"\nfit {name}: alpha = {link['alpha_s'] * 1e6:.2f} µs, "
+        md += f"beta = {link['beta_Bps'] / 1e9:.2f} GB/s\n"
     return (f"comm_loopback_P{args.loopback}" if args.loopback > 1 else f"comm_P{P}"), results, md
 
 

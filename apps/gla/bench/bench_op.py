@@ -51,13 +51,11 @@ def make_inputs(args: BenchOpArgs, T: int, device, dtype, seed: int):
     def rnd(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    q, k = rnd(B, T, H, K), rnd(B, T, H, K)
-    v = rnd(B, T, H, V)
+    q, k, v = rnd(B, T, H, K), rnd(B, T, H, K), rnd(B, T, H, V)
     gate = F.logsigmoid(torch.randn(B, T, H, K, generator=g)).to(device=device, dtype=dtype)
-    do = rnd(B, T, H, V)
     for t in (q, k, v, gate):
         t.requires_grad_(True)
-    return q, k, v, gate, do
+    return q, k, v, gate, rnd(B, T, H, V)
 
 
 def _fla_chunk_gla():
@@ -125,7 +123,8 @@ def measure(args: BenchOpArgs, device: torch.device) -> tuple[str, dict, str]:
         inputs = make_inputs(args, T, device, dtype, args.seed + 1000 * rank)
         for method in methods:
             reset_peak_memory(device)
-            t = time_iters(step_fn(method, inputs, self_group, args.n_blocks), device, args.warmup, args.iters)
+            fn = step_fn(method, inputs, self_group, args.n_blocks)
+            t, _ = time_iters(fn, device, args.warmup, args.iters)
             rows.append(dict(method=method, T_local=T, P=P, B=args.batch, H=args.heads, K=args.head_k,
                              V=args.head_v, dtype=str(dtype).removeprefix("torch."), **summarize(t, "ms"),
                              peak_mem_MiB=peak_memory_mib(device)))

@@ -5,7 +5,7 @@ call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the 
     python -m apps.gla.bench.bench_stages          # writes docs/results/raw/<date>-<gpu>/bench_stages.json
 
 Each call is replayed from a CUDA graph (a ~150 µs kernel timed eagerly would include its launch),
-CUDA events after warm-up, medians, the variants interleaved (common.time_interleaved).
+CUDA events after warm-up, medians, the variants interleaved (common.time_calls).
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from lingua_zeco import reliability
 
-from .common import SliceArgs, cuda_graph, slices_main, time_interleaved
+from .common import SliceArgs, cuda_graph, slices_main, time_calls
 
 
 @dataclass
@@ -25,10 +25,10 @@ class BenchStagesArgs(SliceArgs):
     per_config: bool = True  # also time every autotune config of the kernel at the default runs
 
 
-def _median_us(fns: dict, warmup: int, iters: int) -> dict:
+def _median_us(fns: dict, device, warmup: int, iters: int) -> dict:
     """{name: median µs} of each call replayed from a CUDA graph, the calls interleaved."""
-    timed = time_interleaved({n: cuda_graph(fn) for n, fn in fns.items()}, warmup, iters)
-    return {name: 1e3 * statistics.median(gpu_ms) for name, (gpu_ms, _) in timed.items()}
+    timed = time_calls({n: cuda_graph(fn) for n, fn in fns.items()}, device, warmup, iters)
+    return {name: 1e6 * statistics.median(gpu_s) for name, (gpu_s, _) in timed.items()}
 
 
 def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
@@ -41,14 +41,14 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     fns = {f"dS_in_runs{r}": (lambda r=r: dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
     fns |= {f"dS_in_raw_runs{r}": (lambda r=r: dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
             for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
-    timed_us = _median_us(fns, args.warmup, args.iters)
+    timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, best_config=zeco_stages.dS_in_best_config())
     for name, us in timed_us.items():
         nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_TBps"] = round(nbytes / us * 1e-6, 3)
     if args.per_config:  # every autotune candidate alone, on the raw gates, partial sums only, at the default runs
-        per_config_us = _median_us(zeco_stages.dS_in_candidates(q, g, Gx, do, 0.1, BT), 2, 20)
+        per_config_us = _median_us(zeco_stages.dS_in_candidates(q, g, Gx, do, 0.1, BT), q.device, 2, 20)
         row["per_config_us"] = {n: round(us, 2) for n, us in sorted(per_config_us.items(), key=lambda kv: kv[1])}
     return row
 

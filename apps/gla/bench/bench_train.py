@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from apps.gla.bench.common import (bench_main, markdown_table, peak_memory_mib, random_tokens, reset_peak_memory,
-                                   summarize, trainer_step)
+from apps.gla.bench.common import (bench_main, markdown_table, peak_memory_mib, profiled, random_tokens,
+                                   reset_peak_memory, summarize, time_calls, trainer_step)
 from lingua_zeco import reliability
 from lingua_zeco.args import ConfigError, parse_args
 
@@ -102,8 +102,7 @@ def build_fla(a: BenchTrainArgs, device):
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    n_params = sum(p.numel() for p in model.parameters())
-    return step, n_params, (model, opt)
+    return step, sum(p.numel() for p in model.parameters()), (model, opt)
 
 
 # ------------------------------------------------------------------------------------ profiling
@@ -127,15 +126,10 @@ def kernel_breakdown(step, steps: int = 3) -> tuple[list[dict], list[dict], dict
 
     from apps.gla.bench.gpu_gaps import idle_gaps
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
 
     if not torch.cuda.is_available():
         raise ConfigError("profile= needs a CUDA GPU")
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
+    prof = profiled(step, steps)
     totals, names = defaultdict(float), defaultdict(lambda: defaultdict(float))
     ops = []
     for ev in prof.key_averages():
@@ -168,17 +162,10 @@ def kernel_breakdown(step, steps: int = 3) -> tuple[list[dict], list[dict], dict
 def steady_state_times(step, device, warmup: int, steps: int) -> list[float]:
     """Seconds per step with no synchronisation between steps, as in the trainer's hot loop: an
     event after each step, the durations between consecutive events (GPU idle gaps included)."""
-    import time
-
+    if device.type != "cuda":  # nothing runs asynchronously: each step timed alone is the same
+        return time_calls({"step": step}, device, warmup, steps)["step"][0]
     for _ in range(warmup):
         step()
-    if device.type != "cuda":
-        out = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            out.append(time.perf_counter() - t0)
-        return out
     torch.cuda.synchronize(device)
     events = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
     events[0].record()
@@ -199,8 +186,7 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
         raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     reset_peak_memory(device)
     step, n_params, keep = build_fla(a, device) if name == "fla" else build_ours(name, a)
-    times = steady_state_times(step, device, a.warmup, a.steps)
-    s = summarize(times)
+    s = summarize(steady_state_times(step, device, a.warmup, a.steps))
     m = parse_args(train.TrainArgs, [f"config={a.config}", *a.overrides, *(VARIANTS[name] or [])]).model
     fpt = flops_per_token(m, context=a.seq_len * (dist.get_world_size() if name.startswith("sp_") else 1))
     tok_s = a.seq_len / (s["median_ms"] / 1e3)

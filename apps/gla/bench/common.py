@@ -3,8 +3,8 @@
 Every program takes `key=value` arguments (lingua_zeco.args: a list key takes `key=a,b`, `--help`
 lists the keys) and runs under `torchrun` (NCCL on CUDA, gloo on CPU), as a plain single process (a
 world of one), or inside a process group somebody else already set up (tests). Times are taken per
-iteration after a barrier (CUDA events on GPU, perf_counter on CPU) and reduced with MAX over ranks:
-a collective is done when its slowest rank is done.
+call from an idle device (CUDA events on GPU, perf_counter on CPU); a collective's are taken after a
+barrier and reduced with MAX over ranks: a collective is done when its slowest rank is done.
 """
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import itertools
 import json
-import math
 import os
 import platform
 import socket
@@ -46,37 +45,76 @@ class SliceArgs(HeadArgs):
     heads: int = 16  # attention heads
 
     def inputs(self, T: int, device, seed: int = 0):
-        """gla_inputs of this shape at T tokens: leaf q, k, v, g (bf16) and an output gradient."""
-        return gla_inputs(T, self.heads, self.head_k, self.head_v, device, seed=seed)
+        """Leaf q, k, v, g [1, T, heads, head_k or head_v] in bf16 (g = logsigmoid(randn) computed in
+        fp32) and an output gradient."""
+        gen = torch.Generator(device=device).manual_seed(seed)
+        bf16 = dict(device=device, generator=gen, dtype=torch.bfloat16)
+        shape = (1, T, self.heads, self.head_k)
+        q, k = (torch.randn(shape, **bf16).requires_grad_() for _ in range(2))
+        v = torch.randn(1, T, self.heads, self.head_v, **bf16).requires_grad_()
+        g = torch.nn.functional.logsigmoid(torch.randn(shape, device=device, generator=gen))
+        return q, k, v, g.to(torch.bfloat16).requires_grad_(), torch.randn_like(v)
 
 
 def bench_main(cls, measure: Callable) -> Callable:
     """A benchmark's main(argv=None): the arguments into `cls`, the process group joined, `measure(args,
-    device)` -> (stem, results dict, markdown); rank 0 writes <args.out>/<stem>.json (args, env, the
-    results) and .md. main returns the JSON's path there (None on other ranks)."""
+    device)` -> (stem, results dict, markdown or None); rank 0 writes <out>/<stem>.json (args, env, the
+    results) and, with markdown, .md; out = args.out or docs/results/raw/<date>-<gpu>. main returns
+    the JSON's path there (None on other ranks)."""
     def main(argv: list[str] | None = None) -> str | None:
         args = parse_args(cls, argv)
         device = init_distributed()
         stem, results, md = measure(args, device)
-        path = write_outputs(args.out, stem, dict(args=dataclasses.asdict(args), env=env_info(device), **results), md)
+        gpu = device_name(device).split()[-1].lower()
+        out = args.out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu)
+        payload = dict(args=dataclasses.asdict(args), env=env_info(device), **results)
+        path = write_outputs(out, stem, payload, md)
         finish()
         return path
     return main
+
+
+def slices_main(cls, stem: str, measure_one: Callable) -> Callable:
+    """bench_main of a one-GPU benchmark: `measure_one(args, T, args.inputs(T, device))` -> one row for
+    each T of t_local, printed as it comes; <stem>.json holds them as "rows" (no markdown)."""
+    def measure(args, device: torch.device) -> tuple[str, dict, None]:
+        rows = []
+        for T in args.t_local:
+            rows.append(measure_one(args, T, args.inputs(T, device)))
+            print(json.dumps(rows[-1]), flush=True)
+            torch.cuda.empty_cache()
+        return stem, dict(rows=rows), None
+    return bench_main(cls, measure)
 
 
 # -------------------------------------------------------------------------------- process group
 _OWN_GROUP = False  # did init_distributed create the default group (then finish() tears it down)?
 
 
-def init_distributed(timeout_s: int = 300) -> torch.device:
+def init_distributed() -> torch.device:
     """Join (or create: the trainer's rules, lingua_zeco.distributed) the default process group and
     return this rank's device."""
     global _OWN_GROUP
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    _OWN_GROUP = distributed.init_process_group(distributed.DistributedArgs(timeout_s=timeout_s)) or _OWN_GROUP
+    _OWN_GROUP = distributed.init_process_group(distributed.DistributedArgs(timeout_s=300)) or _OWN_GROUP
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def finish() -> None:
+    """Tear down the process group if we created it under torchrun or as a single process."""
+    global _OWN_GROUP
+    if dist.is_initialized() and _OWN_GROUP:
+        _OWN_GROUP = False
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def barrier(device: torch.device) -> None:
+    """All ranks of the default group here; NCCL is told this rank's device rather than guessing it."""
+    kw = dict(device_ids=[device.index]) if dist.get_backend() == "nccl" else {}
+    dist.barrier(**kw)
 
 
 def local_world_size() -> int:
@@ -94,57 +132,92 @@ def env_info(device: torch.device) -> dict:
 
 
 # ------------------------------------------------------------------------------------- timing
-def time_iters(fn: Callable[[], object], device: torch.device, warmup: int, iters: int,
-               group=None, host_s: list | None = None) -> list[float]:
-    """Seconds of each timed call of `fn`, the slowest rank's for each iteration. On CUDA, `host_s`
-    (a list) receives this rank's host seconds to enqueue each call (the software cost of a call)."""
-    for _ in range(warmup):
+def _time_call(fn: Callable[[], object], device: torch.device) -> tuple[float, float]:
+    """(seconds of one call of fn from an idle device, host seconds to enqueue it)."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
         fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    times = []
-    events = []
-    nccl = dist.get_backend(group) == "nccl"
-    barrier_kw = dict(device_ids=[device.index]) if nccl else {}  # NCCL: no guessing of the device
-    for _ in range(iters):
-        dist.barrier(group=group, **barrier_kw)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # start from an idle stream so the start event is "now"
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            fn()
-            if host_s is not None:
-                host_s.append(time.perf_counter() - t0)
-            end.record()
-            events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    if events:
-        torch.cuda.synchronize(device)
-        times = [s.elapsed_time(e) * 1e-3 for s, e in events]
+        elapsed = time.perf_counter() - t0
+        return elapsed, elapsed
+    torch.cuda.synchronize(device)  # start from an idle device so the start event is "now"
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    t0 = time.perf_counter()
+    fn()
+    host_s = time.perf_counter() - t0
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) * 1e-3, host_s
+
+
+def time_calls(fns: dict[str, Callable[[], object]], device: torch.device, warmup: int, iters: int,
+               before: Callable[[], object] | None = None) -> dict[str, tuple[list[float], list[float]]]:
+    """{name: (seconds of each timed call, host seconds to enqueue each)}: rounds of one call of each
+    (after `before()`, e.g. a barrier), the first `warmup` rounds untimed. On CPU both lists are the
+    same; on CUDA the host seconds are the software cost of a call."""
+    out = {n: ([], []) for n in fns}
+    for it in range(warmup + iters):
+        for name, fn in fns.items():  # interleaved: clock and thermal drift hit every variant alike
+            if before is not None:
+                before()
+            device_s, host_s = _time_call(fn, device)
+            if it >= warmup:
+                out[name][0].append(device_s)
+                out[name][1].append(host_s)
+    return out
+
+
+def time_iters(fn: Callable[[], object], device: torch.device, warmup: int,
+               iters: int) -> tuple[list[float], list[float]]:
+    """A collective call timed after a barrier each: (the slowest rank's seconds of each timed call,
+    this rank's host seconds to enqueue each)."""
+    device_s, host_s = time_calls({"": fn}, device, warmup, iters, before=lambda: barrier(device))[""]
+    return slowest(device_s, device), host_s
+
+
+def slowest(xs: list[float], device: torch.device) -> list[float]:
+    """Each of xs, MAX over the ranks of the default group."""
     # NCCL reduces device tensors only; gloo takes CPU ones
-    buf = torch.tensor(times, dtype=torch.float64, device=device if nccl else "cpu")
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
+    buf = torch.tensor(xs, dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(buf, op=dist.ReduceOp.MAX)
     return buf.tolist()
+
+
+def cuda_graph(fn):
+    """Capture fn in a CUDA graph (after warm-up on a side stream, as torch asks); returns replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def profiled(fn: Callable[[], object], calls: int, host_ops: bool = True):
+    """The torch profiler over `calls` calls of fn, from an idle GPU to the end of their work; CUDA
+    kernels, and with host_ops the host ops that launched them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if host_ops else [ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return prof
 
 
 def summarize(times_s: list[float], unit: str = "ms") -> dict:
     """median, p10, p90 and mean in `unit` (ms or us)."""
     scale = {"ms": 1e3, "us": 1e6}[unit]
-    xs = sorted(t * scale for t in times_s)
-
-    def pct(p: float) -> float:  # linear interpolation between order statistics
-        if len(xs) == 1:
-            return xs[0]
-        k = (len(xs) - 1) * p
-        lo = math.floor(k)
-        hi = min(lo + 1, len(xs) - 1)
-        return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-    return {f"median_{unit}": statistics.median(xs), f"p10_{unit}": pct(0.1), f"p90_{unit}": pct(0.9),
+    xs = [t * scale for t in times_s]
+    # linear interpolation between order statistics; one sample is all of its own deciles
+    deciles = statistics.quantiles(xs * 2 if len(xs) == 1 else xs, n=10, method="inclusive")
+    return {f"median_{unit}": statistics.median(xs), f"p10_{unit}": deciles[0], f"p90_{unit}": deciles[-1],
             f"mean_{unit}": statistics.fmean(xs), "n": len(xs)}
 
 
@@ -190,68 +263,6 @@ def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync:
     return step, args, env, model, optimizer
 
 
-# ------------------------------------------------------------------------ one GPU, no group
-def slices_main(cls, stem: str, measure_one: Callable) -> Callable:
-    """A one-GPU benchmark's main(argv=None): the arguments into `cls` (SliceArgs), `measure_one(args, T,
-    inputs)` -> one row for each T of t_local (inputs: args.inputs(T) on the GPU), printed; save_rows."""
-    def main(argv: list[str] | None = None) -> None:
-        args = parse_args(cls, argv)
-        rows = []
-        for T in args.t_local:
-            rows.append(measure_one(args, T, args.inputs(T, torch.device("cuda"))))
-            print(json.dumps(rows[-1]), flush=True)
-            torch.cuda.empty_cache()
-        save_rows(args.out, stem, args, rows)
-    return main
-
-
-def cuda_graph(fn):
-    """Capture fn in a CUDA graph (after warm-up on a side stream, as torch asks); returns replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def time_interleaved(fns: dict, warmup: int, iters: int, before: Callable | None = None):
-    """{name: (gpu ms list, host ms list)}; one call of each per round (after `before()`, e.g. a barrier),
-    rounds after warm-up."""
-    out = {n: ([], []) for n in fns}
-    for it in range(warmup + iters):
-        for name, fn in fns.items():  # interleaved: clock and thermal drift hit every variant alike
-            if before is not None:
-                before()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            fn()
-            host = time.perf_counter() - t0
-            end.record()
-            torch.cuda.synchronize()
-            if it >= warmup:
-                out[name][0].append(start.elapsed_time(end))
-                out[name][1].append(host * 1e3)
-    return out
-
-
-def save_rows(out: str, stem: str, args, rows: list[dict]) -> None:
-    """<out or docs/results/raw/<date>-<gpu>>/<stem>.json: the args, the device, the rows."""
-    gpu = torch.cuda.get_device_name()
-    out_dir = out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu.split()[-1].lower())
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, stem + ".json")
-    with open(path, "w") as f:
-        json.dump(dict(args=dataclasses.asdict(args), device=gpu, torch=torch.__version__,
-                       time=time.strftime("%Y-%m-%d %H:%M:%S"), rows=rows), f, indent=1)
-    print(f"wrote {path}")
-
-
 # -------------------------------------------------------------------------------------- output
 def markdown_table(rows: list[dict], cols: list[str]) -> str:
     def cell(v):
@@ -264,35 +275,18 @@ def markdown_table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str) -> str | None:
-    """Rank 0 writes <stem>.json and <stem>.md and prints the table; returns the JSON path there (None elsewhere)."""
+def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str | None) -> str | None:
+    """Rank 0 writes <stem>.json and, with markdown, <stem>.md and prints the table; returns the JSON
+    path there (None elsewhere)."""
     if dist.get_rank() != 0:
         return None
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, stem + ".json")
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
-    with open(os.path.join(out_dir, stem + ".md"), "w") as f:
-        f.write(markdown)
-    print(markdown)
+    if markdown is not None:
+        with open(os.path.join(out_dir, stem + ".md"), "w") as f:
+            f.write(markdown)
+        print(markdown)
     print(f"wrote {path}")
     return path
-
-
-def finish() -> None:
-    """Tear down the process group if we created it under torchrun or as a single process."""
-    global _OWN_GROUP
-    if dist.is_initialized() and _OWN_GROUP:
-        _OWN_GROUP = False
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def gla_inputs(T: int, heads: int, head_k: int, head_v: int, device, dtype=torch.bfloat16, seed: int = 0):
-    """Leaf q, k, v, g (g = logsigmoid(randn), fp32 math then `dtype`) and an output gradient, B = 1."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shape = (1, T, heads, head_k)
-    q, k = (torch.randn(shape, device=device, generator=gen, dtype=dtype).requires_grad_() for _ in range(2))
-    v = torch.randn(1, T, heads, head_v, device=device, generator=gen, dtype=dtype).requires_grad_()
-    g = torch.nn.functional.logsigmoid(torch.randn(shape, device=device, generator=gen)).to(dtype).requires_grad_()
-    return q, k, v, g, torch.randn_like(v)

@@ -9,16 +9,11 @@ their kernel's correlation id. Used by bench_train's and profile_sp's profiles.
 """
 from __future__ import annotations
 
+import bisect
 import json
 from collections import defaultdict
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def _load(path: str) -> list[dict]:
-    with open(path) as f:
-        data = json.load(f)
-    return [e for e in data.get("traceEvents", []) if e.get("ph") == "X"]
 
 
 def idle_gaps(trace_path: str, min_us: float = 20.0, per: int = 1, ignore: tuple[str, ...] = ()) -> dict:
@@ -27,7 +22,8 @@ def idle_gaps(trace_path: str, min_us: float = 20.0, per: int = 1, ignore: tuple
     divided by `per` (the steps traced). Gaps shorter than min_us are launch latency, not counted.
     ignore: lower-case substrings of kernel names that do not count as work (("nccl",): a kernel that
     waits for a peer is idle compute)."""
-    events = _load(trace_path)
+    with open(trace_path) as f:
+        events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATS
                   and not any(w in e["name"].lower() for w in ignore)), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
@@ -66,21 +62,9 @@ def idle_gaps(trace_path: str, min_us: float = 20.0, per: int = 1, ignore: tuple
 
 def _containing(events: list[dict], t: float, window: int | None = None) -> list[dict]:
     """The events (sorted by start) whose interval contains t; only the last `window` starts if given."""
-    i = _upto(events, t)
+    i = bisect.bisect_right(events, t, key=lambda e: e["ts"])  # how many start at or before t
     first = 0 if window is None else max(0, i - window)
     return [e for e in events[first:i] if e["ts"] + e.get("dur", 0) >= t]
-
-
-def _upto(events: list[dict], t: float) -> int:
-    """How many events start at or before t (binary search on the start times)."""
-    lo, hi = 0, len(events)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if events[mid]["ts"] <= t:
-            lo = mid + 1
-        else:
-            hi = mid
-    return lo
 
 
 def _cause(host: list[dict], notes: list[dict], t: float) -> str:

@@ -43,8 +43,6 @@ class PlotArgs:
 
 
 def json_files(spec: str, prefix: str) -> list[str]:
-    if not spec:
-        return []
     if os.path.isdir(spec):
         return sorted(glob.glob(os.path.join(spec, f"{prefix}_P*.json")))
     return [p for p in spec.split(",") if p]
@@ -63,12 +61,8 @@ def calibrated(args: PlotArgs):
 def model_topology(args: PlotArgs, files: list[str]) -> Topology:
     cal = load_calibration(files)
     links = apply_link_calibration(default_links(), cal)
-    if args.topology:
-        kind = args.topology
-    elif "gloo" in cal["links"]:
-        kind = "gloo"  # CPU smoke runs: every hop is loopback TCP
-    else:
-        kind = "hier"
+    # gloo: CPU smoke runs, every hop is loopback TCP
+    kind = args.topology or ("gloo" if "gloo" in cal["links"] else "hier")
     return Topology(TopologyArgs(kind=kind, gpus_per_node=args.gpus_per_node), links)
 
 

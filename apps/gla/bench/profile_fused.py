@@ -8,13 +8,12 @@ import os
 from dataclasses import dataclass
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from lingua_zeco import reliability
 from lingua_zeco.args import parse_args
 
 from .bench_fused import variants
-from .common import SliceArgs
+from .common import SliceArgs, profiled
 
 
 @dataclass
@@ -33,11 +32,7 @@ def main(argv=None):
     for name, fn in fns.items():
         for _ in range(args.warmup):
             fn()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(args.iters):
-                fn()
-            torch.cuda.synchronize()
+        prof = profiled(fn, args.iters, host_ops=False)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
         with open(os.path.join(args.out, f"profile_{name}_{args.t_local}.txt"), "w") as f:
             f.write(table)

@@ -12,13 +12,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.profiler import ProfilerActivity, profile
 
 from lingua_zeco import reliability
 from lingua_zeco.args import parse_args
 from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan
 
-from .common import SliceArgs, finish, init_distributed, time_interleaved
+from .common import SliceArgs, barrier, finish, init_distributed, profiled, time_calls
 from .gpu_gaps import idle_gaps
 
 
@@ -48,18 +47,15 @@ def main(argv=None):
 
     fns = {name: (lambda fn=fn: FusedZeCOGLA.apply(q, k, v, g, scale, fn).backward(do))
            for name, fn in {"overlapped": overlapped, "blocking": blocking, "no_comm": no_comm}.items()}
-    res = time_interleaved(fns, args.warmup, args.iters, before=lambda: (dist.barrier(), torch.cuda.synchronize()))
-    for name, (gpu, host) in res.items():
-        print(f"rank {rank} {name:11s} gpu {statistics.median(gpu):7.3f} ms  host enqueue {statistics.median(host):7.3f} ms",
-              flush=True)
+    timed = time_calls(fns, dev, args.warmup, args.iters, before=lambda: barrier(dev))
+    for name, (gpu_s, host_s) in timed.items():
+        print(f"rank {rank} {name:11s} gpu {1e3 * statistics.median(gpu_s):7.3f} ms  "
+              f"host enqueue {1e3 * statistics.median(host_s):7.3f} ms", flush=True)
     # GPU idle around the scan, per mode: the trace's gaps (gpu_gaps), each blamed on the host op that
     # launched the kernel ending it; an overlap that pays leaves less idle than blocking
     P = dist.get_world_size()
     for name in ("overlapped", "blocking"):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(3):
-                fns[name]()
-            torch.cuda.synchronize()
+        prof = profiled(fns[name], 3)
         if rank == 0:
             os.makedirs(args.out, exist_ok=True)
             trace = os.path.join(args.out, f"trace_zeco_P{P}_{name}_rank0.json")
