@@ -23,7 +23,6 @@ from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list o
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class DistributedArgs:
     sp_size: int | str = 1  # ranks per sequence-parallel group; "auto" = every rank left after dp
@@ -64,8 +63,7 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
     if args.dp_replicate < 1 or world % args.dp_replicate:
         raise ValueError(f"distributed.dp_replicate={args.dp_replicate} does not divide the world size {world}")
     if args.sp_size == "auto":
-        shard = args.dp_shard if args.dp_shard > 0 else 1
-        sp = world // (args.dp_replicate * shard)
+        sp = world // (args.dp_replicate * max(args.dp_shard, 1))  # dp_shard -1 (the rest) counts as 1
     elif isinstance(args.sp_size, int) and args.sp_size >= 1:
         sp = args.sp_size
     else:
@@ -83,10 +81,6 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
         raise ValueError(f"dp_replicate={args.dp_replicate} x dp_shard={shard} x sp_size={sp} "
                          f"= {args.dp_replicate * shard * sp} != world size {world}")
     return ParallelDims(world=world, dp_replicate=args.dp_replicate, dp_shard=shard, sp=sp)
-
-
-def device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def init_process_group(args: DistributedArgs) -> bool:
@@ -136,18 +130,16 @@ def setup(args: DistributedArgs) -> DistEnv:
         if owns:  # leave no half-made group behind (a caller in the same process may start again)
             dist.destroy_process_group()
         raise
-    dev_type = device_type()
-    if dev_type == "cuda":
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
     names = ("dp_replicate", "dp_shard", "sp")
-    mesh = init_device_mesh(dev_type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=names)
+    mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard, dims.sp), mesh_dim_names=names)
     shard_sp = mesh["dp_shard", "sp"]._flatten("dp_shard_sp")
     dp_mesh = mesh["dp_replicate", "dp_shard"]._flatten("dp")
     if dims.dp_replicate > 1:  # HSDP: replicate over dim 0, shard over dp_shard x sp (same rank order)
-        fsdp_mesh = init_device_mesh(dev_type, (dims.dp_replicate, dims.dp_shard * dims.sp),
+        fsdp_mesh = init_device_mesh(device.type, (dims.dp_replicate, dims.dp_shard * dims.sp),
                                      mesh_dim_names=("dp_replicate", "dp_shard_sp"))
     else:
         fsdp_mesh = shard_sp
@@ -156,13 +148,9 @@ def setup(args: DistributedArgs) -> DistEnv:
     # collective over the world, and made lazily inside one SP group they cross-wire the SP groups
     if G := hier_groups_needed(args.all_scan, dims.sp):
         init_node_groups(mesh.mesh.reshape(-1, dims.sp).tolist(), G)
-    return DistEnv(
-        dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh,
-        sp_group=sp_mesh.get_group(),
-        sp_method=args.sp_method if dims.sp > 1 else "none",
-        dp_rank=dp_mesh.get_local_rank(), sp_rank=sp_mesh.get_local_rank(), rank=rank,
-        device=device, owns_group=owns,
-    )
+    return DistEnv(dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh, sp_group=sp_mesh.get_group(),
+                   sp_method=args.sp_method if dims.sp > 1 else "none", dp_rank=dp_mesh.get_local_rank(),
+                   sp_rank=sp_mesh.get_local_rank(), rank=rank, device=device, owns_group=owns)
 
 
 def teardown(env: DistEnv) -> None:

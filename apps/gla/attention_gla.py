@@ -28,14 +28,10 @@ class GatedLinearAttention(LinearAttention):
         self.compile_gates = args.compile_gates
 
     def _inputs(self, x):
-        """q, k [B, T, H, K], v [B, T, H, V] and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
-        B, T, _ = x.shape
-        H, K, V = self.n_heads, self.head_k, self.head_v
-        q = self.q_proj(x).view(B, T, H, K)
-        k = self.k_proj(x).view(B, T, H, K)
-        v = self.v_proj(x).view(B, T, H, V)
-        gk = log_forget_gate(self.gk_proj(x).view(B, T, H, -1).squeeze(-1), self.gate_logit_normalizer,
-                             self.compile_gates)
+        """q, k, v (_qkv) and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
+        q, k, v = self._qkv(x)
+        gk = log_forget_gate(self.gk_proj(x).view(*x.shape[:2], self.n_heads, -1).squeeze(-1),
+                             self.gate_logit_normalizer, self.compile_gates)
         return q, k, v, gk
 
     def forward(self, x, cu_seqlens=None):

@@ -23,7 +23,7 @@ import torch.nn as nn
 from apps.gla.layers import GLAArgs
 from lingua_zeco.comm import group_rank_size
 from lingua_zeco.kernels.common import acc_dtype, doc_offsets
-from lingua_zeco.kernels.softmax import BACKENDS
+from lingua_zeco.kernels.softmax import BACKENDS, attention
 from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP
 from lingua_zeco.sp.softmax import sp_softmax_attention
 from lingua_zeco.sp.varlen import Packing
@@ -120,8 +120,6 @@ class SoftmaxAttention(nn.Module):
         """Generation on one device: x [B, T, D] after the tokens cached in `state` = (k, v, n) (k rotated,
         [B, S, H, D]; n tokens seen so far; None = empty). Returns (output, new state); with a window
         the cache keeps only the keys a later query can still see."""
-        from lingua_zeco.kernels.softmax import attention
-
         B, T, _ = x.shape
         k_old, v_old, n = state if state is not None else (None, None, 0)
         q, k, v = self._qkv(x, torch.arange(n, n + T, device=x.device))

@@ -54,18 +54,21 @@ class EvalCLIArgs:
 
 
 def load_run_config(dump_dir: str, config: str = "") -> TrainArgs:
+    if not (dump_dir or config):  # not the current directory's config.yaml by accident
+        raise ConfigError("give dump_dir=<run folder> (with config.yaml and checkpoints/) or config=<config.yaml>")
     path = config or os.path.join(dump_dir, "config.yaml")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no run config at {path!r}: give dump_dir=<run folder> or config=<config.yaml>")
     return parse_args(TrainArgs, [f"config={path}"])
 
 
-def load_model(cfg: TrainArgs, ckpt: str, device: torch.device, sp_group=None,
+def load_model(cfg: TrainArgs, args, device: torch.device, sp_group=None,
                sp_method: str = "none") -> tuple[GLAForCausalLM, str]:
-    """An unsharded fp32 model (torch kernels on CPU, fla on CUDA) with the checkpoint's weights;
-    with an SP group, its attention runs sequence-parallel like the run's training."""
+    """An unsharded fp32 model (torch kernels on CPU, fla on CUDA) with the weights of args.ckpt (else
+    <dump_dir>/checkpoints); with an SP group, its attention runs sequence-parallel as in training."""
     model = GLAForCausalLM(cfg.model, sp_group=sp_group, sp_method=sp_method, sp_scan=cfg.distributed.all_scan,
                            softmax_sp=cfg.distributed.softmax_sp)
+    ckpt = args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints")
     path = CheckpointManager(CheckpointArgs(), cfg.dump_dir).load_model_only(ckpt, model)
     return model.to(device).eval(), path
 
@@ -74,8 +77,8 @@ def mesh_args(cfg: TrainArgs, sp_size: int) -> distributed.DistributedArgs:
     """The run's SP layout (size, method, All-Scan) with plain data parallelism over the other ranks."""
     method = cfg.distributed.sp_method if cfg.distributed.sp_method != "none" else "zeco"  # any sp_size
     return distributed.DistributedArgs(sp_size=sp_size or cfg.distributed.sp_size, sp_method=method,
-                             softmax_sp=cfg.distributed.softmax_sp, fsdp=False,
-                             timeout_s=cfg.distributed.timeout_s, all_scan=cfg.distributed.all_scan)
+                                       softmax_sp=cfg.distributed.softmax_sp, fsdp=False,
+                                       timeout_s=cfg.distributed.timeout_s, all_scan=cfg.distributed.all_scan)
 
 
 def training_context(cfg: TrainArgs, ckpt_path: str) -> int:
@@ -98,7 +101,6 @@ def run(args: EvalCLIArgs) -> dict:
     # reads all of it, held-out split included); refused here, before any checkpoint is loaded.
     trained_on = training_data_args(cfg.data, cfg.eval)
     validation_data_args(cfg.data, args.eval, trained_on)
-    ckpt = args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints")
     try:
         env = distributed.setup(mesh_args(cfg, args.sp_size))
     except ValueError as e:
@@ -106,7 +108,7 @@ def run(args: EvalCLIArgs) -> dict:
                           f"launched (the context stays the training one)") from e
     try:
         device = torch.device(args.device) if args.device else env.device
-        model, path = load_model(cfg, ckpt, device, env.sp_group, env.sp_method)
+        model, path = load_model(cfg, args, device, env.sp_group, env.sp_method)
         context = args.context or training_context(cfg, path)
         if context % env.dims.sp:
             raise ConfigError(f"a context of {context} tokens does not split into sp_size={env.dims.sp} equal slices")

@@ -32,7 +32,6 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +39,8 @@ import torch
 from apps.gla.attention_softmax import softmax_layer_set
 from apps.gla.model import GLAArgs, GLAForCausalLM
 from lingua_zeco.args import ConfigError, build, parse_args
+from lingua_zeco.reliability import clean_exit
+from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
 FLA_FIXED = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}  # fla's GLA layer hard-codes these
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -75,10 +76,9 @@ def fla_config(args: GLAArgs, tokenizer=None):
         if int(head_k * (head_v / head_k)) != head_v:  # fla derives its value head dim that way
             raise ValueError(f"gated_deltanet: value head dim {head_v} is not head_k * expand_v in fla's "
                              f"floating point (head_k={head_k}); cannot export")
-        cfg = GatedDeltaNetConfig(head_dim=head_k, expand_v=head_v / head_k, use_gate=True, allow_neg_eigval=False,
-                                  **common)
-        cfg.architectures = ["GatedDeltaNetForCausalLM"]
-        return cfg
+        return GatedDeltaNetConfig(head_dim=head_k, expand_v=head_v / head_k, use_gate=True,
+                                   allow_neg_eigval=False, architectures=["GatedDeltaNetForCausalLM"],
+                                   **common)
     from fla.models import GLAConfig
 
     for key, want in FLA_FIXED.items():
@@ -89,9 +89,8 @@ def fla_config(args: GLAArgs, tokenizer=None):
                          f"model, and its GLA gate (rank {args.gate_low_rank_dim}) holds at most "
                          f"{args.gate_low_rank_dim} per-head gates; cannot export. Run the checkpoint with "
                          f"python -m apps.gla.generate dump_dir=... instead")
-    cfg = GLAConfig(expand_k=args.expand_k, expand_v=args.expand_v, use_output_gate=True, **common)
-    cfg.architectures = ["GLAForCausalLM"]
-    return cfg
+    return GLAConfig(expand_k=args.expand_k, expand_v=args.expand_v, use_output_gate=True,
+                     architectures=["GLAForCausalLM"], **common)
 
 
 def fla_weights(model: GLAForCausalLM) -> tuple[GLAArgs, dict[str, torch.Tensor]]:
@@ -114,8 +113,6 @@ def fla_weights(model: GLAForCausalLM) -> tuple[GLAArgs, dict[str, torch.Tensor]
 def export(model: GLAForCausalLM, out: str, *, dtype: str = "bf16", tokenizer_args=None, source: str = "") -> str:
     """Write config.json + model.safetensors + tokenizer file + lingua_zeco.json for an unsharded model."""
     from safetensors.torch import save_file
-
-    from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
     tokenizer_args = tokenizer_args or TokenizerArgs()
     tok = build_tokenizer(tokenizer_args)  # before writing anything: a missing tokenizer file fails here
@@ -144,8 +141,6 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
     CUDA (any CPU), fla's on CUDA."""
     from safetensors.torch import load_file
 
-    from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
-
     meta_path = os.path.join(folder, META)
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: {folder!r} is not a folder written by apps.gla.export_hf")
@@ -164,22 +159,17 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
 def main(argv: list[str] | None = None) -> None:
     from apps.gla.eval import load_model, load_run_config
 
-    args = parse_args(ExportArgs, sys.argv[1:] if argv is None else argv)
+    args = parse_args(ExportArgs, argv)
     if not args.out:
         raise ConfigError("give out=<folder> (the export folder to write)")
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype={args.dtype!r}; choose from {', '.join(DTYPES)}")
-    if not (args.dump_dir or args.config):
-        raise ConfigError("give dump_dir=<run folder> (with config.yaml and checkpoints/), or config= and ckpt=")
     cfg = load_run_config(args.dump_dir, args.config)
-    model, path = load_model(cfg, args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints"),
-                             torch.device("cpu"))
+    model, path = load_model(cfg, args, torch.device("cpu"))
     export(model, args.out, dtype=args.dtype, tokenizer_args=cfg.data.tokenizer, source=path)
     print(f"exported {path} -> {args.out}")
 
 
 if __name__ == "__main__":
-    from lingua_zeco.reliability import clean_exit
-
     with clean_exit():  # bad input: one `error: ...` line, exit code 2
         main()

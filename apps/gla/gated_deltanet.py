@@ -56,12 +56,8 @@ class GatedDeltaNet(LinearAttention):
         self.dt_bias.copy_((dt + torch.log(-torch.expm1(-dt))).to(self.dt_bias))
 
     def _inputs(self, x):
-        """q, k [B, T, H, K], v [B, T, H, V]; the log decay g and write strength beta [B, T, H]."""
-        B, T, _ = x.shape
-        H, K, V = self.n_heads, self.head_k, self.head_v
-        q = F.silu(self.q_proj(x)).view(B, T, H, K)
-        k = F.silu(self.k_proj(x)).view(B, T, H, K)
-        v = F.silu(self.v_proj(x)).view(B, T, H, V)
+        """silu(q, k, v) (_qkv); the log decay g and write strength beta [B, T, H]."""
+        q, k, v = (F.silu(t) for t in self._qkv(x))
         acc = acc_dtype(x.dtype)  # gates in fp32 at least (fp64 stays fp64)
         beta = self.b_proj(x).to(acc).sigmoid()
         g = -self.A_log.to(acc).exp() * F.softplus(self.a_proj(x).to(acc) + self.dt_bias.to(acc))

@@ -12,7 +12,6 @@ re-encoded.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch
 
 from apps.gla.model import GLAForCausalLM
 from lingua_zeco.args import ConfigError, parse_args
+from lingua_zeco.reliability import clean_exit
 from lingua_zeco.tokenizer import build_tokenizer
 
 
@@ -69,8 +69,7 @@ def sample_next(logits, temperature: float = 1.0, top_k: int = 0, top_p: float =
         drop = probs.cumsum(-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return torch.multinomial(logits.softmax(-1), 1, generator=generator).squeeze(-1)
 
 
 @torch.no_grad()
@@ -103,13 +102,13 @@ def load(args: GenerateArgs, device: torch.device):
     from apps.gla.eval import load_model, load_run_config
 
     cfg = load_run_config(args.dump_dir, args.config)
-    model, _ = load_model(cfg, args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints"), device)
+    model, _ = load_model(cfg, args, device)
     return model, build_tokenizer(cfg.data.tokenizer)
 
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
-    args = parse_args(GenerateArgs, sys.argv[1:] if argv is None else argv)
+    args = parse_args(GenerateArgs, argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, tok = load(args, device)
     prompt = tok.encode(args.prompt, add_bos=True, add_eos=False)
@@ -119,7 +118,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from lingua_zeco.reliability import clean_exit
-
     with clean_exit():  # bad input: one `error: ...` line, exit code 2
         main()

@@ -1,9 +1,10 @@
 """What the model (apps/gla/model.py) and its attention variants (attention_gla.py, gated_deltanet.py)
-share: the model's arguments, the norms, fla's fused modules, and the base of the attention layers.
+share: the model's arguments, the norms (fla's fused ones on CUDA), and the base of the attention layers.
 Nothing here imports the model or a variant: model.py picks the variant, the variants import this.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -67,16 +68,6 @@ def _exact(x: float, what: str) -> int:
     return round(x)
 
 
-def fla_modules():
-    """fla's fused modules, imported only when a CUDA tensor needs them (the import is slow)."""
-    from fla.modules.activations import swiglu_linear
-    from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
-    from fla.modules.norm.fused_norm_gate import rms_norm_gated
-    from fla.modules.norm.layernorm import rms_norm
-
-    return rms_norm, rms_norm_gated, swiglu_linear, FusedLinearCrossEntropyLoss
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, fused: bool):
         super().__init__()
@@ -84,8 +75,9 @@ class RMSNorm(nn.Module):
         self.eps, self.fused = eps, fused
 
     def forward(self, x):
-        if self.fused and x.is_cuda:
-            return fla_modules()[0](x, self.weight, None, eps=self.eps)
+        if self.fused and x.is_cuda:  # fla is imported on first use: the import is slow
+            from fla.modules.norm.layernorm import rms_norm
+            return rms_norm(x, self.weight, None, eps=self.eps)
         xf = x.to(acc_dtype(x.dtype))
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.to(xf.dtype)).to(x.dtype)
@@ -96,7 +88,8 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x, g):
         if self.fused and x.is_cuda:
-            return fla_modules()[1](x, g, self.weight, None, activation="swish", eps=self.eps)
+            from fla.modules.norm.fused_norm_gate import rms_norm_gated
+            return rms_norm_gated(x, g, self.weight, None, activation="swish", eps=self.eps)
         y = super().forward(x).to(acc_dtype(x.dtype))
         return (y * F.silu(g.to(y.dtype))).to(x.dtype)
 
@@ -119,6 +112,13 @@ class LinearAttention(nn.Module):
         self.q_proj = nn.Linear(d, kd, bias=False)
         self.k_proj = nn.Linear(d, kd, bias=False)
         self.v_proj = nn.Linear(d, vd, bias=False)
+
+    def _qkv(self, x):
+        """q, k [B, T, H, K] and v [B, T, H, V]: the projections of x [B, T, D], split into heads."""
+        B, T, _ = x.shape
+        H, K, V = self.n_heads, self.head_k, self.head_v
+        q, k = self.q_proj(x).view(B, T, H, K), self.k_proj(x).view(B, T, H, K)
+        return q, k, self.v_proj(x).view(B, T, H, V)
 
     def _output(self, o, x):
         B, T, _ = x.shape
@@ -146,15 +146,14 @@ def _log_gate(z, normalizer: float):
     return F.logsigmoid(z) / normalizer
 
 
-_compiled_log_gate = None
+@functools.cache
+def _compiled_log_gate():
+    return torch.compile(_log_gate, fullgraph=True)
 
 
 def log_forget_gate(z, normalizer: float, compiled: bool = True):
     """fla's GLA forget gate, logsigmoid(z) / normalizer. compiled (CUDA only): one torch.compile'd
     kernel each way instead of an eager logsigmoid, a division and their two backward kernels."""
-    global _compiled_log_gate
-    if not (compiled and z.is_cuda):
-        return _log_gate(z, normalizer)
-    if _compiled_log_gate is None:
-        _compiled_log_gate = torch.compile(_log_gate, fullgraph=True)
-    return _compiled_log_gate(z, normalizer)
+    if compiled and z.is_cuda:
+        return _compiled_log_gate()(z, normalizer)
+    return _log_gate(z, normalizer)

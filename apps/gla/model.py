@@ -22,14 +22,13 @@ from torch.utils.checkpoint import checkpoint
 from apps.gla.attention_gla import GatedLinearAttention
 from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
-from apps.gla.layers import GLAArgs, RMSNorm, fla_modules
+from apps.gla.layers import GLAArgs, RMSNorm
 from lingua_zeco.comm import group_rank_size
 from lingua_zeco.kernels import acc_dtype
 from lingua_zeco.sp.varlen import as_packing
 
 AC_MODES = ("none", "full", "selective")
 ATTENTION = {"gla": GatedLinearAttention, "simple_gla": GatedLinearAttention, "gated_deltanet": GatedDeltaNet}
-ATTN_VARIANTS = tuple(ATTENTION)
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -43,8 +42,9 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.fused and x.is_cuda:
-            return fla_modules()[2](gate, up, self.down_proj.weight, self.down_proj.bias)
+        if self.fused and x.is_cuda:  # fla is imported on first use: the import is slow
+            from fla.modules.activations import swiglu_linear
+            return swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -54,7 +54,7 @@ class GLABlock(nn.Module):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         if args.attn_variant not in ATTENTION:
-            raise ValueError(f"model.attn_variant={args.attn_variant!r}; choose from {ATTN_VARIANTS}")
+            raise ValueError(f"model.attn_variant={args.attn_variant!r}; choose from {tuple(ATTENTION)}")
         if layer_idx in softmax_layer_set(args):
             self.attn = SoftmaxAttention(args, sp_group, softmax_sp)
         else:
@@ -148,7 +148,8 @@ class GLAForCausalLM(nn.Module):
             # Never materialises the [tokens, vocab] logits (1 GiB in fp32 at 16K x 32K). fla's default
             # accumulates the head's weight gradient in fp32, which runs as a non-tensor-core SGEMM:
             # 42.8 ms of a 370 ms GLA-1B step at 16K on an H200 (docs/results/performance.md).
-            loss_fn = fla_modules()[3](reduction="sum", accumulate_grad_in_fp32=False)
+            from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
+            loss_fn = FusedLinearCrossEntropyLoss(reduction="sum", accumulate_grad_in_fp32=False)
             # fla's function is not autocast-aware: under plain autocast (fp32 parameters, distributed.fsdp=false)
             # h is fp32 (the residual stream) and the head's GEMM ran as a 46 ms fp32 SIMT SGEMM per GLA-1B
             # step at 16K (docs/results/performance.md). h and the weight in the autocast dtype, as nn.Linear
@@ -168,8 +169,7 @@ class GLAForCausalLM(nn.Module):
 
 def count_params(args: GLAArgs) -> dict:
     """Analytic parameter counts (tested against the module): total, embedding, head, non-embedding."""
-    d, kd, vd, f = args.dim, args.key_dim, args.value_dim, args.ffn_dim
-    r = args.gate_low_rank_dim
+    d, kd, vd, f, r = args.dim, args.key_dim, args.value_dim, args.ffn_dim, args.gate_low_rank_dim
     gate = d * args.n_heads + args.n_heads if args.attn_variant == "simple_gla" else d * r + r * kd + kd
     if args.attn_variant == "gated_deltanet":  # a_proj, b_proj (dim -> n_heads), A_log, dt_bias
         gate = 2 * (d * args.n_heads + args.n_heads)

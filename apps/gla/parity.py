@@ -52,10 +52,9 @@ def run(P: int, args: ParityArgs, dump: Path, extra: list[str]) -> list[float]:
     argv = ["-m", "apps.gla.train", "config=debug.yaml", f"dump_dir={dump}", f"steps={args.steps}", "logging.freq=1",
             f"data.seq_len={GLOBAL_TOKENS // P}", f"distributed.sp_size={P}", f"distributed.sp_method={args.method}",
             "checkpoint.dump.every=0", "data.prefetch=0", f"model.dtype={args.dtype}", *extra]
-    cmd = [sys.executable, *argv] if P == 1 else [sys.executable, "-m", "torch.distributed.run",
-                                                   f"--nproc_per_node={P}", *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    launcher = [] if P == 1 else ["-m", "torch.distributed.run", f"--nproc_per_node={P}"]
+    res = subprocess.run([sys.executable, *launcher, *argv], cwd=ROOT, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
     if res.returncode != 0:
         raise RuntimeError(f"SP={P} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return [r["loss"] for r in read_metrics(dump / "metrics.jsonl")]
@@ -88,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     return result
 
 
-def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str = "fp32", extra: list | None = None) -> None:
+def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str, extra: list[str]) -> None:
     fig, (ax, bx) = pyplot().subplots(1, 2, figsize=(11, 4))
     ref_P = next(iter(curves))
     for i, ((P, c), style) in enumerate(zip(curves.items(), ["-", "--", ":", "-."])):
@@ -97,7 +96,7 @@ def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str = "fp32"
         if P != ref_P:
             bx.semilogy(range(1, len(c) + 1), [abs(a - b) + 1e-17 for a, b in zip(c, curves[ref_P])], style,
                         color=f"C{i}", label=f"|{name.split(' (')[0]} - SP={ref_P}|, max {diffs[P]:.1e}")
-    lr = next((e.split("=", 1)[1] for e in extra or [] if e.startswith("optim.lr=")), "3e-3 (debug.yaml)")
+    lr = next((e.split("=", 1)[1] for e in extra if e.startswith("optim.lr=")), "3e-3 (debug.yaml)")
     ax.set(xlabel="step", ylabel="training loss", title=f"debug config, 256 tokens/sequence, CPU {dtype}, lr {lr}")
     bx.axhline(1e-3, color="gray", lw=0.8)
     bx.set(xlabel="step", ylabel="absolute loss difference", title="difference to SP=1 (line: 1e-3)")

@@ -42,10 +42,8 @@ def curve(record: dict) -> tuple[str, list[int], list[float]] | None:
 
 def evaluations(path: str) -> list[dict]:
     """Records with per-position losses; a step evaluated again (a resumed run) keeps its last record."""
-    by_step = {}
-    for i, r in enumerate(read_metrics(metrics_path(path))):
-        if curve(r) is not None:
-            by_step[r.get("step", f"#{i}")] = r
+    records = read_metrics(metrics_path(path))
+    by_step = {r.get("step", f"#{i}"): r for i, r in enumerate(records) if curve(r) is not None}
     return list(by_step.values())
 
 
@@ -58,7 +56,7 @@ def _pick(records: list[dict], steps: list[int], many: bool) -> list[dict]:
     return records[::-1][::stride][::-1]  # the last evaluation always drawn
 
 
-def plot(runs: list[str], out: str, steps: list[int] | None = None) -> str:
+def plot(runs: list[str], out: str, steps: list[int]) -> str:
     fig, ax = pyplot().subplots(figsize=(7, 4))
     for run in runs:
         path = os.path.abspath(metrics_path(run))
@@ -69,7 +67,7 @@ def plot(runs: list[str], out: str, steps: list[int] | None = None) -> str:
         if not records:
             raise ValueError(f"{run}: no per-position validation loss (val_pos*_loss); evaluate with "
                              f"eval.by_position=true (eval.every=N in training, or python -m apps.gla.eval)")
-        for r in _pick(records, steps or [], many=len(runs) == 1):
+        for r in _pick(records, steps, many=len(runs) == 1):
             prefix, xs, ys = curve(r)
             sp = f", sp {r['sp_size']}" if "sp_size" in r else ""  # apps.gla.eval records its mesh
             ax.plot(xs, ys, "o-", ms=3, label=f"{label} step {r.get('step')}{sp}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass, field
 
 
@@ -41,10 +40,9 @@ def run(args: RecallHybridArgs) -> dict:
     from lingua_zeco.metrics import read_metrics
     from lingua_zeco.testing import run_on_ranks
 
-    layers = "[" + ",".join(str(i) for i in args.softmax_layers) + "]"
-    runs = {"gla": [], "hybrid": [f"model.softmax_layers={layers}"]}
+    hybrid = f"model.softmax_layers=[{','.join(map(str, args.softmax_layers))}]"
     result = {}
-    for name, extra in runs.items():
+    for name, extra in {"gla": [], "hybrid": [hybrid]}.items():
         dump = os.path.join(args.out, name)
         argv = [f"config={args.config}", f"dump_dir={dump}", f"distributed.sp_size={args.sp_size}",
                 f"distributed.softmax_sp={args.softmax_sp}", *([f"steps={args.steps}"] if args.steps else []),
@@ -66,7 +64,7 @@ def run(args: RecallHybridArgs) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     from lingua_zeco.args import parse_args
 
-    return run(parse_args(RecallHybridArgs, sys.argv[1:] if argv is None else argv))
+    return run(parse_args(RecallHybridArgs, argv))
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ No autograd here: lingua_zeco.sp wraps this in autograd functions.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -35,6 +36,7 @@ from .symm import SymmLink, SymmSetupError, symm_unavailable
 
 ALGORITHMS = ("chain", "tree", "hier", "auto")
 TRANSPORTS = ("nccl", "symm", "auto")
+OVERLAP = ("auto", "on", "off")
 
 
 @dataclass
@@ -65,9 +67,6 @@ class AllScanArgs:
     # lingua_zeco/sp/overlap.py). At P = 2 blocking measured faster in GLA-1B training (51.2K against 48.2K
     # tok/s/GPU, docs/results/performance.md), so no one choice holds for every P.
     overlap: str = "auto"
-
-
-OVERLAP = ("auto", "on", "off")
 
 
 def check_scan_args(args: AllScanArgs) -> None:
@@ -162,13 +161,9 @@ class ScanWork:
         return self._out
 
 
-_SIDE_STREAMS: dict = {}
-
-
-def _side_stream(device):
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[device]
+@functools.lru_cache(maxsize=None)
+def _side_stream(device):  # one per device, made on first use
+    return torch.cuda.Stream(device=device)
 
 
 def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False, *,
@@ -236,13 +231,12 @@ def _links(args: AllScanArgs, x, group, rank: int, P: int, reverse: bool):
     if args.transport == "nccl":
         return [nccl]
     why = symm_unavailable(x)
-    if args.transport == "symm":
-        if why:
-            raise ValueError(f"all_scan(transport='symm'): {why}; use all_scan.transport=nccl (or auto)")
-        return [SymmLink(group, rank, P, reverse, args.symm_timeout_s, fused=args.symm_fused)]
-    if why or not in_one_node(group, args) or group_key(group) in _NO_SYMM:
+    if why and args.transport == "symm":
+        raise ValueError(f"all_scan(transport='symm'): {why}; use all_scan.transport=nccl (or auto)")
+    if args.transport == "auto" and (why or not in_one_node(group, args) or group_key(group) in _NO_SYMM):
         return [nccl]
-    return [SymmLink(group, rank, P, reverse, args.symm_timeout_s, fused=args.symm_fused), nccl]
+    symm = SymmLink(group, rank, P, reverse, args.symm_timeout_s, fused=args.symm_fused)
+    return [symm] if args.transport == "symm" else [symm, nccl]
 
 
 def pair_scan(x: torch.Tensor, A: torch.Tensor, group=None, reverse: bool = False,

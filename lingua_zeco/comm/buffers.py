@@ -9,7 +9,7 @@ saves them for the backward) while later scans reuse the scratch.
 Buffers are keyed by (tag, shape, dtype, device, group, CUDA stream). The stream is in the
 key because the asynchronous scan runs on a side stream: a scan on the caller's stream and one on the
 side stream may be in flight at once and must not share memory; two scans on one stream are ordered
-by the stream itself. `clear_buffers()` frees them all (e.g. after a change of model shape).
+by the stream itself.
 """
 from __future__ import annotations
 
@@ -24,13 +24,10 @@ def group_key(group):
     return name if name else id(group)
 
 
-def _stream_key(device: torch.device) -> int:
-    return torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-
-
 def buffer_key(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None) -> tuple:
     """The key of a persistent buffer (also of comm/symm.py's symmetric ones)."""
-    return (tag, tuple(shape), dtype, device, group_key(group), _stream_key(device))
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    return (tag, tuple(shape), dtype, device, group_key(group), stream)
 
 
 def scratch(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None) -> torch.Tensor:
@@ -50,7 +47,3 @@ def buffer_count() -> int:
 def buffer_ptrs() -> set[int]:
     """Data pointers of every scratch buffer: a scan's result must never be one of them."""
     return {b.data_ptr() for b in _POOL.values()}
-
-
-def clear_buffers() -> None:
-    _POOL.clear()

@@ -69,7 +69,6 @@ def hierarchical_time(P: int, G: int, nbytes: int, alpha_s: float, beta_Bps: flo
 
 def hierarchical_scan(x, a, group, reverse: bool, node_size: int, n_blocks: int):
     """The decay scan of all_scan(algorithm='hier'): chain_scan inside the node, tree_scan across."""
-    group = group if group is not None else dist.group.WORLD
     rank, P, G = dist.get_rank(group), dist.get_world_size(group), node_size
     if G <= 0 or P % G:
         raise ValueError(f"all_scan(algorithm='hier'): node_size={G} must divide the group size {P}")
@@ -85,11 +84,9 @@ def hierarchical_scan(x, a, group, reverse: bool, node_size: int, n_blocks: int)
     a_excl = torch.ones_like(a)
     for p in range(pos):
         a_excl = a_excl * decays[order[p]]
-    Y = torch.zeros_like(x)
-    if local == last_local:
-        X_node = a[..., None] * y_loc + x
-        A_node = a_excl * a
-        cg, N = cross[last_local], P // G
-        Y = tree_scan(X_node.contiguous(), A_node.contiguous(), P2PLink(cg, node, N, reverse)) if N > 1 else Y
+    Y, N = torch.zeros_like(x), P // G
+    if local == last_local and N > 1:  # the node's inclusive total, scanned across the nodes
+        X_node, A_node = (a[..., None] * y_loc + x).contiguous(), (a_excl * a).contiguous()
+        Y = tree_scan(X_node, A_node, P2PLink(cross[last_local], node, N, reverse))
     dist.broadcast(Y, src=global_rank(ig, last_local), group=ig)
     return y_loc + a_excl[..., None] * Y

@@ -13,7 +13,7 @@ and MATRIX, A [..., K, K] acting by A @ y (the gated delta rule). Three ways to 
 * tree_scan    Hillis–Steele, ceil(log2 P) rounds of pairwise exchange at distance 1, 2, 4, ...;
 * gather_scan  LASP-2's: one all-gather of every rank's pair, then the local fold (local_scan).
 Ranks are walked in scan order by a link (P2PLink here, SymmLink in symm.py): `link.pos` is this
-rank's position (scan_position; reverse=True walks the group backwards, as the backward pass needs).
+rank's position (ScanOrder; reverse=True walks the group backwards, as the backward pass needs).
 Cost per hop: what a rank sends, stages and folds lives in persistent scratch buffers (buffers.py, with
 their lifetime rule); every combine a·y + x is one fused op written in place (addcmul / baddbmm); the
 result is the only tensor a call allocates.
@@ -41,13 +41,6 @@ def global_rank(group, group_rank: int) -> int:
     if group is None or group is dist.group.WORLD:
         return group_rank
     return dist.get_global_rank(group, group_rank)
-
-
-def scan_position(group, rank: int, P: int, reverse: bool):
-    """(pos, peer): the position of `group`'s rank `rank` in scan order, and position → global rank."""
-    def peer(p):
-        return global_rank(group, P - 1 - p if reverse else p)
-    return (P - 1 - rank if reverse else rank), peer
 
 
 def _mm3(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +123,22 @@ def wait_all(works) -> None:
         w.wait()
 
 
-class P2PLink:
+class ScanOrder:
+    """`group`'s ranks in scan order: `pos` is the position of group rank `rank`, rank_at(off) the group
+    rank `off` positions away (None past either end). The base of both links."""
+
+    def __init__(self, group, rank: int, P: int, reverse: bool):
+        self.group, self.P, self.reverse = group, P, reverse
+        self.pos = P - 1 - rank if reverse else rank
+
+    def rank_at(self, off: int):
+        p = self.pos + off
+        if not 0 <= p < self.P:
+            return None
+        return self.P - 1 - p if self.reverse else p
+
+
+class P2PLink(ScanOrder):
     """The scan order over `group` carried by torch.distributed point-to-point ops (NCCL on GPUs, gloo on
     CPUs): transport="nccl". A link is what chain_scan and tree_scan need from a transport; the other one
     is comm/symm.py's SymmLink (one-sided puts into the next rank's symmetric memory).
@@ -142,13 +150,9 @@ class P2PLink:
     Tree: exchange(d, inc) sends inc to pos + d and receives the same shape from pos − d (None where
     there is no such position); release(d) says the received tensor was consumed."""
 
-    def __init__(self, group, rank: int, P: int, reverse: bool):
-        self.group, self.P = group, P
-        self.pos, self._peer = scan_position(group, rank, P, reverse)
-
     def _at(self, off: int):  # global rank `off` positions away, None past either end
-        p = self.pos + off
-        return self._peer(p) if 0 <= p < self.P else None
+        r = self.rank_at(off)
+        return None if r is None else global_rank(self.group, r)
 
     def _scratch(self, tag, like):
         return scratch(tag, like.shape, like.dtype, like.device, self.group)

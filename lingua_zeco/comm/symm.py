@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .buffers import buffer_key
+from .scan import ScanOrder
 from .symm_hop import PAD_SLOTS, fused_chain_hop
 
 FREE, DATA = 0, 1
@@ -102,21 +103,15 @@ class TorchSymmetricMemory:
 TORCH_SYMM = TorchSymmetricMemory()
 
 
-class SymmLink:
+class SymmLink(ScanOrder):
     """A scan order over `group` whose hops are writes into symmetric memory (the P2PLink interface of
-    comm/scan.py). `timeout_s` bounds every wait on a peer."""
+    comm/scan.py; signals use group ranks: rank_at). `timeout_s` bounds every wait on a peer."""
 
     def __init__(self, group, rank: int, P: int, reverse: bool, timeout_s: float, memory=TORCH_SYMM,
                  fused: bool = True):
-        self.group, self.P, self.reverse, self.memory, self.fused = group, P, reverse, memory, fused
-        self.pos = P - 1 - rank if reverse else rank
+        super().__init__(group, rank, P, reverse)
+        self.memory, self.fused = memory, fused
         self.timeout_ms = max(1, int(timeout_s * 1000))
-
-    def _rank(self, off: int):  # the group rank `off` positions away (signals use group ranks), None past the ends
-        p = self.pos + off
-        if not 0 <= p < self.P:
-            return None
-        return self.P - 1 - p if self.reverse else p
 
     def _buffer(self, tag: str, n: int, like: torch.Tensor, channels: int) -> SymmBuffer:
         """This rank's symmetric buffer of n elements for this scan, made on first use."""
@@ -134,11 +129,13 @@ class SymmLink:
             sb.handle.wait_signal(dst, FREE, self.timeout_ms)
         sb.sent_to.add(dst)
 
-    def _remote(self, rank: int, view: torch.Tensor) -> torch.Tensor:
-        """The view of `rank`'s buffer laid out as `view` is inside self._base (same offsets, strides)."""
-        base = self._sb.peer("buf", rank, self._n, view.dtype)
+    def _same_place(self, buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+        """The view of `buf` laid out as `view` is inside self._base (same offsets, strides)."""
         off = (view.data_ptr() - self._base.data_ptr()) // view.element_size()
-        return base.as_strided(view.shape, view.stride(), base.storage_offset() + off)
+        return buf.as_strided(view.shape, view.stride(), buf.storage_offset() + off)
+
+    def _remote(self, view: torch.Tensor) -> torch.Tensor:  # view's place in the next rank's buffer
+        return self._same_place(self._sb.peer("buf", self._dst, self._n, view.dtype), view)
 
     def fused_chain(self, x_RV: torch.Tensor, a_R: torch.Tensor, y_RV: torch.Tensor) -> bool:
         """The whole chain hop as one kernel (comm/symm_hop.py) where it applies: CUDA, fp32 rows of a
@@ -149,7 +146,7 @@ class SymmLink:
         sb = self._buffer("chain_fused", x_RV.numel(), x_RV, 0)
         plan = sb.peers.get(("plan", self.pos))
         if plan is None:  # the views this position uses, made once per buffer
-            prev, me, nxt = self._rank(-1), self._rank(0), self._rank(1)
+            prev, me, nxt = self.rank_at(-1), self.rank_at(0), self.rank_at(1)
             pad = lambda r: sb.peer("pad", r, PAD_SLOTS, torch.int32) if r is not None else None  # noqa: E731
             send = sb.peer("buf", nxt, R * V, x_RV.dtype).view(R, V) if nxt is not None else None
             plan = sb.peers[("plan", self.pos)] = (sb.buf.view(R, V), send, pad(me), pad(nxt), pad(prev))
@@ -159,15 +156,9 @@ class SymmLink:
 
     # chain: this rank's buffer receives y laid out as y itself
     def open_chain(self, y: torch.Tensor, blocks: list) -> None:
-        self._dst, self._n, self._base, self._acquired = self._rank(1), y.numel(), y, False
+        self._dst, self._n, self._base, self._acquired = self.rank_at(1), y.numel(), y, False
         self._sb = self._buffer("chain", y.numel(), y, DATA + len(blocks))
-        self._handle = self._sb.handle
-        self._slots = [self._local(b) for b in blocks]
-
-    def _local(self, view):
-        off = (view.data_ptr() - self._base.data_ptr()) // view.element_size()
-        mine = self._sb.buf
-        return mine.as_strided(view.shape, view.stride(), mine.storage_offset() + off)
+        self._slots = [self._same_place(self._sb.buf, b) for b in blocks]
 
     def _acquire(self):  # once per call, before the first write into the next rank's buffer
         if not self._acquired:
@@ -177,30 +168,30 @@ class SymmLink:
     def send_first(self, x_blocks: list, y_blocks: list) -> None:
         self._acquire()
         for j, (xb, yb) in enumerate(zip(x_blocks, y_blocks)):
-            self._remote(self._dst, yb).copy_(xb)
-            self._handle.put_signal(self._dst, DATA + j, self.timeout_ms)
+            self._remote(yb).copy_(xb)
+            self._sb.handle.put_signal(self._dst, DATA + j, self.timeout_ms)
 
     def recv(self, j: int) -> torch.Tensor:
-        self._handle.wait_signal(self._rank(-1), DATA + j, self.timeout_ms)
+        self._sb.handle.wait_signal(self.rank_at(-1), DATA + j, self.timeout_ms)
         return self._slots[j]
 
     def send_slot(self, j: int, y_block: torch.Tensor) -> torch.Tensor:
         self._acquire()
-        return self._remote(self._dst, y_block)
+        return self._remote(y_block)
 
     def send(self, j: int, t: torch.Tensor) -> None:
-        self._handle.put_signal(self._dst, DATA + j, self.timeout_ms)
+        self._sb.handle.put_signal(self._dst, DATA + j, self.timeout_ms)
 
     def close(self) -> None:
         if self.pos > 0:  # every block was consumed (copied into y): the buffer is free again
-            self._handle.put_signal(self._rank(-1), FREE, self.timeout_ms)
+            self._sb.handle.put_signal(self.rank_at(-1), FREE, self.timeout_ms)
 
     # tree: one slot per round in this rank's buffer
     def exchange(self, d: int, inc: torch.Tensor):
         rounds = max(1, (self.P - 1).bit_length())
         r, n = d.bit_length() - 1, inc.numel()
         sb = self._sb = self._buffer("tree", rounds * n, inc, DATA + 1)
-        dst, src = self._rank(d), self._rank(-d)
+        dst, src = self.rank_at(d), self.rank_at(-d)
         if dst is not None:
             self._acquire_for(sb, dst)
             sb.peer("buf", dst, rounds * n, inc.dtype).view(rounds, n)[r].copy_(inc)
@@ -211,4 +202,4 @@ class SymmLink:
         return sb.buf.view(rounds, n)[r]
 
     def release(self, d: int) -> None:
-        self._sb.handle.put_signal(self._rank(-d), FREE, self.timeout_ms)
+        self._sb.handle.put_signal(self.rank_at(-d), FREE, self.timeout_ms)

@@ -70,12 +70,11 @@ class _Memory:
 class Loopback:
     """P virtual ranks of the symm transport on this process's GPU (needs a one-rank process group)."""
 
-    def __init__(self, P: int, timeout_s: float = 60.0, group=None):
-        self.group = group if group is not None else dist.group.WORLD
+    def __init__(self, P: int, timeout_s: float = 60.0):
+        self.group, self.P, self.timeout_s = dist.group.WORLD, P, timeout_s
         if dist.get_world_size(self.group) != 1:
-            raise ValueError("Loopback runs P virtual ranks in one process: give it a one-rank group")
+            raise ValueError("Loopback runs P virtual ranks in one process: run it in a one-rank world")
         world = _World(P, self.group)
-        self.P, self.timeout_s = P, timeout_s
         self.memories = [_Memory(world, v) for v in range(P)]
         self.streams = [torch.cuda.Stream() for _ in range(P)]
 

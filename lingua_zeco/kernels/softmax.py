@@ -17,11 +17,11 @@ a ring. A query row that sees no key gives o = 0 and lse = −inf, never NaN.
 * "auto"      xformers where it is usable and sdpa could not use its flash kernel (a window or
               documents make sdpa fall back to a materialised mask), sdpa otherwise.
 * "naive"     the oracle: explicit scores and softmax in float64, returns (o, lse) in float64.
-`with_lse=True` takes the explicit path in the accumulation dtype (fp32, fp64 for fp64 inputs) whatever
-the backend, because SDPA does not return the log-sum-exp and its CUDA-only siblings that do
-(aten._scaled_dot_product_efficient_attention with compute_log_sumexp) cannot be verified on the CPU
-suite; the ring of lingua_zeco/sp/softmax.py merges partial results with it (explicit_forward /
-explicit_backward, queries in row chunks so the scores stay [B, H, q_chunk, S]).
+The ring of lingua_zeco/sp/softmax.py merges partial results by their log-sum-exp, so it takes the explicit
+path in the accumulation dtype (fp32, fp64 for fp64 inputs; explicit_forward / explicit_backward, queries in
+row chunks so the scores stay [B, H, q_chunk, S]): SDPA does not return the lse and its CUDA-only siblings
+that do (aten._scaled_dot_product_efficient_attention with compute_log_sumexp) cannot be verified on the CPU
+suite.
 """
 from __future__ import annotations
 
@@ -134,9 +134,8 @@ def naive_attention(q_BTHD, k_BSHD, v_BSHD, *, q_start=0, k_start=0, scale=None,
     """The float64 oracle: (o [B, T, H, Dv], lse [B, H, T]), both float64, differentiable. Documents
     by global `cu_seqlens` (host ints or a tensor) or by explicit document ids."""
     if cu_seqlens is not None:
-        bounds = [int(c) for c in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
-        doc_q_T = doc_ids(bounds, q_start, q_BTHD.shape[1], q_BTHD.device)
-        doc_k_S = doc_ids(bounds, k_start, k_BSHD.shape[1], q_BTHD.device)
+        doc_q_T = doc_ids(cu_seqlens, q_start, q_BTHD.shape[1], q_BTHD.device)
+        doc_k_S = doc_ids(cu_seqlens, k_start, k_BSHD.shape[1], q_BTHD.device)
     return explicit_forward(q_BTHD, k_BSHD, v_BSHD, q_start=q_start, k_start=k_start, scale=scale, window=window,
                             doc_q_T=doc_q_T, doc_k_S=doc_k_S, dtype=torch.float64, q_chunk=max(1, q_BTHD.shape[1]))
 
@@ -191,17 +190,13 @@ def pick(backend: str, device: torch.device, window=None, docs=False) -> str:
 
 
 def attention(q_BTHD, k_BSHD, v_BSHD, *, q_start: int = 0, k_start: int = 0, scale: float | None = None,
-              window: int | None = None, doc_q_T=None, doc_k_S=None, backend: str = "auto", with_lse: bool = False):
+              window: int | None = None, doc_q_T=None, doc_k_S=None, backend: str = "auto"):
     """Attention of queries at global positions [q_start, q_start + T) to keys at [k_start, k_start + S).
-    Returns (o [B, T, H, Dv] in q's dtype, lse [B, H, T] or None); with_lse → (o, lse) by the explicit
-    path (lse in the accumulation dtype); backend "naive" → the float64 oracle's (o, lse)."""
+    Returns (o [B, T, H, Dv] in q's dtype, None); backend "naive" → the float64 oracle's (o, lse)."""
     scale = q_BTHD.shape[-1] ** -0.5 if scale is None else scale
     kw = dict(q_start=q_start, k_start=k_start, scale=scale, window=window, doc_q_T=doc_q_T, doc_k_S=doc_k_S)
     name = pick(backend, q_BTHD.device, window, doc_q_T is not None)
     if name == "naive":
         return naive_attention(q_BTHD, k_BSHD, v_BSHD, **kw)
-    if with_lse:
-        o, lse = explicit_forward(q_BTHD, k_BSHD, v_BSHD, **kw)
-        return o.to(q_BTHD.dtype), lse
     run = _xformers if name == "xformers" else _sdpa
-    return run(q_BTHD, k_BSHD, v_BSHD, q_start, k_start, scale, window, doc_q_T, doc_k_S), None
+    return run(q_BTHD, k_BSHD, v_BSHD, **kw), None

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from lingua_zeco.comm import global_rank, group_rank_size, wait_all
 from lingua_zeco.kernels.common import acc_dtype, doc_ids, doc_of
-from lingua_zeco.kernels.softmax import BACKENDS, attention, explicit_backward, explicit_forward
+from lingua_zeco.kernels.softmax import attention, check_backend, explicit_backward, explicit_forward
 
 from .varlen import Packing, as_packing
 
@@ -45,8 +45,7 @@ def check_inputs(q_BTHD, k_BTHD, v_BTHD, method, backend, window, cu_seqlens) ->
                          f"{v_BTHD.dtype}")
     if method not in METHODS:
         raise ValueError(f"{where}: method must be one of {METHODS}, got {method!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {backend!r}")
+    check_backend(backend, where)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{where}: window must be None or an int ≥ 1 (a query at i sees keys i−window < j ≤ i); "
                          f"got {window!r}")
@@ -65,12 +64,12 @@ def sp_softmax_attention(q_BTHD, k_BTHD, v_BTHD, *, group=None, method: str = "a
     T = q_BTHD.shape[1]
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=T, device=q_BTHD.device)
     scale = q_BTHD.shape[-1] ** -0.5 if scale is None else scale
+    ring = Ring(group, rank, P, T, scale, window, packing)
     if P == 1:
-        doc_T = None if packing is None else doc_ids(packing.cu_seqlens, 0, T, q_BTHD.device)
+        doc_T = ring.doc_ids(0, q_BTHD.device)
         o, _ = attention(q_BTHD, k_BTHD, v_BTHD, scale=scale, window=window, doc_q_T=doc_T, doc_k_S=doc_T,
                          backend=backend)
         return o.to(q_BTHD.dtype)
-    ring = Ring(group, rank, P, T, scale, window, packing)
     if method == "allgather":
         return allgather_attention(q_BTHD, k_BTHD, v_BTHD, ring, backend)
     return RingAttention.apply(q_BTHD, k_BTHD, v_BTHD, ring)
@@ -150,11 +149,8 @@ def allgather_attention(q_BTHD, k_BTHD, v_BTHD, ring: Ring, backend: str) -> tor
     kv_BSHC = kv_PBTHC[:ring.rank + 1].permute(1, 0, 2, 3, 4).reshape(B, end, H, -1)
     lo = ring.first_key()  # keys before it are invisible to every local query: not computed
     kv_BSHC = kv_BSHC[:, lo:]
-    doc_q_T = doc_k_S = None
-    if ring.packing is not None:
-        cu = ring.packing.cu_seqlens
-        doc_q_T = doc_ids(cu, ring.rank * T, T, q_BTHD.device)
-        doc_k_S = doc_ids(cu, lo, end - lo, q_BTHD.device)
+    doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
+    doc_k_S = None if ring.packing is None else doc_ids(ring.packing.cu_seqlens, lo, end - lo, q_BTHD.device)
     o, _ = attention(q_BTHD, kv_BSHC[..., :D], kv_BSHC[..., D:], q_start=ring.rank * T, k_start=lo,
                      scale=ring.scale, window=ring.window, doc_q_T=doc_q_T, doc_k_S=doc_k_S, backend=backend)
     return o.to(q_BTHD.dtype)
@@ -169,6 +165,18 @@ def _shift(t: torch.Tensor, ring: Ring, tag: int):
     ops = [dist.P2POp(dist.isend, t, ring.peer(+1), ring.group, tag),
            dist.P2POp(dist.irecv, recv, ring.peer(-1), ring.group, tag)]
     return recv, dist.batch_isend_irecv(ops)
+
+
+def _visiting_blocks(kv_BTHC, ring: Ring):
+    """(step, src, K/V block of rank src) for the P steps of the ring: the next block is sent on before
+    the caller computes on this one and waited for after, so it travels meanwhile."""
+    for step in range(ring.P):
+        if step < ring.P - 1:
+            kv_next_BTHC, works = _shift(kv_BTHC, ring, _TAG_KV)
+        yield step, (ring.rank - step) % ring.P, kv_BTHC
+        if step < ring.P - 1:
+            wait_all(works)
+            kv_BTHC = kv_next_BTHC
 
 
 def merge(o_BTHD, lse_BHT, o_blk_BTHD, lse_blk_BHT):
@@ -188,19 +196,12 @@ class RingAttention(torch.autograd.Function):
         doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
         o_BTHD = q_BTHD.new_zeros(B, T, H, v_BTHD.shape[-1], dtype=acc)
         lse_BHT = q_BTHD.new_full((B, H, T), float("-inf"), dtype=acc)
-        kv_BTHC = torch.cat([k_BTHD, v_BTHD], -1).contiguous()
-        for step in range(ring.P):
-            src = (ring.rank - step) % ring.P  # the rank whose K/V block is here now
-            if step < ring.P - 1:  # the next block travels while this one is computed
-                kv_next_BTHC, works = _shift(kv_BTHC, ring, _TAG_KV)
+        for _, src, kv_BTHC in _visiting_blocks(torch.cat([k_BTHD, v_BTHD], -1).contiguous(), ring):
             if ring.sees(src):
                 o_blk_BTHD, lse_blk_BHT = explicit_forward(
                     q_BTHD, kv_BTHC[..., :D], kv_BTHC[..., D:], q_start=ring.rank * T, k_start=src * T,
                     scale=ring.scale, window=ring.window, doc_q_T=doc_q_T, doc_k_S=ring.doc_ids(src, q_BTHD.device))
                 o_BTHD, lse_BHT = merge(o_BTHD, lse_BHT, o_blk_BTHD, lse_blk_BHT)
-            if step < ring.P - 1:
-                wait_all(works)
-                kv_BTHC = kv_next_BTHC
         ctx.ring = ring
         # o stays in the accumulation dtype: D = rowsum(do ⊙ o) of the backward is taken from it
         ctx.save_for_backward(q_BTHD, k_BTHD, v_BTHD, o_BTHD, lse_BHT)
@@ -215,12 +216,7 @@ class RingAttention(torch.autograd.Function):
         delta_BHT = (do_BTHD * o_BTHD).sum(-1).transpose(1, 2)
         doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
         dq_BTHD = torch.zeros_like(q_BTHD, dtype=o_BTHD.dtype)
-        kv_BTHC = torch.cat([k_BTHD, v_BTHD], -1).contiguous()
-        dkv_in_BTHC = dkv_works = None
-        for step in range(ring.P):
-            src = (ring.rank - step) % ring.P
-            if step < ring.P - 1:
-                kv_next_BTHC, kv_works = _shift(kv_BTHC, ring, _TAG_KV)
+        for step, src, kv_BTHC in _visiting_blocks(torch.cat([k_BTHD, v_BTHD], -1).contiguous(), ring):
             dkv_blk_BTHC = None
             if ring.sees(src):
                 dq_blk_BTHD, dk_blk_BTHD, dv_blk_BTHD = explicit_backward(
@@ -237,9 +233,6 @@ class RingAttention(torch.autograd.Function):
                 wait_all(dkv_works)
                 dkv_BTHC = dkv_in_BTHC if dkv_blk_BTHC is None else dkv_in_BTHC + dkv_blk_BTHC
             dkv_in_BTHC, dkv_works = _shift(dkv_BTHC.contiguous(), ring, _TAG_DKV)  # last step: home to its owner
-            if step < ring.P - 1:
-                wait_all(kv_works)
-                kv_BTHC = kv_next_BTHC
         wait_all(dkv_works)
         return (dq_BTHD.to(q_BTHD.dtype), dkv_in_BTHC[..., :D].to(k_BTHD.dtype),
                 dkv_in_BTHC[..., D:].to(v_BTHD.dtype), None)
