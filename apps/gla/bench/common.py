@@ -107,14 +107,17 @@ def finish() -> None:
     global _OWN_GROUP
     if dist.is_initialized() and _OWN_GROUP:
         _OWN_GROUP = False
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
 
 
-def barrier(device: torch.device) -> None:
-    """All ranks of the default group here; NCCL is told this rank's device rather than guessing it."""
-    kw = dict(device_ids=[device.index]) if dist.get_backend() == "nccl" else {}
-    dist.barrier(**kw)
+def barrier(device: torch.device | None = None) -> None:
+    """All ranks of the default group here; NCCL is told this rank's device (default: the current CUDA
+    device) rather than guessing it."""
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device() if device is None else device.index])
+    else:
+        dist.barrier()
 
 
 def local_world_size() -> int:
