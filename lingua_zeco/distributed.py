@@ -21,6 +21,7 @@ from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP  # the softmax layers o
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
 logger = logging.getLogger(__name__)
+FSDP_UNITS = ("block", "model")  # distributed.fsdp_unit
 
 
 @dataclass
@@ -33,6 +34,11 @@ class DistributedArgs:
     dp_shard: int = -1  # FSDP shard degree; -1 = whatever is left of the world
     dp_replicate: int = 1  # HSDP replicas (full copies of the sharded model)
     fsdp: bool = True  # False: replicate parameters and all-reduce gradients (debugging)
+    # block: one FSDP unit per block (weights gathered a block at a time: the least memory);
+    # model: one unit for the whole model. On a one-rank mesh sharding saves nothing, and the per-block
+    # units' host work made GLA-1B's forward host-bound on an H200 (docs/results/performance.md); the
+    # price is the compute-dtype copy of every weight held through the step (2.3 GiB for GLA-1B)
+    fsdp_unit: str = "block"
     param_dtype: str = "bf16"  # FSDP compute dtype on GPU; CPU always runs fp32
     reduce_dtype: str = "fp32"  # gradient reduction dtype on GPU
     timeout_s: int = 600  # collective timeout: a stuck rank becomes an error, not a hang
@@ -60,6 +66,8 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
     check_scan_args(args.all_scan)
     if args.softmax_sp not in SOFTMAX_SP:
         raise ValueError(f"distributed.softmax_sp={args.softmax_sp!r}; choose one of {', '.join(SOFTMAX_SP)}")
+    if args.fsdp_unit not in FSDP_UNITS:
+        raise ValueError(f"distributed.fsdp_unit={args.fsdp_unit!r}; choose one of {', '.join(FSDP_UNITS)}")
     if args.dp_replicate < 1 or world % args.dp_replicate:
         raise ValueError(f"distributed.dp_replicate={args.dp_replicate} does not divide the world size {world}")
     if args.sp_size == "auto":
@@ -162,14 +170,15 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, blocks) -> torch.nn.Module:
-    """FSDP2 each block, then the root (embeddings, final norm, head). `blocks`: the block modules."""
+    """FSDP2 each block (fsdp_unit=block), then the root (the rest, or everything with fsdp_unit=model).
+    `blocks`: the block modules."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if env.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=_DTYPES[args.param_dtype], reduce_dtype=_DTYPES[args.reduce_dtype])
     else:
         mp = MixedPrecisionPolicy()  # CPU: fp32 end to end
-    for i, block in enumerate(blocks):
+    for i, block in enumerate(blocks if args.fsdp_unit == "block" else []):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=env.fsdp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=env.fsdp_mesh, mp_policy=mp)

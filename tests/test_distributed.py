@@ -27,6 +27,7 @@ def test_resolve_dims():
     (dict(sp_size=2, dp_shard=3), 4, "!= world size 4"),
     (dict(sp_size=1, dp_replicate=3), 4, "dp_replicate=3 does not divide"),
     (dict(sp_size=0), 4, "positive int or 'auto'"),
+    (dict(fsdp_unit="layer"), 4, "fsdp_unit='layer'; choose one of block, model"),
 ])
 def test_resolve_dims_errors(kw, world, msg):
     with pytest.raises(ValueError, match=msg):
@@ -45,7 +46,7 @@ def test_single_process_setup():
     assert not dist.is_initialized()
 
 
-def _layout(rank, world, dp_replicate, sp):
+def _layout(rank, world, dp_replicate, sp, unit="block"):
     env = setup(DistributedArgs(sp_size=sp, dp_replicate=dp_replicate))
     assert not env.owns_group  # the test harness made the group; setup must not replace it
     sp_members = dist.get_process_group_ranks(env.sp_group)
@@ -55,7 +56,7 @@ def _layout(rank, world, dp_replicate, sp):
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
     full = [p.detach().clone() for p in model.parameters()]
     blocks = [model[0]]
-    apply_fsdp(model, env, DistributedArgs(), blocks)
+    apply_fsdp(model, env, DistributedArgs(fsdp_unit=unit), blocks)
     xs = torch.randn(world, 5, 6, generator=torch.Generator().manual_seed(1))
     model(xs[rank]).square().sum().backward()
     got = [p.grad.full_tensor() for p in model.parameters()]
@@ -65,8 +66,9 @@ def _layout(rank, world, dp_replicate, sp):
             p.copy_(f)
     ref(xs.reshape(-1, 6)).square().sum().div(world).backward()  # mean over ranks of local sums
     err = max((g - p.grad).abs().max().item() for g, p in zip(got, ref.parameters()))
+    units = sum(1 for m in model.modules() if type(m).__name__.startswith("FSDP"))  # fully_shard's classes
     return dict(sp_rank=env.sp_rank, dp_rank=env.dp_rank, sp_members=sp_members, method=env.sp_method,
-                fsdp_shape=tuple(env.fsdp_mesh.mesh.shape), err=err)
+                fsdp_shape=tuple(env.fsdp_mesh.mesh.shape), err=err, units=units)
 
 
 @pytest.mark.slow
@@ -82,8 +84,11 @@ def test_mesh_layout_and_grad_reduction_4_ranks(dp_replicate):
         assert o["err"] < 1e-5, o
 
 
-def test_pure_data_parallel_gets_one_rank_sp_groups():
-    """sp_size=1 on 2 ranks: each rank's SP group holds only itself (a None group would mean the world)."""
-    out = run_on_ranks(_layout, 2, 1, 1)
+@pytest.mark.parametrize("unit, units", [("block", 2), ("model", 1)])
+def test_pure_data_parallel_gets_one_rank_sp_groups(unit, units):
+    """sp_size=1 on 2 ranks: each rank's SP group holds only itself (a None group would mean the world).
+    fsdp_unit=model: one FSDP unit, the same averaged gradient."""
+    out = run_on_ranks(_layout, 2, 1, 1, unit)
     for rank, o in enumerate(out):
         assert o["sp_members"] == [rank] and o["method"] == "none" and o["err"] < 1e-6
+        assert o["units"] == units, o
