@@ -53,3 +53,29 @@ def test_the_group_agrees_on_the_mode_with_the_smaller_summed_median():
 def test_blocking_wins_when_it_is_faster():
     results = run_on_ranks(_chooser_worker, 3, [(2.0, 1.0), (2.0, 1.5), (1.0, 1.0)])
     assert all([d["overlapped"] for d in r[2]] == [False, False] for r in results)
+
+
+def _reinit_worker(rank, world):
+    clock = GivenClock(1.0, 3.0)
+    chooser = OverlapChooser(warmup=1, trials=2, clock=clock)
+    xs, as_ = contributions(1, seed=4)
+    args = AllScanArgs(algorithm="chain")
+
+    def scans():
+        for _ in range(6):
+            chooser.scan(xs[0], as_[0], None, False, args).wait()
+
+    scans()
+    first = clock.started
+    # a second run in the same process: the new world group gets the old one's name ("0")
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    scans()
+    return first, clock.started, [d["group"] for d in chooser.decisions()]
+
+
+def test_a_new_process_group_is_measured_again_not_given_a_destroyed_ones_decision():
+    [(first, total, groups)] = run_on_ranks(_reinit_worker, 1)
+    assert first == 2 * 2  # two modes × two trials, one direction
+    assert total == 2 * first, "the re-made group reused the destroyed group's decision (keyed by its name)"
+    assert groups == ["0", "0"]

@@ -14,14 +14,20 @@ by the stream itself.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 _POOL: dict = {}
 
 
 def group_key(group):
-    """A process group's stable identity as a dict key."""
-    name = getattr(group, "group_name", None)  # stable for the group's life; id() as a fallback
-    return name if name else id(group)
+    """A process group's identity as a dict key: the group object itself (None: the world's). Not its name:
+    torch names groups by a per-process counter, so after destroy_process_group and a new init the new
+    groups reuse the old names, and state cached under a name (a symmetric-memory handle of a destroyed
+    communicator, a measured decision) would be taken for the new group's. A key holds its group alive,
+    so no later group can take its place."""
+    if group is None and dist.is_initialized():
+        return dist.group.WORLD
+    return group
 
 
 def buffer_key(tag: str, shape, dtype: torch.dtype, device: torch.device, group=None) -> tuple:

@@ -87,7 +87,8 @@ class OverlapChooser:
         return bool(t[0] < t[1])
 
     def decisions(self) -> list[dict]:
-        return [dict(group=g, shape=s, reverse=r, overlapped=k.overlapped, summed_median_s=k.medians_s)
+        return [dict(group=getattr(g, "group_name", str(g)), shape=s, reverse=r, overlapped=k.overlapped,
+                     summed_median_s=k.medians_s)
                 for (g, s, _, r), k in self._keys.items() if k.overlapped is not None]
 
 
