@@ -159,7 +159,10 @@ def to_dict(args: Any) -> dict:
     return OmegaConf.to_container(OmegaConf.structured(args))
 
 
-def dump_config(args: Any, dump_dir: str | os.PathLike, name: str = "config.yaml") -> Path:
+CONFIG_NAME = "config.yaml"  # the resolved config in a run's dump_dir (train writes it, eval/stool read it)
+
+
+def dump_config(args: Any, dump_dir: str | os.PathLike, name: str = CONFIG_NAME) -> Path:
     path = Path(dump_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

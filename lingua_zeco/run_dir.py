@@ -20,12 +20,11 @@ import time
 
 from omegaconf import OmegaConf
 
-from lingua_zeco.args import ConfigError
+from lingua_zeco.args import CONFIG_NAME, ConfigError
 from lingua_zeco.checkpoint_integrity import probe_writable
 from lingua_zeco.reliability import flatten_config, gather_all, rank_world
 
 LOCK_NAME = ".lock"
-CONFIG_NAME = "config.yaml"
 
 log = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lingua_zeco.args import ConfigError, dump_config, parse_args
+from lingua_zeco.args import CONFIG_NAME, ConfigError, dump_config, parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = ROOT / "slurm"
@@ -114,7 +114,7 @@ def sbatch_values(args: StoolArgs, cfg, dump_dir: str, code_dir: str) -> dict:
     return dict(job_name=args.job_name or getattr(cfg, "name", "lingua"), nodes=args.nodes, ngpus=args.ngpus,
                 cpus=cpus, mem=args.mem, time=args.time, dump_dir=dump_dir, extra_sbatch="\n".join(extra),
                 master_port=args.master_port, omp_threads=max(1, cpus // args.ngpus), code_dir=code_dir,
-                env_lines="", script=args.script, config_path=os.path.join(dump_dir, "config.yaml"),
+                env_lines="", script=args.script, config_path=os.path.join(dump_dir, CONFIG_NAME),
                 grace_s=args.grace_s)
 
 

@@ -34,7 +34,7 @@ import torch
 from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
 from lingua_zeco import checkpoint_integrity, distributed, reliability
-from lingua_zeco.args import ConfigError, parse_args
+from lingua_zeco.args import CONFIG_NAME, ConfigError, parse_args
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import LoggingArgs, MetricLogger
@@ -56,7 +56,7 @@ class EvalCLIArgs:
 def load_run_config(dump_dir: str, config: str = "") -> TrainArgs:
     if not (dump_dir or config):  # not the current directory's config.yaml by accident
         raise ConfigError("give dump_dir=<run folder> (with config.yaml and checkpoints/) or config=<config.yaml>")
-    path = config or os.path.join(dump_dir, "config.yaml")
+    path = config or os.path.join(dump_dir, CONFIG_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no run config at {path!r}: give dump_dir=<run folder> or config=<config.yaml>")
     return parse_args(TrainArgs, [f"config={path}"])
