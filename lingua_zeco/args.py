@@ -73,6 +73,9 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
             level = f"under '{where}'" if where else "at the top level"
             raise ConfigError(f"unknown config key '{path}'; valid keys {level}: {', '.join(names)}")
         sub = _dataclass_of(hints[key])
+        if sub is not None and val is not None and not isinstance(val, (dict, DictConfig)):
+            raise ConfigError(f"'{path}' is a section, not a value (got {val!r}); set its keys, e.g. "
+                              f"{path}.{dataclasses.fields(sub)[0].name}=... (--help lists them)")
         if sub is not None:
             check_keys(sub, val, path)
 
@@ -134,10 +137,29 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
         exit_with_help(cls)
     config, overrides = split_cli(argv, yaml_key=_yaml_key(cls))
     overrides = _bracket_lists(cls, overrides)
-    layers = [OmegaConf.load(resolve_config_path(config))] if config is not None else []
-    if overrides:
-        layers.append(OmegaConf.from_dotlist(overrides))
-    return build(cls, *layers)  # which checks every layer's keys, the YAML's first
+    layers = [_load_yaml(resolve_config_path(config))] if config is not None else []
+    for arg in overrides:  # one at a time, so that a bad one is named
+        try:
+            layers.append(OmegaConf.from_dotlist([arg]))
+        except Exception as e:  # yaml's parser errors: the value is not valid YAML (an unclosed bracket...)
+            what = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"command-line argument {arg!r}: its value is not valid YAML ({what})") from e
+    return build(cls, *layers)
+
+
+def _load_yaml(path: Path) -> DictConfig:
+    """A config file as a mapping, or one error naming the file (and the line, for a YAML error)."""
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as e:  # yaml.YAMLError and OmegaConf's own: the first line and where yaml says it is
+        where = getattr(e, "problem_mark", None)
+        at = f" (line {where.line + 1}, column {where.column + 1})" if where is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML{at}: {what}") from e
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {str(path)!r} must be a mapping of keys (key: value lines), "
+                          f"not a {type(loaded).__name__}")
+    return loaded  # which checks every layer's keys, the YAML's first
 
 
 def build(cls: type[T], *layers: Any) -> T:

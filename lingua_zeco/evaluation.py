@@ -67,6 +67,15 @@ class EvalArgs:
     recall_span: int = 0
 
 
+def check_eval_args(ev: EvalArgs) -> None:
+    """Values no evaluation can use (eval.steps=0 would log a loss of 0 over 0 tokens), named by key."""
+    if ev.steps < 1:
+        raise ValueError(f"eval.steps={ev.steps} must be >= 1 (validation batches per evaluation)")
+    for key in ("every", "batch_size", "recall_span"):
+        if getattr(ev, key) < 0:
+            raise ValueError(f"eval.{key}={getattr(ev, key)} must be >= 0")
+
+
 def training_data_args(data: DataArgs, ev: EvalArgs) -> DataArgs:
     """The training stream: with evaluation on the built-in corpus, its train split only."""
     if ev.every > 0 and data.root_dir is None and not data.sources and ev.root_dir is None:
@@ -83,6 +92,7 @@ def validation_data_args(data: DataArgs, ev: EvalArgs, trained_on: DataArgs | No
 
 def _validation(data: DataArgs, ev: EvalArgs, trained_on: DataArgs | None) -> tuple[DataArgs, list[str]]:
     """(validation DataArgs, what it shares with the training stream); refuses sharing unless allowed."""
+    check_eval_args(ev)
     valid = _validation_source(data, ev)
     if ev.recall_span:
         if data.synthetic != "mqar":

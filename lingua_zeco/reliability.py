@@ -203,14 +203,14 @@ class StepGuard:
 # -- input checks --------------------------------------------------------------------------------
 def check_config(args) -> None:
     """Values no run can use, named by their key (TrainArgs, duck-typed)."""
-    positive = {"data.seq_len": args.data.seq_len, "data.batch_size": args.data.batch_size,
+    positive = {"steps": args.steps, "data.seq_len": args.data.seq_len, "data.batch_size": args.data.batch_size,
                 "grad_acc_steps": args.grad_acc_steps, "logging.freq": args.logging.freq,
                 "distributed.timeout_s": args.distributed.timeout_s}
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
-    if args.steps < 0 or args.checkpoint.dump.keep < 0:
-        raise ConfigError(f"steps={args.steps} and checkpoint.dump.keep={args.checkpoint.dump.keep} must be >= 0")
+    if args.checkpoint.dump.keep < 0:
+        raise ConfigError(f"checkpoint.dump.keep={args.checkpoint.dump.keep} must be >= 0 (0 = keep every checkpoint)")
     StepGuard(args.reliability)  # validates the non-finite policy
 
 

@@ -22,12 +22,18 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from lingua_zeco.args import CONFIG_NAME, ConfigError, dump_config, parse_args
+from lingua_zeco.args import ConfigError, dump_config, parse_args
+from lingua_zeco.distributed import DistributedArgs, resolve_dims
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE_DIR = ROOT / "slurm"
 CODE_DIRS = ("apps", "lingua_zeco", "configs")
 LAUNCHERS = ("sbatch", "bash")
+# The job's config, beside (not over) the run's config.yaml: a run folder's config.yaml is the trainer's,
+# written once a run has started from a compatible state; a submission must not replace it.
+JOB_CONFIG_NAME = "job_config.yaml"
+# Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, and no limit
+_SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)", re.IGNORECASE)
 
 
 @dataclass
@@ -65,12 +71,17 @@ def split_argv(argv: list[str]) -> tuple[StoolArgs, list[str]]:
         raise ConfigError(f"nodes={args.nodes} and ngpus={args.ngpus} must be >= 1")
     if args.launcher == "bash" and args.nodes != 1:
         raise ConfigError("launcher=bash runs on this machine only: nodes must be 1")
+    if not _SLURM_TIME.fullmatch(args.time):
+        raise ConfigError(f"time={args.time!r} is not a Slurm time limit; use e.g. 24:00:00, 90 (minutes) or 2-00:00:00")
     return args, rest
 
 
 def script_args_class(script: str):
     """The script's config dataclass: `ARGS` if the module defines it, else `TrainArgs`."""
-    module = importlib.import_module(script)
+    try:
+        module = importlib.import_module(script)
+    except ImportError as e:
+        raise ConfigError(f"script={script!r} cannot be imported ({e}); give a module such as apps.gla.train") from e
     cls = getattr(module, "ARGS", None) or getattr(module, "TrainArgs", None)
     if cls is None or not dataclasses.is_dataclass(cls):
         raise ConfigError(f"script {script} defines neither ARGS nor TrainArgs (a dataclass)")
@@ -85,6 +96,8 @@ def resolve_script_config(args: StoolArgs, overrides: list[str]):
     dump_dir = os.path.abspath(dump_dir)
     if "dump_dir" in {f.name for f in dataclasses.fields(cls)}:
         cfg = dataclasses.replace(cfg, dump_dir=dump_dir)
+    if isinstance(getattr(cfg, "distributed", None), DistributedArgs):  # a layout the job's world cannot hold
+        resolve_dims(cfg.distributed, args.nodes * args.ngpus)
     return cfg, dump_dir
 
 
@@ -114,7 +127,7 @@ def sbatch_values(args: StoolArgs, cfg, dump_dir: str, code_dir: str) -> dict:
     return dict(job_name=args.job_name or getattr(cfg, "name", "lingua"), nodes=args.nodes, ngpus=args.ngpus,
                 cpus=cpus, mem=args.mem, time=args.time, dump_dir=dump_dir, extra_sbatch="\n".join(extra),
                 master_port=args.master_port, omp_threads=max(1, cpus // args.ngpus), code_dir=code_dir,
-                env_lines="", script=args.script, config_path=os.path.join(dump_dir, CONFIG_NAME),
+                env_lines="", script=args.script, config_path=os.path.join(dump_dir, JOB_CONFIG_NAME),
                 grace_s=args.grace_s)
 
 
@@ -123,7 +136,7 @@ def prepare(args: StoolArgs, overrides: list[str]) -> Path:
     cfg, dump_dir = resolve_script_config(args, overrides)
     out = Path(dump_dir)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    dump_config(cfg, out)
+    dump_config(cfg, out, JOB_CONFIG_NAME)
     code_dir = str(copy_code(out / "code")) if args.copy_code else str(ROOT)
     values = sbatch_values(args, cfg, dump_dir, code_dir)
     for template, name in (("job.sbatch", "submit.sbatch"), ("node.sh", "node.sh")):
@@ -147,7 +160,7 @@ def submit(args: StoolArgs, sbatch_file: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     args, overrides = split_argv(sys.argv[1:] if argv is None else argv)
     sbatch_file = prepare(args, overrides)
-    print(f"wrote {sbatch_file.parent}/{{config.yaml, code/, submit.sbatch, node.sh}}")
+    print(f"wrote {sbatch_file.parent}/{{{JOB_CONFIG_NAME}, code/, submit.sbatch, node.sh}}")
     out = submit(args, sbatch_file)
     if out:
         print(out)

@@ -40,7 +40,11 @@ class SentencePieceTokenizer(_Tokenizer):
     def __init__(self, path: str):
         import sentencepiece as spm
 
-        self.sp = spm.SentencePieceProcessor(model_file=path)
+        try:
+            self.sp = spm.SentencePieceProcessor(model_file=path)
+        except (RuntimeError, OSError) as e:  # sentencepiece's "could not parse ModelProto" and friends
+            raise ValueError(f"data.tokenizer.path={path!r} is not a SentencePiece model ({str(e).splitlines()[0]}); "
+                             f"give a .model file made by setup/train_tokenizer.py or sentencepiece") from e
         self.n_words = self.sp.vocab_size()
         self.bos_id = self.sp.bos_id()
         self.eos_id = self.sp.eos_id()

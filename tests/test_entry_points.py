@@ -81,6 +81,22 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str]]]:
     cases["stool-missing-config"] = ("lingua_zeco.stool", ["config=no_such_config", *dry])
     cases["stool-bad-launcher"] = ("lingua_zeco.stool", ["config=debug.yaml", "launcher=mpirun", *dry])
     cases["perf_model-unknown-key"] = ("lingua_zeco.perf_model", ["what=op", "op.no_such_field=1"])
+    # train: values that used to run (a 1.2B model with no config=, steps=0, a 0-token "validation loss") or
+    # ended in a traceback deep in the model, the tokenizer or the YAML parser
+    run = ["config=debug.yaml", f"dump_dir={tmp}/train", "steps=2"]
+    cases["train-no-config"] = ("apps.gla.train", [f"dump_dir={tmp}/train", "steps=2"])
+    for bad in ("model.dim=0", "model.n_heads=0", "model.n_layers=0", "model.ffn_hidden=-4", "model.vocab_size=10",
+                "steps=0", "steps=-3", "model=5", "data.sources={train: 1.0"):
+        cases[f"train-{bad}"] = ("apps.gla.train", [*run, bad])
+    cases["train-eval.steps=0"] = ("apps.gla.train", [*run, "eval.every=1", "eval.steps=0"])
+    cases["train-tokenizer-not-sentencepiece"] = ("apps.gla.train", [*run, "data.tokenizer.name=sp",
+                                                                      f"data.tokenizer.path={tmp}/run/config.yaml"])
+    cases["train-yaml-syntax"] = ("apps.gla.train", [f"config={tmp}/broken.yaml", f"dump_dir={tmp}/train"])
+    cases["train-yaml-list"] = ("apps.gla.train", [f"config={tmp}/list.yaml", f"dump_dir={tmp}/train"])
+    cases["stool-bad-time"] = ("lingua_zeco.stool", ["config=debug.yaml", "time=forever", *dry])
+    cases["stool-bad-script"] = ("lingua_zeco.stool", ["config=debug.yaml", "script=apps.gla.nonexist", *dry])
+    cases["stool-sp-not-dividing"] = ("lingua_zeco.stool", ["config=debug.yaml", "distributed.sp_size=3", "ngpus=8",
+                                                            *dry])
     return cases
 
 
@@ -89,6 +105,8 @@ def bad_input_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "run").mkdir()
     (tmp / "run" / "config.yaml").write_text(f"name: t\ndump_dir: {tmp / 'run'}\n")
+    (tmp / "broken.yaml").write_text("model:\n  dim: [1, 2\n")
+    (tmp / "list.yaml").write_text("- a\n- b\n")
     cases = _bad_cases(tmp)
     res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(list(cases.values()))], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)

@@ -37,11 +37,11 @@ def test_render_sbatch(tmp_path):
     assert f'export PYTHONPATH="{tmp_path}/code' in sb
     assert re.search(r'torchrun\s+\\\s+--nnodes="\$NNODES" --nproc_per_node="\$NPROC_PER_NODE" '
                      r'--node_rank="\$NODE_RANK"', node)
-    assert f'-m apps.gla.train config="{tmp_path}/config.yaml"' in node
+    assert f'-m apps.gla.train config="{tmp_path}/job_config.yaml"' in node
     assert 'scontrol requeue "$SLURM_JOB_ID"' in node
     assert 'export NPROC_PER_NODE="8"' in sb
     # The resolved config: overrides applied, dump_dir pointing at the job folder.
-    cfg = OmegaConf.load(tmp_path / "config.yaml")
+    cfg = OmegaConf.load(tmp_path / "job_config.yaml")
     assert cfg.steps == 123 and cfg.data.seq_len == 8192 and cfg.dump_dir == str(tmp_path)
     assert cfg.model.dim == 2048  # from gla_1b_zeco.yaml
     for sub in ("apps/gla/train.py", "lingua_zeco/stool.py", "configs/gla_1b_zeco.yaml"):
@@ -55,6 +55,16 @@ def test_optional_directives_left_out(tmp_path):
     main(["config=debug.yaml", "nodes=1", "ngpus=2", f"dump_dir={tmp_path}", "dry_run=true"])
     sb = (tmp_path / "submit.sbatch").read_text()
     assert "--partition" not in sb and "--qos" not in sb and "--gpus-per-node=2" in sb
+
+
+def test_a_submission_never_replaces_a_runs_config(tmp_path):
+    """A run folder's config.yaml is the trainer's (resolved, e.g. vocab_size filled in); a submission
+    into that folder, dry or not, with other overrides, leaves it as it was."""
+    saved = "name: run\nmodel:\n  vocab_size: 258\n"
+    (tmp_path / "config.yaml").write_text(saved)
+    main(["config=debug.yaml", "model.dim=64", "nodes=1", "ngpus=2", f"dump_dir={tmp_path}", "dry_run=true"])
+    assert (tmp_path / "config.yaml").read_text() == saved
+    assert OmegaConf.load(tmp_path / "job_config.yaml").model.dim == 64
 
 
 def test_bad_keys_fail_before_submission(tmp_path):

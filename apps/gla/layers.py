@@ -62,6 +62,20 @@ class GLAArgs:
         return 256 * math.ceil(int(self.dim * 8 / 3) / 256)
 
 
+def check_model_args(args: GLAArgs) -> None:
+    """Sizes no model can have, named by key (a 0 would surface as a ZeroDivisionError deep in init)."""
+    for key in ("dim", "n_layers", "n_heads", "gate_low_rank_dim", "gate_logit_normalizer"):
+        if getattr(args, key) < 1:
+            raise ValueError(f"model.{key}={getattr(args, key)} must be >= 1")
+    for key in ("expand_k", "expand_v", "norm_eps", "init_std", "rope_theta"):
+        if not getattr(args, key) > 0:
+            raise ValueError(f"model.{key}={getattr(args, key)} must be > 0")
+    if args.ffn_hidden < 0:
+        raise ValueError(f"model.ffn_hidden={args.ffn_hidden} must be >= 0 (0 = fla's rule, 8/3 x dim)")
+    if args.vocab_size < 0:
+        raise ValueError(f"model.vocab_size={args.vocab_size} must be >= 0 (0 = the tokenizer's)")
+
+
 def _exact(x: float, what: str) -> int:
     if not math.isclose(x, round(x)):
         raise ValueError(f"{what} must be an integer, got {x}")

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from apps.gla.attention_gla import GatedLinearAttention
 from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
-from apps.gla.layers import GLAArgs, RMSNorm
+from apps.gla.layers import GLAArgs, RMSNorm, check_model_args
 from lingua_zeco.comm import group_rank_size
 from lingua_zeco.kernels import acc_dtype
 from lingua_zeco.sp.varlen import as_packing
@@ -112,6 +112,7 @@ class GLAForCausalLM(nn.Module):
         """sp_method / sp_scan: the linear-attention layers' SP (distributed.sp_method, .all_scan);
         softmax_sp: the softmax layers' (distributed.softmax_sp: allgather | ring)."""
         super().__init__()
+        check_model_args(args)
         if args.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer fills 0 from the tokenizer)")
         self.args = args

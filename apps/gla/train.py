@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from apps.gla.layers import check_model_args
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
 from lingua_zeco import distributed
@@ -166,12 +167,18 @@ def train(args: TrainArgs) -> dict:
 
 def _checked(args: TrainArgs) -> TrainArgs:
     """The config with the tokenizer's vocabulary size filled in, checked, and the same on every rank."""
-    if args.model.vocab_size <= 0:
-        args = dataclasses.replace(args, model=dataclasses.replace(
-            args.model, vocab_size=build_tokenizer(args.data.tokenizer).n_words))
+    n_words = build_tokenizer(args.data.tokenizer).n_words
+    if args.model.vocab_size == 0:
+        args = dataclasses.replace(args, model=dataclasses.replace(args.model, vocab_size=n_words))
+    elif 0 < args.model.vocab_size < n_words and not args.data.synthetic:  # ids past the embedding table
+        raise ConfigError(f"model.vocab_size={args.model.vocab_size} is smaller than the tokenizer's {n_words} ids "
+                          f"(data.tokenizer.name={args.data.tokenizer.name}); set model.vocab_size=0 (the tokenizer's) "
+                          f"or at least {n_words}")
     if args.grad_acc_steps < 1:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
     reliability.check_config(args)
+    evaluation.check_eval_args(args.eval)
+    check_model_args(args.model)
     reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     return args
 
@@ -314,6 +321,11 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
     with reliability.clean_exit():  # one line on stderr and a documented exit code (lingua_zeco/reliability.py)
+        argv = sys.argv[1:] if argv is None else argv
+        if not any(a.startswith("config=") for a in argv) and not any(a in ("-h", "--help") for a in argv):
+            # the defaults alone are GLA-1B on the built-in corpus: never what a bare command means
+            raise ConfigError("give config=<name> (a file, or one of configs/: e.g. config=debug.yaml for a CPU "
+                              "run, config=gla_1b_dp.yaml); --help lists the keys")
         args = parse_args(TrainArgs, argv)
         if int(os.environ.get("RANK", "0")) != 0:
             logging.getLogger().setLevel(logging.WARNING)
