@@ -166,7 +166,7 @@ def teardown(env: DistEnv) -> None:
         dist.destroy_process_group()
 
 
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the names configs use
 
 
 def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, blocks) -> torch.nn.Module:
@@ -175,7 +175,7 @@ def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, bloc
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if env.device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=_DTYPES[args.param_dtype], reduce_dtype=_DTYPES[args.reduce_dtype])
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype])
     else:
         mp = MixedPrecisionPolicy()  # CPU: fp32 end to end
     for i, block in enumerate(blocks if args.fsdp_unit == "block" else []):

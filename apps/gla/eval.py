@@ -95,7 +95,45 @@ def training_context(cfg: TrainArgs, ckpt_path: str) -> int:
                       f"{cfg.distributed.sp_size!r}: give context=<tokens per training sequence>")
 
 
+def resolve_device(name: str) -> torch.device:
+    """The `device=` key (empty: cuda when available), refused by name when this machine cannot use it."""
+    if not name:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:  # "Expected one of cpu, cuda, ... device type at start of device string"
+        raise ConfigError(f"device={name!r} is not a device name; use cpu, cuda or cuda:<index>") from e
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={name!r} but CUDA is not available; use device=cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={name!r} but this machine has {torch.cuda.device_count()} CUDA "
+                              f"device(s); use cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+    elif device.type != "cpu":
+        try:  # mps, xpu, meta...: whether this torch build and machine can hold and read back a tensor there
+            torch.zeros(1, device=device).cpu()
+        except Exception as e:  # torch's message can run to a page (every dispatch key)
+            raise ConfigError(f"device={name!r} is not usable with this torch on this machine "
+                              f"({type(e).__name__}); use device=cpu or cuda") from e
+    return device
+
+
+def check_cli_args(args: EvalCLIArgs) -> torch.device | None:
+    """This command's own keys, refused by name before anything is loaded (a negative context would
+    surface as the data loader's "bad layout", `out=` a folder only after the whole evaluation).
+    Returns the device asked for (None: the mesh's)."""
+    if args.context < 0:
+        raise ConfigError(f"context={args.context}: give the tokens per sequence, >= 1 (0 = the training context)")
+    if args.sp_size < 0:
+        raise ConfigError(f"sp_size={args.sp_size}: give the ranks per SP group, >= 1 (0 = the run's)")
+    if args.out and os.path.isdir(args.out):
+        raise ConfigError(f"out={args.out!r} is a folder; give a file to append the result line to, e.g. "
+                          f"out={os.path.join(args.out, 'eval.jsonl')}")
+    return resolve_device(args.device) if args.device else None
+
+
 def run(args: EvalCLIArgs) -> dict:
+    device = check_cli_args(args)
     cfg = load_run_config(args.dump_dir, args.config)
     # What the run trained on follows from its own eval settings (eval.every=0 on the built-in corpus
     # reads all of it, held-out split included); refused here, before any checkpoint is loaded.
@@ -107,7 +145,7 @@ def run(args: EvalCLIArgs) -> dict:
         raise ConfigError(f"{e}; for evaluation set sp_size=<ranks per sequence>, a divisor of the ranks "
                           f"launched (the context stays the training one)") from e
     try:
-        device = torch.device(args.device) if args.device else env.device
+        device = device or env.device
         model, path = load_model(cfg, args, device, env.sp_group, env.sp_method)
         context = args.context or training_context(cfg, path)
         if context % env.dims.sp:
@@ -124,8 +162,11 @@ def run(args: EvalCLIArgs) -> dict:
         print(json.dumps(result))
     if args.out:  # the trainer's writer: one whole line appended per evaluation (rank 0 only)
         out = os.path.abspath(args.out)
-        writer = MetricLogger(os.path.dirname(out), LoggingArgs(metrics_file=os.path.basename(out)),
-                              active=env.is_master)
+        try:
+            writer = MetricLogger(os.path.dirname(out), LoggingArgs(metrics_file=os.path.basename(out)),
+                                  active=env.is_master)
+        except OSError as e:  # e.g. a file where its folder should be, no write permission
+            raise ConfigError(f"out={args.out!r}: cannot append to it ({e}); give a writable file path") from e
         writer.log(result)
         writer.close()
     return result

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +41,15 @@ import torch
 from apps.gla.attention_softmax import softmax_layer_set
 from apps.gla.model import GLAArgs, GLAForCausalLM
 from lingua_zeco.args import ConfigError, build, parse_args
+from lingua_zeco.distributed import DTYPES
 from lingua_zeco.reliability import clean_exit
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
 FLA_FIXED = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}  # fla's GLA layer hard-codes these
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 META = "lingua_zeco.json"
 TOKENIZER_FILES = {"sp": "tokenizer.model", "tiktoken": "tokenizer.tiktoken"}
+REEXPORT = "export the checkpoint again with python -m apps.gla.export_hf"
+log = logging.getLogger("apps.gla.export_hf")  # not "__main__" under python -m
 
 
 @dataclass
@@ -53,7 +57,7 @@ class ExportArgs:
     dump_dir: str = ""  # the run's folder (config.yaml, checkpoints/)
     ckpt: str = ""  # step_* folder or checkpoints root; empty = <dump_dir>/checkpoints
     config: str = ""  # the run's config; empty = <dump_dir>/config.yaml
-    out: str = ""  # the folder to write (created)
+    out: str = ""  # the folder to write (created; an earlier export there is replaced, anything else refused)
     dtype: str = "bf16"  # bf16 | fp16 | fp32: dtype of the written weights
 
 
@@ -110,60 +114,116 @@ def fla_weights(model: GLAForCausalLM) -> tuple[GLAArgs, dict[str, torch.Tensor]
     return dataclasses.replace(args, attn_variant="gla"), state
 
 
+def check_out(out: str) -> bool:
+    """Refuses an `out` whose replacement could lose something: a file, a link, or a non-empty folder that is
+    not an export (no lingua_zeco.json). True when it holds an earlier export, which gets replaced."""
+    if os.path.islink(out) or (os.path.exists(out) and not os.path.isdir(out)):
+        raise ConfigError(f"out={out!r} exists and is not a folder; give a new folder path for the export")
+    if not os.path.isdir(out) or not os.listdir(out):
+        return False
+    if not os.path.isfile(os.path.join(out, META)):
+        raise ConfigError(f"out={out!r} is a folder that apps.gla.export_hf did not write (no {META}); "
+                          f"refusing to replace it: give a new or empty folder")
+    return True
+
+
 def export(model: GLAForCausalLM, out: str, *, dtype: str = "bf16", tokenizer_args=None, source: str = "") -> str:
-    """Write config.json + model.safetensors + tokenizer file + lingua_zeco.json for an unsharded model."""
+    """Write config.json + model.safetensors + tokenizer file + lingua_zeco.json for an unsharded model.
+    Everything goes to a temporary folder next to `out`, renamed to `out` once complete: a failure halfway
+    (full disk, Ctrl-C) leaves `out` as it was, and an earlier export there is replaced as a whole."""
     from safetensors.torch import save_file
 
+    out = os.path.normpath(out)
+    replacing = check_out(out)
     tokenizer_args = tokenizer_args or TokenizerArgs()
     tok = build_tokenizer(tokenizer_args)  # before writing anything: a missing tokenizer file fails here
     cfg = fla_config(model.args, tok)  # refuses before anything is written
     args, state = fla_weights(model)
-    os.makedirs(out, exist_ok=True)
-    cfg.torch_dtype = str(DTYPES[dtype]).replace("torch.", "")
-    cfg.save_pretrained(out)
-    state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in state.items()}
-    if args.tie_embeddings:
-        state.pop("lm_head.weight")  # shared with the embeddings; transformers re-ties it
-    save_file(state, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    tok_file = TOKENIZER_FILES.get(tokenizer_args.name)
-    if tok_file is not None:
-        shutil.copyfile(tokenizer_args.path, os.path.join(out, tok_file))
-    meta = {"model": dataclasses.asdict(args), "trained_as": model.args.attn_variant, "source": source,
-            "tokenizer": {"name": tokenizer_args.name, "file": tok_file, "n_words": tok.n_words,
-                          "bos_id": tok.bos_id, "eos_id": tok.eos_id}}
-    with open(os.path.join(out, META), "w") as f:
-        json.dump(meta, f, indent=1)
+    parent, name = os.path.split(os.path.abspath(out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")  # same filesystem: the rename is atomic
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed export of the same pid
+        os.makedirs(tmp)
+    except OSError as e:
+        raise ConfigError(f"out={out!r}: cannot create a folder in {parent!r} ({e}); give a writable path") from e
+    try:
+        cfg.torch_dtype = str(DTYPES[dtype]).replace("torch.", "")
+        cfg.save_pretrained(tmp)
+        state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in state.items()}
+        if args.tie_embeddings:
+            state.pop("lm_head.weight")  # shared with the embeddings; transformers re-ties it
+        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        tok_file = TOKENIZER_FILES.get(tokenizer_args.name)
+        if tok_file is not None:
+            shutil.copyfile(tokenizer_args.path, os.path.join(tmp, tok_file))
+        meta = {"model": dataclasses.asdict(args), "trained_as": model.args.attn_variant, "source": source,
+                "tokenizer": {"name": tokenizer_args.name, "file": tok_file, "n_words": tok.n_words,
+                              "bos_id": tok.bos_id, "eos_id": tok.eos_id}}
+        with open(os.path.join(tmp, META), "w") as f:
+            json.dump(meta, f, indent=1)
+        if os.path.isdir(out):  # an earlier export (check_out) or an empty folder: moved aside, then dropped
+            if replacing:
+                log.warning("out=%s holds an earlier export: replacing it", out)
+            old = tmp + ".old"
+            os.rename(out, old)
+            try:
+                os.rename(tmp, out)
+            except OSError:
+                os.rename(old, out)
+                raise
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already after the rename
     return out
+
+
+def _one_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"  # load_state_dict's message spans lines
 
 
 def load_export(folder: str, device: str | torch.device = "cpu"):
     """(model, tokenizer) from an export folder, as this repository's model: plain torch kernels off
     CUDA (any CPU), fla's on CUDA."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    meta_path = os.path.join(folder, META)
+    meta_path, weights = os.path.join(folder, META), os.path.join(folder, "model.safetensors")
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: {folder!r} is not a folder written by apps.gla.export_hf")
-    with open(meta_path) as f:
-        meta = json.load(f)
-    model = GLAForCausalLM(build(GLAArgs, meta["model"]))
-    state = load_file(os.path.join(folder, "model.safetensors"))
-    if model.args.tie_embeddings:
-        state["lm_head.weight"] = state["model.embeddings.weight"]
-    model.load_state_dict(state)  # strict; copies into the model's dtype
-    t = meta["tokenizer"]
-    tok = build_tokenizer(TokenizerArgs(name=t["name"], path=os.path.join(folder, t["file"]) if t["file"] else None))
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        model = GLAForCausalLM(build(GLAArgs, meta["model"]))
+        t = meta["tokenizer"]
+        tok_path = os.path.join(folder, t["file"]) if t["file"] else None
+    except (ValueError, KeyError, TypeError) as e:  # bad json, a missing or unknown key, a wrong type
+        raise ConfigError(f"{meta_path} is damaged ({_one_line(e)}); {REEXPORT}") from e
+    if not os.path.isfile(weights):
+        raise FileNotFoundError(f"{weights} not found: {folder!r} is an incomplete export; {REEXPORT}")
+    try:
+        state = load_file(weights)
+        if model.args.tie_embeddings:
+            state["lm_head.weight"] = state["model.embeddings.weight"]
+        model.load_state_dict(state)  # strict; copies into the model's dtype
+    except (SafetensorError, KeyError, RuntimeError) as e:  # cut short, or tensors not of this model
+        raise ConfigError(f"{weights} is damaged ({_one_line(e)}); {REEXPORT}") from e
+    tok = build_tokenizer(TokenizerArgs(name=t["name"], path=tok_path))
     return model.to(device).eval(), tok
 
 
 def main(argv: list[str] | None = None) -> None:
     from apps.gla.eval import load_model, load_run_config
 
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     args = parse_args(ExportArgs, argv)
     if not args.out:
         raise ConfigError("give out=<folder> (the export folder to write)")
     if args.dtype not in DTYPES:
         raise ConfigError(f"dtype={args.dtype!r}; choose from {', '.join(DTYPES)}")
+    check_out(args.out)  # before the checkpoint is read; export() checks again
     cfg = load_run_config(args.dump_dir, args.config)
     model, path = load_model(cfg, args, torch.device("cpu"))
     export(model, args.out, dtype=args.dtype, tokenizer_args=cfg.data.tokenizer, source=path)

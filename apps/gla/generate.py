@@ -30,10 +30,10 @@ class GenerateArgs:
     config: str = ""  # the run's config; empty = <dump_dir>/config.yaml
     export: str = ""  # instead of a run: a folder written by apps.gla.export_hf (model + tokenizer)
     prompt: str = ""  # text to continue (the tokenizer's bos is put before it)
-    max_tokens: int = 128  # new tokens at most (generation also stops at eos)
+    max_tokens: int = 128  # new tokens at most (generation also stops at eos); 0 = the prompt only
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # sample among the k likeliest tokens; 0 = off
-    top_p: float = 1.0  # nucleus sampling; 1 = off
+    top_p: float = 1.0  # nucleus sampling, in (0, 1]; 1 = off
     seed: int = 0  # sampling seed
     device: str = ""  # empty: cuda when available
 
@@ -91,6 +91,19 @@ def generate(model: GLAForCausalLM, prompt_ids: list[int], *, max_tokens: int, t
     return out
 
 
+def check_sampling(args: GenerateArgs) -> None:
+    """Sampling settings that would fail mid-generation (top_p <= 0 leaves no token, a nan probability) or be
+    silently ignored (negative temperature or top_k, top_p > 1), refused before the model is loaded."""
+    if args.max_tokens < 0:
+        raise ConfigError(f"max_tokens={args.max_tokens}: give the number of new tokens, >= 0")
+    if not args.temperature >= 0:  # written so that nan fails too
+        raise ConfigError(f"temperature={args.temperature}: give a value >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        raise ConfigError(f"top_k={args.top_k}: give a value >= 0 (0 = off)")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"top_p={args.top_p}: give a value in (0, 1] (1 = off)")
+
+
 def load(args: GenerateArgs, device: torch.device):
     """(model, tokenizer) from the export folder or from the run's checkpoint."""
     if args.export:
@@ -109,7 +122,9 @@ def load(args: GenerateArgs, device: torch.device):
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     args = parse_args(GenerateArgs, argv)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    check_sampling(args)
+    from apps.gla.eval import resolve_device  # imported where used, like load()'s: eval imports the trainer
+    device = resolve_device(args.device)
     model, tok = load(args, device)
     prompt = tok.encode(args.prompt, add_bos=True, add_eos=False)
     new = generate(model, prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,

@@ -165,8 +165,8 @@ def train(args: TrainArgs) -> dict:
         distributed.teardown(env)
 
 
-def _checked(args: TrainArgs) -> TrainArgs:
-    """The config with the tokenizer's vocabulary size filled in, checked, and the same on every rank."""
+def with_vocab_size(args: TrainArgs) -> TrainArgs:
+    """model.vocab_size 0 filled in from the tokenizer; a vocabulary smaller than the tokenizer's refused."""
     n_words = build_tokenizer(args.data.tokenizer).n_words
     if args.model.vocab_size == 0:
         args = dataclasses.replace(args, model=dataclasses.replace(args.model, vocab_size=n_words))
@@ -174,6 +174,12 @@ def _checked(args: TrainArgs) -> TrainArgs:
         raise ConfigError(f"model.vocab_size={args.model.vocab_size} is smaller than the tokenizer's {n_words} ids "
                           f"(data.tokenizer.name={args.data.tokenizer.name}); set model.vocab_size=0 (the tokenizer's) "
                           f"or at least {n_words}")
+    return args
+
+
+def _checked(args: TrainArgs) -> TrainArgs:
+    """The config with the tokenizer's vocabulary size filled in, checked, and the same on every rank."""
+    args = with_vocab_size(args)
     if args.grad_acc_steps < 1:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
     reliability.check_config(args)

@@ -62,6 +62,11 @@ def parse(argv: list[str]) -> tuple[PerfModelArgs, list[str]]:
     args = parse_args(PerfModelArgs, [a for a in argv if a not in overrides])
     if args.what not in TABLES:
         raise ConfigError(f"what={args.what!r}; choose from {', '.join(TABLES)}")
+    for key in ("P", "T", "H", "blocks", "gpus_per_node"):  # sizes and counts: 0 divides by zero, < 0 gives zeros
+        value = getattr(args, key)
+        bad = [v for v in (value if isinstance(value, list) else [value]) if v < 1]
+        if bad:
+            raise ConfigError(f"{key}={bad[0]}: must be >= 1; give {key}= positive values")
     return args, overrides
 
 

@@ -110,10 +110,16 @@ class Topology:
 
 def load_calibration(paths: list[str] | None) -> dict:
     merged: dict = {"links": {}, "kernel_ms": {}, "tok_s": {}}
+    fix = "give bench_comm / bench_op output or {\"links\": ...}"
     for path in paths or []:
         with open(path) as f:
-            data = json.load(f)
-        cal = data.get("calibration", data)
+            try:
+                data = json.load(f)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:  # json's message names no file
+                raise ValueError(f"calib={path}: not a calibration JSON ({e}); {fix}") from None
+        cal = data.get("calibration", data) if isinstance(data, dict) else data
+        if not isinstance(cal, dict):
+            raise ValueError(f"calib={path}: not a calibration JSON (a {type(cal).__name__}, not an object); {fix}")
         for key in merged:
             merged[key].update(cal.get(key) or {})
     return merged

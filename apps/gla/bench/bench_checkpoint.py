@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from apps.gla.bench.common import bench_main, markdown_table, slowest, trainer_step
+from apps.gla.bench.common import at_least, bench_main, markdown_table, slowest, trainer_step
 from lingua_zeco import reliability
+from lingua_zeco.args import ConfigError
 
 MODELS = {  # name -> trainer overrides
     "debug": ["config=debug.yaml", "model.vocab_size=258"],
@@ -44,6 +45,15 @@ class BenchCheckpointArgs:
     seq_len: int = 256  # tokens per step and rank
     idle_steps: int = 3  # steps timed with no save pending
     path: str = ""  # checkpoint folder; empty: <out>/ckpt, removed afterwards
+
+
+def check_args(a: BenchCheckpointArgs, device) -> None:
+    """Refuse bad input before the first model is built: one line naming the key."""
+    at_least(a, saves=1, seq_len=1, idle_steps=1)  # idle_steps: a mean of none is no step time
+    for key, value, choices in (("models", a.models, MODELS), ("modes", a.modes, ("sync", "async"))):
+        unknown = [v for v in value if v not in choices]
+        if unknown:
+            raise ConfigError(f"{key}={unknown[0]}: unknown; choose from {', '.join(choices)}")
 
 
 def _state_bytes(model, optimizer) -> int:
@@ -120,7 +130,7 @@ def measure(a: BenchCheckpointArgs, device) -> tuple[str, dict, str]:
     return "checkpoint", dict(rows=rows), md
 
 
-main = bench_main(BenchCheckpointArgs, measure)
+main = bench_main(BenchCheckpointArgs, measure, check_args)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,13 @@ from lingua_zeco.comm import AllScanArgs, all_scan
 from lingua_zeco.perf_model.links import fit_alpha_beta
 
 from lingua_zeco import reliability
+from lingua_zeco.args import ConfigError
 
-from .common import HeadArgs, bench_main, device_name, local_world_size, markdown_table, summarize, time_iters
+from .common import (HEAD_MINIMUM, HeadArgs, at_least, bench_main, device_name, local_world_size, markdown_table,
+                     summarize, time_iters)
+
+METHODS = ("chain", "tree", "allgather", "allreduce")
+TRANSPORTS = ("nccl", "symm")
 
 
 @dataclass
@@ -47,6 +52,17 @@ class BenchCommArgs(HeadArgs):
     transports: tuple[str, ...] = ("nccl",)  # all_scan.transport of the chain and tree rows: nccl | symm
     loopback: int = 0  # > 1: that many virtual ranks of the symm transport on this one GPU (one process)
     seed: int = 0  # seed of the random states
+
+
+def check_args(args: BenchCommArgs, device: torch.device) -> None:
+    """Refuse bad input before the first collective is timed: one line naming the key."""
+    at_least(args, **HEAD_MINIMUM, heads=1, blocks=1, loopback=0)
+    for key, value, choices in (("methods", args.methods, METHODS), ("transports", args.transports, TRANSPORTS)):
+        unknown = [v for v in value if v not in choices]
+        if unknown:
+            raise ConfigError(f"{key}={unknown[0]}: unknown; choose from {', '.join(choices)}")
+    if "symm" in args.transports and device.type != "cuda":  # one rank would time a no-op scan
+        raise ConfigError("transports=symm: the symm transport needs CUDA GPUs (symmetric memory); use transports=nccl")
 
 
 def _allgather(out: torch.Tensor, inp: torch.Tensor) -> None:
@@ -188,7 +204,7 @@ def measure(args: BenchCommArgs, device: torch.device) -> tuple[str, dict, str]:
     return (f"comm_loopback_P{args.loopback}" if args.loopback > 1 else f"comm_P{P}"), results, md
 
 
-main = bench_main(BenchCommArgs, measure)
+main = bench_main(BenchCommArgs, measure, check_args)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 from lingua_zeco import reliability
 from lingua_zeco.sp.virtual_ranks import middle_rank_scan
 
-from .common import SliceArgs, cuda_graph, slices_main, time_calls
+from .common import SLICE_MINIMUM, SliceArgs, at_least, cuda_graph, needs_cuda, slices_main, time_calls
 
 
 @dataclass
@@ -35,6 +35,11 @@ class BenchFusedArgs(SliceArgs):
     iters: int = 50  # timed calls (medians over these)
     graphs: bool = True  # also time each variant replayed from a CUDA graph
     doc_len: int = 4096  # packed variants: documents of this many tokens (0: none)
+
+
+def check_args(args: BenchFusedArgs, device) -> None:
+    needs_cuda("bench_fused")
+    at_least(args, **SLICE_MINIMUM, doc_len=0)
 
 
 def middle_rank_state(q, v):
@@ -121,7 +126,7 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
     return row
 
 
-main = slices_main(BenchFusedArgs, "bench_fused", measure_one)
+main = slices_main(BenchFusedArgs, "bench_fused", measure_one, check_args)
 
 
 if __name__ == "__main__":

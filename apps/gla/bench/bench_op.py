@@ -22,9 +22,11 @@ from lingua_zeco import reliability
 from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.sp import sp_gla
 from lingua_zeco.sp.overlap import overlap_decisions
+from lingua_zeco.args import ConfigError
+from lingua_zeco.distributed import DTYPES
 
-from .common import (SliceArgs, bench_main, device_name, markdown_table, peak_memory_mib, reset_peak_memory, summarize,
-                     time_iters)
+from .common import (SLICE_MINIMUM, SliceArgs, at_least, bench_main, device_name, markdown_table, peak_memory_mib,
+                     reset_peak_memory, summarize, time_iters)
 
 
 @dataclass
@@ -41,6 +43,7 @@ class BenchOpArgs(SliceArgs):
 
 
 ZECO_VARIANTS = {"tree", "composed", "symm", "overlap", "blocking"}
+METHODS = ("none", "zeco", "lasp1", "lasp2", "fla")  # zeco with ZECO_VARIANTS suffixes
 MODEL_SHAPE = dict(batch=1, heads=16, head_k=128, head_v=128)  # the shape perf_model's kernel_ms means
 
 
@@ -73,15 +76,15 @@ def sp_kwargs(method: str, n_blocks: int, self_group) -> dict:
     if method.split("_")[0] == "zeco":
         parts = set(method.split("_")[1:])
         if parts - ZECO_VARIANTS or {"overlap", "blocking"} <= parts:
-            raise ValueError(f"unknown benchmark method {method!r}: zeco with any of _{', _'.join(sorted(ZECO_VARIANTS))} "
-                             "(not both _overlap and _blocking)")
+            raise ConfigError(f"methods={method}: zeco takes any of _{', _'.join(sorted(ZECO_VARIANTS))} "
+                              "(not both _overlap and _blocking)")
         scan = AllScanArgs(algorithm="tree" if "tree" in parts else "chain", n_blocks=n_blocks,
                            transport="symm" if "symm" in parts else "nccl",
                            overlap="on" if "overlap" in parts else "off" if "blocking" in parts else "auto")
         return dict(method="zeco", fused="composed" not in parts, scan=scan)
     if method in ("lasp1", "lasp2"):
         return dict(method=method)
-    raise ValueError(f"unknown benchmark method {method!r}")
+    raise ConfigError(f"methods={method}: unknown benchmark method; choose from {', '.join(METHODS)}")
 
 
 def step_fn(method: str, inputs, self_group, n_blocks: int = 0):
@@ -111,9 +114,20 @@ def burn_in_cross_checks(args: BenchOpArgs, device, dtype) -> None:
             sp_gla(qk, qk, v, qk, method="lasp2")
 
 
+def check_args(args: BenchOpArgs, device: torch.device) -> None:
+    """Refuse bad input before the first method is timed: one line naming the key."""
+    at_least(args, **SLICE_MINIMUM, batch=1, n_blocks=0)
+    if args.dtype and args.dtype not in DTYPES:
+        raise ConfigError(f"dtype={args.dtype}: choose from {', '.join(DTYPES)} (or empty: bf16 on CUDA, fp32 on CPU)")
+    for method in args.methods:
+        if method != "fla":
+            sp_kwargs(method, args.n_blocks, None)  # raises for an unknown name
+        if "symm" in method.split("_")[1:] and device.type != "cuda":  # one rank would time a no-op scan
+            raise ConfigError(f"methods={method}: the symm transport needs CUDA GPUs (symmetric memory); drop _symm")
+
+
 def measure(args: BenchOpArgs, device: torch.device) -> tuple[str, dict, str]:
-    dtype = {"": torch.bfloat16 if device.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
-             "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES.get(args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     P, rank = dist.get_world_size(), dist.get_rank()
     self_group, _ = dist.new_subgroups(group_size=1)  # "none": a group of just this rank
     methods = [m for m in args.methods if m != "fla" or (device.type == "cuda" and _fla_chunk_gla())]
@@ -140,7 +154,7 @@ def measure(args: BenchOpArgs, device: torch.device) -> tuple[str, dict, str]:
     return f"op_P{P}", results, md
 
 
-main = bench_main(BenchOpArgs, measure)
+main = bench_main(BenchOpArgs, measure, check_args)
 
 
 if __name__ == "__main__":

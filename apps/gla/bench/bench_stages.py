@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from lingua_zeco import reliability
 
-from .common import SliceArgs, cuda_graph, slices_main, time_calls
+from .common import SLICE_MINIMUM, SliceArgs, at_least, cuda_graph, needs_cuda, slices_main, time_calls
 
 
 @dataclass
@@ -23,6 +23,11 @@ class BenchStagesArgs(SliceArgs):
     runs: tuple[int, ...] = (132, 264, 528)  # programs per zeco_dS_in call, one measurement each
     iters: int = 50  # timed replays (medians over these)
     per_config: bool = True  # also time every autotune config of the kernel at the default runs
+
+
+def check_args(args: BenchStagesArgs, device) -> None:
+    needs_cuda("bench_stages")
+    at_least(args, **SLICE_MINIMUM, runs=1)
 
 
 def _median_us(fns: dict, device, warmup: int, iters: int) -> dict:
@@ -53,7 +58,7 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     return row
 
 
-main = slices_main(BenchStagesArgs, "bench_stages", measure_one)
+main = slices_main(BenchStagesArgs, "bench_stages", measure_one, check_args)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from apps.gla.bench.common import (bench_main, markdown_table, peak_memory_mib, profiled, random_tokens,
-                                   reset_peak_memory, summarize, time_calls, trainer_step)
+from apps.gla.bench.common import (at_least, bench_main, markdown_table, peak_memory_mib, profiled, random_tokens,
+                                   reset_peak_memory, summarize, time_calls, trainer_args, trainer_step)
 from lingua_zeco import reliability
-from lingua_zeco.args import ConfigError, parse_args
+from lingua_zeco.args import ConfigError
 
 # name -> extra overrides on top of `config` and `overrides`
 VARIANTS = {
@@ -83,10 +83,9 @@ def build_ours(name: str, a: BenchTrainArgs):
 
 def build_fla(a: BenchTrainArgs, device):
     """fla's GLAForCausalLM with the shape of `config`'s model section."""
-    from apps.gla import train
     from fla.models import GLAConfig, GLAForCausalLM
 
-    m = parse_args(train.TrainArgs, [f"config={a.config}"]).model
+    m = trainer_args([f"config={a.config}"]).model
     cfg = GLAConfig(hidden_size=m.dim, expand_k=m.expand_k, expand_v=m.expand_v, intermediate_size=m.ffn_dim,
                     num_hidden_layers=m.n_layers, num_heads=m.n_heads, vocab_size=m.vocab_size,
                     norm_eps=m.norm_eps, tie_word_embeddings=m.tie_embeddings, use_cache=False)
@@ -178,17 +177,29 @@ def steady_state_times(step, device, warmup: int, steps: int) -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------- main
+def check_args(a: BenchTrainArgs, device) -> None:
+    """Refuse bad input before the first variant runs: one line naming the key."""
+    at_least(a, seq_len=1, warmup=0, steps=1)  # steps: the statistics need one timed step
+    for key in ("variants", "profile"):
+        unknown = [n for n in getattr(a, key) if n not in VARIANTS]
+        if unknown:
+            raise ConfigError(f"{key}={unknown[0]}: unknown variant; choose from {', '.join(VARIANTS)}")
+    sp = [n for n in a.variants if n.startswith("sp_")]
+    if sp and dist.get_world_size() == 1:  # sp_size=1 would run plain DP under the sp_* name
+        raise ConfigError(f"variants={sp[0]} splits one sequence over ranks and this is one process; "
+                          "run under torchrun --nproc_per_node>=2 or drop the sp_* variants")
+    if device.type != "cuda" and "fla" in a.variants:
+        raise ConfigError("the fla reference needs a CUDA GPU (its kernels are Triton); drop it from variants")
+
+
 def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
-    from apps.gla import train
     from apps.gla.model import flops_per_token
     from lingua_zeco.metrics import peak_flops
 
-    if name not in VARIANTS:
-        raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)}")
     reset_peak_memory(device)
     step, n_params, keep = build_fla(a, device) if name == "fla" else build_ours(name, a)
     s = summarize(steady_state_times(step, device, a.warmup, a.steps))
-    m = parse_args(train.TrainArgs, [f"config={a.config}", *a.overrides, *(VARIANTS[name] or [])]).model
+    m = trainer_args([f"config={a.config}", *a.overrides, *(VARIANTS[name] or [])]).model
     fpt = flops_per_token(m, context=a.seq_len * (dist.get_world_size() if name.startswith("sp_") else 1))
     tok_s = a.seq_len / (s["median_ms"] / 1e3)
     peak, mem = peak_flops(device), peak_memory_mib(device)
@@ -204,8 +215,6 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
 
 
 def measure(a: BenchTrainArgs, device) -> tuple[str, dict, str]:
-    if device.type != "cuda" and "fla" in a.variants:
-        raise ConfigError("the fla reference needs a CUDA GPU (its kernels are Triton); drop it from variants")
     rows = []
     for name in a.variants:
         rows.append(run_variant(name, a, device))
@@ -228,7 +237,7 @@ def measure(a: BenchTrainArgs, device) -> tuple[str, dict, str]:
     return a.stem, dict(rows=rows), md
 
 
-main = bench_main(BenchTrainArgs, measure)
+main = bench_main(BenchTrainArgs, measure, check_args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco import distributed
-from lingua_zeco.args import parse_args
+from lingua_zeco.args import ConfigError, parse_args
 
 
 # ------------------------------------------------------------------------------------ arguments
@@ -56,14 +56,37 @@ class SliceArgs(HeadArgs):
         return q, k, v, g.to(torch.bfloat16).requires_grad_(), torch.randn_like(v)
 
 
-def bench_main(cls, measure: Callable) -> Callable:
-    """A benchmark's main(argv=None): the arguments into `cls`, the process group joined, `measure(args,
-    device)` -> (stem, results dict, markdown or None); rank 0 writes <out>/<stem>.json (args, env, the
-    results) and, with markdown, .md; out = args.out or docs/results/raw/<date>-<gpu>. main returns
-    the JSON's path there (None on other ranks)."""
+HEAD_MINIMUM = dict(head_k=1, head_v=1, warmup=0, iters=1)  # iters: summarize needs one timed call
+SLICE_MINIMUM = HEAD_MINIMUM | dict(t_local=1, heads=1)
+
+
+def at_least(args, **minimum: int) -> None:
+    """Refuse an int key, or any entry of a list key, below its minimum (a zero length or count fails
+    deep inside torch or statistics otherwise)."""
+    for key, low in minimum.items():
+        value = getattr(args, key)
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if v < low:
+                raise ConfigError(f"{key}={v}: must be >= {low}; set {key}= to at least {low}")
+
+
+def needs_cuda(program: str) -> None:
+    """Refuse a machine without a CUDA GPU before Triton fails with a page of traceback."""
+    if not torch.cuda.is_available():
+        raise ConfigError(f"{program} needs a CUDA GPU (its kernels are Triton); run it on a GPU machine")
+
+
+def bench_main(cls, measure: Callable, check: Callable | None = None) -> Callable:
+    """A benchmark's main(argv=None): the arguments into `cls`, the process group joined, `check(args,
+    device)` (refuses bad input before anything runs), `measure(args, device)` -> (stem, results dict,
+    markdown or None); rank 0 writes <out>/<stem>.json (args, env, the results) and, with markdown, .md;
+    out = args.out or docs/results/raw/<date>-<gpu>. main returns the JSON's path there (None on other
+    ranks)."""
     def main(argv: list[str] | None = None) -> str | None:
         args = parse_args(cls, argv)
         device = init_distributed()
+        if check is not None:  # after the group: some checks need the world size or the device
+            check(args, device)
         stem, results, md = measure(args, device)
         gpu = device_name(device).split()[-1].lower()
         out = args.out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu)
@@ -74,7 +97,7 @@ def bench_main(cls, measure: Callable) -> Callable:
     return main
 
 
-def slices_main(cls, stem: str, measure_one: Callable) -> Callable:
+def slices_main(cls, stem: str, measure_one: Callable, check: Callable | None = None) -> Callable:
     """bench_main of a one-GPU benchmark: `measure_one(args, T, args.inputs(T, device))` -> one row for
     each T of t_local, printed as it comes; <stem>.json holds them as "rows" (no markdown)."""
     def measure(args, device: torch.device) -> tuple[str, dict, None]:
@@ -84,7 +107,7 @@ def slices_main(cls, stem: str, measure_one: Callable) -> Callable:
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
         return stem, dict(rows=rows), None
-    return bench_main(cls, measure)
+    return bench_main(cls, measure, check)
 
 
 # -------------------------------------------------------------------------------- process group
@@ -242,6 +265,14 @@ def random_tokens(vocab: int, T: int, device, seed: int = 0):
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
+def trainer_args(argv: list[str]):
+    """The trainer's TrainArgs of `key=value`s, vocab_size 0 filled from the tokenizer as the trainer
+    does (configs/debug.yaml leaves it to the byte tokenizer)."""
+    from apps.gla import train
+
+    return train.with_vocab_size(parse_args(train.TrainArgs, argv))
+
+
 def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync: bool = False):
     """The trainer's step (apps.gla.train.train_step: FSDP2, autocast, clipping, the non-finite guard or
     `guard`, AdamW) of the model the trainer's `key=value`s build, on the same seq_len random tokens
@@ -250,7 +281,7 @@ def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync:
     from lingua_zeco.optim import build_optimizer
     from lingua_zeco.reliability import StepGuard
 
-    args = parse_args(train.TrainArgs, argv)
+    args = trainer_args(argv)
     env = distributed.setup(args.distributed)
     model = train.build_model(args, env)
     optimizer, scheduler = build_optimizer(model, args.optim, 10**6)

@@ -13,7 +13,7 @@ from lingua_zeco import reliability
 from lingua_zeco.args import parse_args
 
 from .bench_fused import variants
-from .common import SliceArgs, profiled
+from .common import SLICE_MINIMUM, SliceArgs, at_least, needs_cuda, profiled
 
 
 @dataclass
@@ -26,6 +26,8 @@ class ProfileFusedArgs(SliceArgs):
 
 def main(argv=None):
     args = parse_args(ProfileFusedArgs, argv)
+    needs_cuda("profile_fused")
+    at_least(args, **SLICE_MINIMUM)
     q, k, v, g, do = args.inputs(args.t_local, torch.device("cuda"))
     fns = variants(q, k, v, g, do, args.head_k ** -0.5)  # bench_fused's: fla with and without S_in, fused ZeCO
     os.makedirs(args.out, exist_ok=True)

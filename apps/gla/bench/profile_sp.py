@@ -17,7 +17,8 @@ from lingua_zeco import reliability
 from lingua_zeco.args import parse_args
 from lingua_zeco.comm import AllScanArgs, ScanWork, all_scan
 
-from .common import SliceArgs, barrier, finish, init_distributed, profiled, time_calls
+from .common import (SLICE_MINIMUM, SliceArgs, at_least, barrier, finish, init_distributed, needs_cuda, profiled,
+                     time_calls)
 from .gpu_gaps import idle_gaps
 
 
@@ -28,8 +29,10 @@ class ProfileSPArgs(SliceArgs):
 
 
 def main(argv=None):
-    from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
     args = parse_args(ProfileSPArgs, argv)
+    needs_cuda("profile_sp")
+    at_least(args, **SLICE_MINIMUM)
+    from lingua_zeco.sp.fused_zeco import FusedZeCOGLA  # Triton: imported on the GPU only
     dev = init_distributed()
     rank = dist.get_rank()
     q, k, v, g, do = args.inputs(args.t_local, dev, seed=rank)

@@ -1,0 +1,76 @@
+"""Bad input to the benchmark programs and the cost model: one `error: ...` line naming the key, exit
+code 2, no traceback; and the debug config, whose vocab_size comes from the tokenizer, benchmarks as
+the trainer runs it. All cases in one interpreter (test_entry_points.DRIVER): imports cost seconds."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_entry_points import DRIVER
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["heads=2", "head_k=16", "head_v=16", "iters=2", "warmup=0"]
+TRAIN = ["config=debug.yaml", "overrides=model.vocab_size=258", "variants=ours", "seq_len=16", "warmup=0", "steps=1"]
+PERF = "lingua_zeco.perf_model"
+GPU_ONLY = ("bench_fused", "bench_stages", "profile_fused", "profile_sp")
+
+
+def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
+    """name -> (module, argv, a substring the error line must hold: the key, the fix or the choices)."""
+    train, op, comm = "apps.gla.bench.bench_train", "apps.gla.bench.bench_op", "apps.gla.bench.bench_comm"
+    out = [f"out={tmp}/bad"]
+    cases = {
+        "bench_train-seq_len-0": (train, [*TRAIN, "seq_len=0", *out], "seq_len=0"),
+        "bench_train-steps-0": (train, [*TRAIN, "steps=0", *out], "steps=0"),
+        "bench_train-warmup-negative": (train, [*TRAIN, "warmup=-1", *out], "warmup=-1"),
+        "bench_train-sp-one-process": (train, [*TRAIN, "variants=sp_zeco", *out], "torchrun"),
+        "bench_op-iters-0": (op, [*TINY, "t_local=16", "methods=none", "iters=0", *out], "iters=0"),
+        "bench_op-t_local-0": (op, [*TINY, "t_local=0", "methods=none", *out], "t_local=0"),
+        "bench_op-dtype-fp7": (op, [*TINY, "t_local=16", "dtype=fp7", *out], "fp32"),
+        "bench_op-methods-bogus": (op, [*TINY, "t_local=16", "methods=bogus", *out], "lasp2"),
+        "bench_comm-iters-0": (comm, [*TINY, "methods=allreduce", "iters=0", *out], "iters=0"),
+        "bench_comm-symm-cpu": (comm, [*TINY, "methods=chain", "blocks=1", "transports=symm", *out], "symm"),
+        "bench_comm-methods-bogus": (comm, [*TINY, "methods=bogus", *out], "allreduce"),
+        "perf_model-P-0": (PERF, ["what=comm", "P=0"], "P=0"),
+        "perf_model-P-negative": (PERF, ["what=comm", "P=-8"], "P=-8"),
+        "perf_model-T-0": (PERF, ["what=throughput", "T=0"], "T=0"),
+        "perf_model-calib-not-json": (PERF, ["what=comm", f"calib={tmp}/not.json"], "not.json"),
+    }
+    if not torch.cuda.is_available():  # the GPU-only programs refuse a machine without one
+        cases |= {f"{m}-no-cuda": (f"apps.gla.bench.{m}", [f"out={tmp}/{m}"], "CUDA") for m in GPU_ONLY}
+    return cases
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    """[exit code, stderr] of the debug config's bench_train run and then of each bad case."""
+    tmp = tmp_path_factory.mktemp("bad_bench")
+    (tmp / "not.json").write_text("P=8 alpha=1e-6\n")
+    good = ("apps.gla.bench.bench_train", ["config=debug.yaml", "variants=ours", "seq_len=64", "steps=2", "warmup=1",
+                                           f"out={tmp}/good"])
+    cases = _bad_cases(tmp)
+    res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([good, *[c[:2] for c in cases.values()]])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    return tmp, got[0], {name: (*r, cases[name][2]) for name, r in zip(cases, got[1:])}
+
+
+def test_bench_train_fills_vocab_size_from_the_tokenizer(results):
+    tmp, (code, err), _ = results
+    assert code == 0, err[-3000:]
+    rows = json.load(open(tmp / "good" / "train.json"))["rows"]
+    assert [r["variant"] for r in rows] == ["ours"] and rows[0]["step_ms"] > 0
+
+
+@pytest.mark.parametrize("case", sorted(_bad_cases(Path("/unused"))))
+def test_bad_bench_input_is_one_error_line_and_exit_2(results, case):
+    code, err, expected = results[2][case]
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, f"exit {code}, stderr:\n{err[-2000:]}"
+    assert err.strip().splitlines()[-1] == errors[0] and expected in errors[0], errors[0]
