@@ -4,16 +4,13 @@ the trainer runs it. All cases in one interpreter (test_entry_points.DRIVER): im
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_entry_points import DRIVER
+from test_entry_points import assert_one_error_line, run_cases
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = ["heads=2", "head_k=16", "head_v=16", "iters=2", "warmup=0"]
 TRAIN = ["config=debug.yaml", "overrides=model.vocab_size=258", "variants=ours", "seq_len=16", "warmup=0", "steps=1"]
 PERF = "lingua_zeco.perf_model"
@@ -54,10 +51,7 @@ def results(tmp_path_factory):
     good = ("apps.gla.bench.bench_train", ["config=debug.yaml", "variants=ours", "seq_len=64", "steps=2", "warmup=1",
                                            f"out={tmp}/good"])
     cases = _bad_cases(tmp)
-    res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([good, *[c[:2] for c in cases.values()]])],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = run_cases([good, *[c[:2] for c in cases.values()]])
     return tmp, got[0], {name: (*r, cases[name][2]) for name, r in zip(cases, got[1:])}
 
 
@@ -70,7 +64,4 @@ def test_bench_train_fills_vocab_size_from_the_tokenizer(results):
 
 @pytest.mark.parametrize("case", sorted(_bad_cases(Path("/unused"))))
 def test_bad_bench_input_is_one_error_line_and_exit_2(results, case):
-    code, err, expected = results[2][case]
-    errors = [line for line in err.splitlines() if line.startswith("error")]
-    assert code == 2 and "Traceback" not in err and len(errors) == 1, f"exit {code}, stderr:\n{err[-2000:]}"
-    assert err.strip().splitlines()[-1] == errors[0] and expected in errors[0], errors[0]
+    assert_one_error_line(*results[2][case])

@@ -7,8 +7,6 @@ import dataclasses
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,9 +17,8 @@ from apps.gla.model import GLAArgs, GLAForCausalLM
 from apps.gla.train import TrainArgs
 from lingua_zeco.args import dump_config
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
-from test_entry_points import DRIVER
+from test_entry_points import assert_one_error_line, run_cases
 
-ROOT = Path(__file__).resolve().parent.parent
 TINY = GLAArgs(dim=32, n_layers=2, n_heads=2, ffn_hidden=64, vocab_size=258)
 EVAL, GEN, EXPORT = "apps.gla.eval", "apps.gla.generate", "apps.gla.export_hf"
 
@@ -82,19 +79,13 @@ def results(tmp_path_factory):
     (tmp / "mine" / "notes.txt").write_text("keep me")
     replace = (EXPORT, [f"dump_dir={tmp}/run", f"out={tmp}/older", "dtype=fp32"])
     cases = _bad_cases(tmp)
-    res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([replace, *[c[:2] for c in cases.values()]])],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = run_cases([replace, *[c[:2] for c in cases.values()]])
     return tmp, model, got[0], {name: (*r, cases[name][2]) for name, r in zip(cases, got[1:])}
 
 
 @pytest.mark.parametrize("case", sorted(_bad_cases(Path("/unused"))))
 def test_bad_inference_input_is_one_error_line_and_exit_2(results, case):
-    code, err, expected = results[3][case]
-    errors = [line for line in err.splitlines() if line.startswith("error")]
-    assert code == 2 and "Traceback" not in err and len(errors) == 1, f"exit {code}, stderr:\n{err[-2000:]}"
-    assert err.strip().splitlines()[-1] == errors[0] and expected in errors[0], errors[0]
+    assert_one_error_line(*results[3][case])
 
 
 def test_refused_outputs_are_untouched(results):

@@ -61,6 +61,21 @@ print(json.dumps(out))
 """
 
 
+def run_cases(cases: list) -> list[list]:
+    """[exit code, stderr] of each (module, argv), all run by DRIVER in one subprocess."""
+    res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def assert_one_error_line(code: int, err: str, expected: str = "") -> None:
+    """Exit 2, no traceback, exactly one `error...` line, last on stderr, holding `expected`."""
+    errors = [line for line in err.splitlines() if line.startswith("error")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, f"exit {code}, stderr:\n{err[-2000:]}"
+    assert err.strip().splitlines()[-1] == errors[0] and expected in errors[0], errors[0]
+
+
 def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str]]]:
     """name -> (module, argv). tmp/nothing does not exist; tmp/run is a run folder without checkpoints."""
     nothing, empty = tmp / "nothing", tmp / "run"
@@ -108,10 +123,7 @@ def bad_input_results(tmp_path_factory):
     (tmp / "broken.yaml").write_text("model:\n  dim: [1, 2\n")
     (tmp / "list.yaml").write_text("- a\n- b\n")
     cases = _bad_cases(tmp)
-    res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(list(cases.values()))], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return dict(zip(cases, json.loads(res.stdout.strip().splitlines()[-1])))
+    return dict(zip(cases, run_cases(list(cases.values()))))
 
 
 BAD = sorted(_bad_cases(Path("/unused")))
@@ -119,7 +131,4 @@ BAD = sorted(_bad_cases(Path("/unused")))
 
 @pytest.mark.parametrize("case", BAD)
 def test_bad_input_is_one_error_line_and_exit_2(bad_input_results, case):
-    code, err = bad_input_results[case]
-    errors = [line for line in err.splitlines() if line.startswith("error")]
-    assert code == 2 and "Traceback" not in err and len(errors) == 1, f"exit {code}, stderr:\n{err[-2000:]}"
-    assert err.strip().splitlines()[-1] == errors[0]
+    assert_one_error_line(*bad_input_results[case])
