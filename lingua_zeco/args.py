@@ -144,7 +144,7 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
         except Exception as e:  # yaml's parser errors: the value is not valid YAML (an unclosed bracket...)
             what = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(f"command-line argument {arg!r}: its value is not valid YAML ({what})") from e
-    return build(cls, *layers)
+    return build(cls, *layers)  # which checks every layer's keys, the YAML's first
 
 
 def _load_yaml(path: Path) -> DictConfig:
@@ -159,7 +159,7 @@ def _load_yaml(path: Path) -> DictConfig:
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {str(path)!r} must be a mapping of keys (key: value lines), "
                           f"not a {type(loaded).__name__}")
-    return loaded  # which checks every layer's keys, the YAML's first
+    return loaded
 
 
 def build(cls: type[T], *layers: Any) -> T:
