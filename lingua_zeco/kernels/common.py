@@ -12,6 +12,13 @@ import os
 import torch
 
 BACKENDS = ("fla", "torch")
+# the intra-chunk dq/dk stage of the GLA backward on the fla backend: ours (kernels/gla_bwd_intra.py) or fla's
+BWD_INTRA = ("zeco", "fla")
+
+
+def check_bwd_intra(bwd_intra: str) -> None:
+    if bwd_intra not in BWD_INTRA:
+        raise ValueError(f"bwd_intra must be one of {BWD_INTRA}, got {bwd_intra!r}")
 
 
 @functools.lru_cache(maxsize=1)

@@ -11,7 +11,7 @@ Backward: fla's backward with initial_state = S_in and final-state gradient G fr
 G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
   1. g_cs (fla); D = scale·Σ_t (q_t ⊙ b_t)ᵀ do_t (one read of q, g_cs, do)         zeco_stages
   2. reverse All-Scan of (D, b_end) → G starts                        ┐
-  3. h recomputed from S_in; dA; intra-chunk dq, dk                    ┘ overlapped  fla
+  3. h recomputed from S_in; dA; intra-chunk dq, dk                    ┘ overlapped  fla; dq, dk ours
   4. dh with the final-state gradient G, then dv, and dq, dk, dg       (dg includes the decays of
      S_in and G: h carries S_in, dh carries G)                                    fla
 The extra work against plain fla chunk_gla is the D pass, the chunk gate sums and the fold inside
@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import fla_stages as fla
+from lingua_zeco.kernels.gla_chunk import dqk_intra
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -42,7 +43,7 @@ class FusedZeCOGLA(torch.autograd.Function):
     one GPU can run several virtual ranks in one process for tests and benchmarks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn):
+    def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco"):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
         g_cs_BTHK = fla.gate_cumsum(g, BT)
@@ -53,7 +54,7 @@ class FusedZeCOGLA(torch.autograd.Function):
         S_in_BHKV = work.wait()
         o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
         ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK)
-        ctx.scale, ctx.scan_fn, ctx.BT = scale, scan_fn, BT
+        ctx.scale, ctx.scan_fn, ctx.BT, ctx.bwd_intra = scale, scan_fn, BT, bwd_intra
         return o
 
     @staticmethod
@@ -70,17 +71,17 @@ class FusedZeCOGLA(torch.autograd.Function):
         h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
                                      states_in_fp32=True)
         dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
-        dq, dk = fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs_BTHK, dA=dA_BTHC, chunk_size=BT)
+        dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, ctx.bwd_intra)
         G_BHKV = work.wait()
         dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
                                        chunk_size=BT, states_in_fp32=True)
         dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
         dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
                                             scale=scale, chunk_size=BT)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None
 
 
-def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs):
+def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, bwd_intra: str = "zeco"):
     """ZeCO: the All-Scan overlapped with the intra-chunk work, or blocking, as scan.overlap says (auto:
     whichever measured faster, sp/overlap.py). Packed documents: a slice inside one document is the
     dense case; one where a document starts takes fused_packed."""
@@ -90,20 +91,21 @@ def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs):
             return CHOOSER.scan(x, a, group, reverse, scan)
         return post(x, a, group, reverse, scan, overlapped=scan.overlap != "off")
 
-    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg)
+    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
 
 
-def fused_lasp2_gla(q, k, v, g, *, scale, group, seg):
+def fused_lasp2_gla(q, k, v, g, *, scale, group, seg, bwd_intra: str = "zeco"):
     """LASP-2 on the same stages: the all-gather of every rank's (state, decay) and a local scan,
     blocking, as LASP-2 is (its cost is the P-state collective)."""
     def scan_fn(x, a, reverse):
         return ScanWork(gather_scan(x, a, group, reverse=reverse))
 
-    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg)
+    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
 
 
-def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg):
-    """The fused operator for this slice: dense (also a slice inside one packed document) or packed."""
+def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco"):
+    """The fused operator for this slice: dense (also a slice inside one packed document) or packed
+    (fla's intra-chunk stage: ours takes no document table yet)."""
     if seg.carries:
-        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn)
+        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, bwd_intra)
     return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg)

@@ -8,7 +8,10 @@ incoming state S_in and a non-zero incoming gradient G, and nothing is communica
 Variants, timed in the same process on the same inputs, interleaved, CUDA events after warm-up, medians:
   fla_chunk_gla      fla's chunk_gla, no initial state (the single-device operator)
   fla_chunk_gla_h0   fla's chunk_gla from S_in with final-state gradient G (what LASP-1 computes)
-  zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco)
+  staged_chunk_gla   the single-device operator the model runs on CUDA (kernels/gla_chunk.py: fla's
+                     stages, our intra-chunk dq/dk); `staged_vs_fla_pct` against fla_chunk_gla
+  zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco); zeco_fused_fla_intra: with fla's intra-chunk
+                     dq/dk stage instead of ours
   fla_chunk_gla_packed, zeco_fused_packed: the same on packed documents of `doc_len` tokens, the slice
                      starting mid-document (`packed_vs_dense_pct` against zeco_fused; fla's varlen
                      chunk_gla reads sizes back to the host and is timed eagerly only)
@@ -54,6 +57,7 @@ def variants(q, k, v, g, do, scale):
     """name -> callable running forward + backward (returning the gradients, accumulating nothing)."""
     from fla.ops.gla import chunk_gla
 
+    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
     from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
     S_in, G = middle_rank_state(q, v)
     leaves = (q, k, v, g)
@@ -65,9 +69,16 @@ def variants(q, k, v, g, do, scale):
         o, ht = chunk_gla(q, k, v, g, scale=scale, initial_state=S_in, output_final_state=True)
         return torch.autograd.grad((o, ht), leaves, (do, G))
 
+    def staged():
+        return torch.autograd.grad(chunk_gla_staged(q, k, v, g, scale=scale)[0], leaves, do)
+
     def zeco():
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G)), leaves, do)
-    return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "zeco_fused": zeco}
+    def zeco_fla_intra():
+        scan = middle_rank_scan(S_in, G)
+        return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, scan, "fla"), leaves, do)
+    return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "staged_chunk_gla": staged, "zeco_fused": zeco,
+            "zeco_fused_fla_intra": zeco_fla_intra}
 
 
 def packed_variants(q, k, v, g, do, scale, doc_len):
@@ -106,6 +117,7 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
         row[f"{name}_host_ms"] = round(1e3 * statistics.median(host_s), 4)
     row["extra_pct"] = pct("zeco_fused", "fla_chunk_gla")
     row["extra_vs_h0_pct"] = pct("zeco_fused", "fla_chunk_gla_h0")
+    row["staged_vs_fla_pct"] = pct("staged_chunk_gla", "fla_chunk_gla")
     if packed:
         row["packed_vs_dense_pct"] = pct("zeco_fused_packed", "zeco_fused")
         row["packed_extra_pct"] = pct("zeco_fused_packed", "fla_chunk_gla_packed")
@@ -120,6 +132,7 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
             for name, (gpu_s, _) in time_calls(graphed, q.device, args.warmup, args.iters).items():
                 row[f"{name}_graph_ms"] = round(1e3 * statistics.median(gpu_s), 4)
             row["graph_extra_pct"] = pct("zeco_fused_graph", "fla_chunk_gla_graph")
+            row["graph_staged_vs_fla_pct"] = pct("staged_chunk_gla_graph", "fla_chunk_gla_graph")
             if packed:
                 row["graph_packed_vs_dense_pct"] = pct("zeco_fused_packed_graph", "zeco_fused_graph")
             del graphed

@@ -1,6 +1,8 @@
-"""The ZeCO stages of our own alone: time and effective bandwidth of `zeco_dS_in` (the backward's
+"""The stages of our own alone: time and effective bandwidth of `zeco_dS_in` (the backward's
 local ∂L/∂S_in, memory-bound: it reads q, the gates and dO once) at several `runs` (programs per
-call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw 16-bit gates.
+call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw 16-bit gates;
+and the intra-chunk dq/dk stage of the backward, ours (`intra_zeco`, kernels/gla_bwd_intra.py) beside
+fla's (`intra_fla`) on the same inputs, with the largest difference between them.
 
     python -m apps.gla.bench.bench_stages          # writes docs/results/raw/<date>-<gpu>/bench_stages.json
 
@@ -37,7 +39,7 @@ def _median_us(fns: dict, device, warmup: int, iters: int) -> dict:
 
 
 def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
-    from lingua_zeco.kernels import fla_stages, zeco_stages  # fla and Triton: imported on the GPU only
+    from lingua_zeco.kernels import fla_stages, gla_chunk, zeco_stages  # fla and Triton: imported on the GPU only
     q, _, _, g, do = (t.detach() for t in inputs)
     BT = zeco_stages.fla_chunk_size(T)
     g_cs = fla_stages.gate_cumsum(g, BT)  # base 2, as FusedZeCOGLA
@@ -46,9 +48,18 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     fns = {f"dS_in_runs{r}": (lambda r=r: dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
     fns |= {f"dS_in_raw_runs{r}": (lambda r=r: dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
             for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
+    dA = fla_stages.chunk_gla_bwd_dA(v=inputs[2].detach(), do=do, scale=0.1, chunk_size=BT)
+    k = inputs[1].detach()
+    fns |= {f"intra_{name}": (lambda name=name: gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name))
+            for name in gla_chunk.BWD_INTRA}
     timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, best_config=zeco_stages.dS_in_best_config())
+    ours, theirs = gla_chunk.dqk_intra(q, k, g_cs, dA, BT, "zeco"), gla_chunk.dqk_intra(q, k, g_cs, dA, BT, "fla")
+    row["intra_max_rel_diff"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
     for name, us in timed_us.items():
+        if name.startswith("intra_"):
+            row[f"{name}_us"] = round(us, 2)
+            continue
         nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes
         row[f"{name}_us"] = round(us, 2)
         row[f"{name}_TBps"] = round(nbytes / us * 1e-6, 3)

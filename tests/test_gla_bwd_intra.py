@@ -1,0 +1,87 @@
+"""Our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) on CPU: its torch oracle against
+autograd through the intra-chunk scores it differentiates, and the Triton kernel itself under Triton's
+CPU interpreter against that oracle in float64 (every chunk size fla picks, every key block, a partial
+last chunk); a changed gate is caught. On the GPU, against fla's stage: tests/test_gpu_intra.py."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
+from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
+
+
+def _scores(q, k, g_cs, BT):
+    """A [B, T, H, BT]: Σ_k q_t k_j 2^(g_t − g_j) for j ≤ t in t's chunk (fla's intra A without scale)."""
+    B, T, H, K = q.shape
+    A = q.new_zeros(B, T, H, BT)
+    for t in range(T):
+        c0 = t - t % BT
+        for j in range(c0, t + 1):
+            A[:, t, :, j - c0] = (q[:, t] * k[:, j] * torch.exp2(g_cs[:, t] - g_cs[:, j])).sum(-1)
+    return A
+
+
+@pytest.mark.parametrize("T,BT", [(37, 16), (70, 32)])
+def test_oracle_is_the_gradient_of_the_intra_scores(T, BT):
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, T, 2, 8, generator=gen, dtype=torch.double, requires_grad=True) for _ in range(2))
+    g_cs = chunk_local_cumsum_torch(F.logsigmoid(torch.randn(2, T, 2, 8, generator=gen, dtype=torch.double)), BT)
+    dA = torch.randn(2, T, 2, BT, generator=gen, dtype=torch.double)
+    dq, dk = torch.autograd.grad(_scores(q, k, g_cs, BT), (q, k), dA)
+    ours = chunk_gla_bwd_dqk_intra_torch(q.detach(), k.detach(), g_cs, dA, BT)
+    torch.testing.assert_close(ours[0], dq, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ours[1], dk, rtol=1e-10, atol=1e-10)
+    # the scores' upper triangle is not a score: a dA there must not count
+    noisy = dA + torch.triu(torch.ones(BT, BT, dtype=torch.double), 1)[torch.arange(T) % BT][None, :, None]
+    torch.testing.assert_close(chunk_gla_bwd_dqk_intra_torch(q.detach(), k.detach(), g_cs, noisy, BT)[0], dq)
+
+
+_INTERPRETED = r"""
+import sys, torch, triton
+import torch.nn.functional as F
+from lingua_zeco.kernels import gla_bwd_intra as gi
+from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
+B, T, H, K = 2, 150, 2, 64
+gen = torch.Generator().manual_seed(0)
+q, k = torch.randn(B, T, H, K, generator=gen).half(), torch.randn(B, T, H, K, generator=gen).half()
+g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
+# (chunk, key block, gate multiplier, SPAN): the reference-gate path at every chunk size fla picks;
+# SPAN=0 forces the exact fallback everywhere; gates × 40 (≈ 60 bits of decay per token) take the
+# fallback where the reference would overflow. "broken": one token's gates changed after the oracle,
+# and the steep gates with the fallback switched off (SPAN huge: 2^(g_r − g_j) overflows)
+cases = {"exact": [(64, 32, 1, 64.0), (32, 64, 1, 64.0), (16, 64, 1, 64.0), (64, 64, 1, 0.0), (64, 64, 40, 64.0)],
+         "broken": [(64, 64, 1, 64.0), (64, 64, 40, 1e9)]}[sys.argv[1]]
+worst, caught = 0.0, float("inf")
+for BT, BK, mult, SPAN in cases:
+    g_cs = chunk_local_cumsum_torch(g * mult, BT)
+    dA = torch.randn(B, T, H, BT, generator=gen)  # upper triangle non-zero: the kernel must ignore it
+    ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
+    if sys.argv[1] == "broken" and mult == 1:
+        g_cs[:, 70] += 0.5
+    dq, dk = torch.empty(B, T, H, K), torch.empty(B, T, H, K)
+    grid = (triton.cdiv(K, BK) * triton.cdiv(T, BT), B * H)
+    gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, T, H=H, K=K, BT=BT, BC=min(16, BT), BK=BK, SPAN=SPAN)
+    errs = [((a.double() - r).abs().max() / r.abs().max()).nan_to_num(float("inf")).item() for a, r in zip((dq, dk), ref)]
+    print(BT, BK, mult, SPAN, errs, file=sys.stderr)
+    worst, caught = max(worst, *errs), min(caught, max(errs))
+print(worst if sys.argv[1] == "exact" else caught)  # broken: the least a broken case moved (each must)
+"""
+
+
+@pytest.mark.parametrize("variant", ["exact", "broken"])
+def test_triton_kernel_under_the_interpreter(variant):
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _INTERPRETED, variant], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    worst = float(proc.stdout.split()[-1])
+    if variant == "exact":
+        assert worst < 1e-5, worst  # fp32 inside, fp16 inputs read exactly
+    else:
+        assert worst > 1e-2, worst

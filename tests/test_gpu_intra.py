@@ -1,0 +1,76 @@
+"""GPU checks of our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) and of the staged
+single-device operator built on it (kernels/gla_chunk.py), pytest -m gpu (skipped without CUDA):
+against fla's original stage, the float64 oracles and fla's public chunk_gla; a changed gate is caught.
+(The Triton kernel itself also runs on CPU under Triton's interpreter: tests/test_gla_bwd_intra.py.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lingua_zeco.kernels import naive_gla
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _inputs(T, H=4, K=128, V=128, dtype=torch.bfloat16, gate_shift=2.0, gate_mult=1.0, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (torch.randn(1, T, H, K, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(1, T, H, V, device="cuda", generator=gen).to(dtype)
+    g = (gate_mult * F.logsigmoid(torch.randn(1, T, H, K, device="cuda", generator=gen) + gate_shift)).to(dtype)
+    do = torch.randn(1, T, H, V, device="cuda", generator=gen).to(dtype)
+    return q, k, v, g, do
+
+
+# T = 1000: a last chunk of 40 tokens (three sub-chunks, one partial); 16 and 40: fla's smaller chunks;
+# gate_shift -4: steep decays (≈ 6 bits a token, the reference-gate path still); × 4 (≈ 23 bits a token):
+# the reference would leave 2^±64 inside a sub-chunk, the exact fallback runs
+@pytest.mark.parametrize("T,gate_shift,gate_mult", [(1000, 2.0, 1.0), (4096, -4.0, 1.0), (4096, -4.0, 4.0),
+                                                    (16, 2.0, 1.0), (40, 2.0, 1.0)])
+def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
+    from lingua_zeco.kernels import fla_stages
+    from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
+    from lingua_zeco.kernels.gla_chunk import dqk_intra
+    from lingua_zeco.kernels.zeco_stages import fla_chunk_size
+    q, k, v, g, do = _inputs(T, gate_shift=gate_shift, gate_mult=gate_mult)
+    BT = fla_chunk_size(T)
+    g_cs = fla_stages.gate_cumsum(g, BT)
+    dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, chunk_size=BT)
+    ours, theirs = dqk_intra(q, k, g_cs, dA, BT, "zeco"), dqk_intra(q, k, g_cs, dA, BT, "fla")
+    exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
+    for a, b, ref in zip(ours, theirs, exact):
+        assert a.dtype == torch.float and torch.isfinite(a).all()
+        assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3  # tf32 products off the diagonal, as fla's
+        assert _rel(a, b) < 3e-3
+    if gate_mult == 1.0:  # (steep gates: a token sees almost only itself, whatever its gate)
+        g_cs[0, T // 2] += 0.5  # one token's gates changed: ours must move away from the unchanged oracle
+        moved = dqk_intra(q, k, g_cs, dA, BT, "zeco")
+        assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2
+
+
+@pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
+def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype):
+    """The staged operator (our intra stage) against fla's chunk_gla and the float64 recurrence, with an
+    initial state and a final-state gradient (every input and output of fla's dense contract)."""
+    from fla.ops.gla import chunk_gla
+
+    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
+    q, k, v, g, do = _inputs(1000, H=2)
+    g = g.to(gate_dtype)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    h0 = torch.randn(1, 2, 128, 128, device="cuda", generator=gen)
+    dht = 0.1 * torch.randn(1, 2, 128, 128, device="cuda", generator=gen)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, h0)]
+
+    def run(fn, *tensors):
+        o, ht = fn(*tensors[:4], scale=0.1, initial_state=tensors[4], output_final_state=True)
+        return [o, ht, *torch.autograd.grad((o, ht), tensors, (do.to(o.dtype), dht.to(ht.dtype)))]
+
+    ours, fla = run(chunk_gla_staged, *leaves), run(chunk_gla, *leaves)
+    exact = run(naive_gla, *(t.detach().double().requires_grad_() for t in leaves))
+    names = ["o", "ht", "dq", "dk", "dv", "dg", "dh0"]
+    for name, a, b, ref in zip(names, ours, fla, exact):
+        assert a.dtype == b.dtype, name
+        assert _rel(a, ref) < max(2 * _rel(b, ref), 2e-2), (name, _rel(a, ref), _rel(b, ref))
