@@ -61,6 +61,18 @@ def test_backend_choice():
         pick_backend(torch.device("cpu"), "cuda")
 
 
+
+def test_unknown_intra_stage_is_refused_everywhere():
+    """A misspelt stage name must not fall through to a default (every entry checks it, CPU included)."""
+    from lingua_zeco.sp import sp_gla
+    q = torch.randn(1, 8, 2, 4)
+    g = F.logsigmoid(torch.randn(1, 8, 2, 4))
+    for call in (lambda: chunk_gla(q, q, q, g, bwd_intra="triton"), lambda: sp_gla(q, q, q, g, bwd_intra="Zeco")):
+        with pytest.raises(ValueError, match="bwd_intra must be one of"):
+            call()
+    assert torch.equal(chunk_gla(q, q, q, g, bwd_intra="fla")[0], chunk_gla(q, q, q, g)[0])  # torch backend: no stage
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("varlen", [False, True])
