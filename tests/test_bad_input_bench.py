@@ -20,6 +20,7 @@ GPU_ONLY = ("bench_fused", "bench_stages", "profile_fused", "profile_sp")
 def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
     """name -> (module, argv, a substring the error line must hold: the key, the fix or the choices)."""
     train, op, comm = "apps.gla.bench.bench_train", "apps.gla.bench.bench_op", "apps.gla.bench.bench_comm"
+    ckpt = "apps.gla.bench.bench_checkpoint"
     out = [f"out={tmp}/bad"]
     cases = {
         "bench_train-seq_len-0": (train, [*TRAIN, "seq_len=0", *out], "seq_len=0"),
@@ -33,6 +34,10 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
         "bench_comm-iters-0": (comm, [*TINY, "methods=allreduce", "iters=0", *out], "iters=0"),
         "bench_comm-symm-cpu": (comm, [*TINY, "methods=chain", "blocks=1", "transports=symm", *out], "symm"),
         "bench_comm-methods-bogus": (comm, [*TINY, "methods=bogus", *out], "allreduce"),
+        "bench_checkpoint-saves-0": (ckpt, ["saves=0", *out], "saves=0"),
+        "bench_checkpoint-idle_steps-0": (ckpt, ["idle_steps=0", *out], "idle_steps=0"),
+        "bench_checkpoint-modes-bogus": (ckpt, ["modes=lazy", *out], "async"),
+        "bench_checkpoint-models-bogus": (ckpt, ["models=gpt9", *out], "models=gpt9"),
         "perf_model-P-0": (PERF, ["what=comm", "P=0"], "P=0"),
         "perf_model-P-negative": (PERF, ["what=comm", "P=-8"], "P=-8"),
         "perf_model-T-0": (PERF, ["what=throughput", "T=0"], "T=0"),
