@@ -1,4 +1,5 @@
-"""Run a function on P gloo processes on this machine (tests, CPU smoke runs of benchmarks).
+"""Run a function on P gloo processes on this machine (tests, CPU smoke runs of benchmarks), or a
+Triton kernel on the CPU under Triton's interpreter (`run_interpreted`).
 
 `run_on_ranks(fn, world_size, *args)` spawns `world_size` processes, sets up a gloo process group,
 calls `fn(rank, world_size, *args)` in each, and returns the list of results in rank order.
@@ -69,3 +70,17 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: 
     if errors:
         raise RuntimeError(errors[0])
     return [results[r] for r in range(world_size)]
+
+
+def run_interpreted(script: str, *argv: str, timeout_s: float = 300.0) -> float:
+    """Run `python -c script argv...` from the repository root with TRITON_INTERPRET=1 (Triton's CPU
+    interpreter: the kernels themselves, not their oracles) and return the number the script printed last."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"interpreted script failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return float(proc.stdout.split()[-1])

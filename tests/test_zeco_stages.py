@@ -176,16 +176,9 @@ def test_dS_in_triton_kernel_under_the_interpreter(variant):
     """The Triton kernel of D itself (not its torch oracle), run by Triton's CPU interpreter: every
     launch shape (chunks per program, chunks per iteration, grid order) from fla's fp32 cumsum and
     from the raw 16-bit gates (the in-kernel cumsum) against the float64 oracle; a changed gate is caught."""
-    import os
-    import subprocess
-    import sys
+    from lingua_zeco.testing import run_interpreted
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=root, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", _INTERPRETED_DS_IN, variant], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    worst = float(proc.stdout.split()[-1])
+    worst = run_interpreted(_INTERPRETED_DS_IN, variant)
     if variant == "exact":
         assert worst < 3e-3, worst  # fp16 rounding of q·2^g before the product
     else:
