@@ -38,8 +38,8 @@ class GatedLinearAttention(LinearAttention):
     def forward(self, x, cu_seqlens=None):
         q, k, v, gk = self._inputs(x)
         attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
-        o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens, scan=self.sp_scan,
-                 bwd_intra=self.bwd_intra)
+        o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
+                 scan=self.sp_scan, bwd_intra=self.bwd_intra)
         return self._output(o, x)
 
     def _state_inputs(self, x):

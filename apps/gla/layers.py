@@ -31,8 +31,8 @@ class GLAArgs:
     init_std: float = 0.02  # std of the normal init of every matrix
     fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
     compile_gates: bool = True  # CUDA: the forget gate's logsigmoid / normalizer as one torch.compile'd kernel
-    # CUDA, gla: the intra-chunk dq/dk stage of the GLA backward: zeco (ours, lingua_zeco/kernels/gla_bwd_intra.py)
-    # | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
+    # CUDA, gla: the intra-chunk dq/dk stage of the GLA backward: zeco (ours, lingua_zeco/kernels/
+    # gla_bwd_intra.py) | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
     gla_bwd_intra: str = "zeco"
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     chunk_size: int = 64  # GLA chunk length, only used by the FLOP count

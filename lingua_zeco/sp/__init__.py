@@ -22,7 +22,8 @@ from .varlen import Packing, as_packing, local_segments, pack
 
 
 def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
-           backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None, bwd_intra: str = "zeco"):
+           backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
+           bwd_intra: str = "zeco"):
     """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V].
     cu_seqlens: None (one sequence), the boundaries of the whole packed sequence (a tensor or ints, the
     same on every rank; planned on every call), or the step's `Packing` from `pack` (planned once).

@@ -74,6 +74,7 @@ def variants(q, k, v, g, do, scale):
 
     def zeco():
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G)), leaves, do)
+
     def zeco_fla_intra():
         scan = middle_rank_scan(S_in, G)
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, scan, "fla"), leaves, do)

@@ -39,7 +39,8 @@ def _median_us(fns: dict, device, warmup: int, iters: int) -> dict:
 
 
 def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
-    from lingua_zeco.kernels import fla_stages, gla_chunk, zeco_stages  # fla and Triton: imported on the GPU only
+    # fla and Triton: imported on the GPU only
+    from lingua_zeco.kernels import fla_stages, gla_chunk, zeco_stages
     q, _, _, g, do = (t.detach() for t in inputs)
     BT = zeco_stages.fla_chunk_size(T)
     g_cs = fla_stages.gate_cumsum(g, BT)  # base 2, as FusedZeCOGLA
@@ -54,7 +55,7 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
             for name in gla_chunk.BWD_INTRA}
     timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, best_config=zeco_stages.dS_in_best_config())
-    ours, theirs = gla_chunk.dqk_intra(q, k, g_cs, dA, BT, "zeco"), gla_chunk.dqk_intra(q, k, g_cs, dA, BT, "fla")
+    ours, theirs = (gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name) for name in ("zeco", "fla"))
     row["intra_max_rel_diff"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
     for name, us in timed_us.items():
         if name.startswith("intra_"):
