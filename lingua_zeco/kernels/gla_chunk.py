@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import fla_stages as fla
-from .common import BWD_INTRA, check_bwd_intra
+from .common import check_bwd_intra
 from .gla_bwd_intra import chunk_gla_bwd_dqk_intra
 from .zeco_stages import fla_chunk_size
 
@@ -65,4 +65,4 @@ def chunk_gla_staged(q, k, v, g, *, scale=None, initial_state=None, output_final
     return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, bwd_intra)
 
 
-__all__ = ["BWD_INTRA", "ChunkGLA", "chunk_gla_staged", "dqk_intra"]
+__all__ = ["ChunkGLA", "chunk_gla_staged", "dqk_intra"]

@@ -40,7 +40,7 @@ def _median_us(fns: dict, device, warmup: int, iters: int) -> dict:
 
 def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     # fla and Triton: imported on the GPU only
-    from lingua_zeco.kernels import fla_stages, gla_chunk, zeco_stages
+    from lingua_zeco.kernels import BWD_INTRA, fla_stages, gla_chunk, zeco_stages
     q, _, _, g, do = (t.detach() for t in inputs)
     BT = zeco_stages.fla_chunk_size(T)
     g_cs = fla_stages.gate_cumsum(g, BT)  # base 2, as FusedZeCOGLA
@@ -52,7 +52,7 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     dA = fla_stages.chunk_gla_bwd_dA(v=inputs[2].detach(), do=do, scale=0.1, chunk_size=BT)
     k = inputs[1].detach()
     fns |= {f"intra_{name}": (lambda name=name: gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name))
-            for name in gla_chunk.BWD_INTRA}
+            for name in BWD_INTRA}
     timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, best_config=zeco_stages.dS_in_best_config())
     ours, theirs = (gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name) for name in ("zeco", "fla"))
