@@ -1,12 +1,13 @@
-"""Our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) on CPU: its torch oracle against
-autograd through the intra-chunk scores it differentiates, and the Triton kernel itself under Triton's
-CPU interpreter against that oracle in float64 (every chunk size fla picks, every key block, a partial
-last chunk); a changed gate is caught. On the GPU, against fla's stage: tests/test_gpu_intra.py."""
+"""Our intra-chunk stages (lingua_zeco/kernels/gla_intra.py) on CPU: the oracles against a token-by-token
+loop over the scores (forward A) and autograd through those scores (backward dq, dk), and each Triton
+kernel under Triton's CPU interpreter against its oracle in float64 (every chunk size fla picks, every
+key block, a partial last chunk, the exact fallback); a changed gate is caught.
+On the GPU, against fla's stages: tests/test_gpu_intra.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
+from lingua_zeco.kernels.gla_intra import chunk_gla_bwd_dqk_intra_torch, chunk_gla_fwd_A_torch
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 from lingua_zeco.testing import run_interpreted
 
@@ -20,6 +21,15 @@ def _scores(q, k, g_cs, BT):
         for j in range(c0, t + 1):
             A[:, t, :, j - c0] = (q[:, t] * k[:, j] * torch.exp2(g_cs[:, t] - g_cs[:, j])).sum(-1)
     return A
+
+
+@pytest.mark.parametrize("T,BT", [(37, 16), (70, 32)])
+def test_forward_oracle_is_the_intra_scores(T, BT):
+    gen = torch.Generator().manual_seed(1)
+    q, k = (torch.randn(2, T, 2, 8, generator=gen, dtype=torch.double) for _ in range(2))
+    g_cs = chunk_local_cumsum_torch(F.logsigmoid(torch.randn(2, T, 2, 8, generator=gen, dtype=torch.double)), BT)
+    torch.testing.assert_close(chunk_gla_fwd_A_torch(q, k, g_cs, 0.3, BT), 0.3 * _scores(q, k, g_cs, BT),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("T,BT", [(37, 16), (70, 32)])
@@ -40,7 +50,7 @@ def test_oracle_is_the_gradient_of_the_intra_scores(T, BT):
 _INTERPRETED = r"""
 import sys, torch, triton
 import torch.nn.functional as F
-from lingua_zeco.kernels import gla_bwd_intra as gi
+from lingua_zeco.kernels import gla_intra as gi
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 B, T, H, K = 2, 150, 2, 64
 gen = torch.Generator().manual_seed(0)
@@ -75,5 +85,44 @@ def test_triton_kernel_under_the_interpreter(variant):
     worst = run_interpreted(_INTERPRETED, variant)
     if variant == "exact":
         assert worst < 1e-5, worst  # fp32 inside, fp16 inputs read exactly
+    else:
+        assert worst > 1e-2, worst
+
+
+_INTERPRETED_FWD = r"""
+import sys, torch, triton
+import torch.nn.functional as F
+from lingua_zeco.kernels import gla_intra as gi
+from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
+B, T, H, K = 2, 150, 2, 48  # K not a power of two: the masked keys of the [BC, 64] tiles
+gen = torch.Generator().manual_seed(0)
+q, k = torch.randn(B, T, H, K, generator=gen).half(), torch.randn(B, T, H, K, generator=gen).half()
+g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
+# (chunk, gate multiplier, SPAN), as the backward's cases; broken: one token's gates changed after the
+# oracle, and steep gates with the fallback switched off
+cases = {"exact": [(64, 1, 64.0), (32, 1, 64.0), (16, 1, 64.0), (64, 1, 0.0), (64, 40, 64.0)],
+         "broken": [(64, 1, 64.0), (64, 40, 1e9)]}[sys.argv[1]]
+worst, caught = 0.0, float("inf")
+for BT, mult, SPAN in cases:
+    g_cs = chunk_local_cumsum_torch(g * mult, BT)
+    ref = gi.chunk_gla_fwd_A_torch(q.double(), k.double(), g_cs.double(), 0.3, BT)
+    if sys.argv[1] == "broken" and mult == 1:
+        g_cs[:, 70] += 0.5
+    A = torch.full((B, T, H, BT), float("nan"))  # every entry must be written, zeros above the diagonal
+    gi._A_intra_kernel.fn[(triton.cdiv(T, BT), B * H)](q, k, g_cs, A, 0.3, T, H=H, K=K, BT=BT, BC=min(16, BT),
+                                                        BK=64, SPAN=SPAN)
+    err = ((A.double() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")).item()
+    print(BT, mult, SPAN, err, file=sys.stderr)
+    worst, caught = max(worst, err), min(caught, err)
+print(worst if sys.argv[1] == "exact" else caught)
+"""
+
+
+@pytest.mark.parametrize("variant", ["exact", "broken"])
+def test_forward_kernel_under_the_interpreter(variant):
+    pytest.importorskip("triton")
+    worst = run_interpreted(_INTERPRETED_FWD, variant)
+    if variant == "exact":
+        assert worst < 1e-5, worst
     else:
         assert worst > 1e-2, worst
