@@ -204,9 +204,9 @@ if triton is not None:
                 A_ss = tl.zeros([BC, BC], dtype=tl.float32)
                 for e in tl.static_range(BK // BE):
                     o_e = e * BE + tl.arange(0, BE)
-                    q_e, _ = _tile(q, t_s, i_b, i_h, o_e, o_e < K, T, H, K)
-                    k_e, _ = _tile(k, t_s, i_b, i_h, o_e, o_e < K, T, H, K)
-                    g_e, _ = _tile(g, t_s, i_b, i_h, o_e, o_e < K, T, H, K)
+                    q_e, m_e = _tile(q, t_s, i_b, i_h, o_e, o_e < K, T, H, K)
+                    k_e, m_e = _tile(k, t_s, i_b, i_h, o_e, o_e < K, T, H, K)
+                    g_e, m_e = _tile(g, t_s, i_b, i_h, o_e, o_e < K, T, H, K)
                     E = tl.exp2(tl.where(keep[:, :, None], g_e[:, None, :] - g_e[None, :, :], float("-inf")))
                     A_ss += tl.sum(q_e[:, None, :] * k_e[None, :, :] * E, axis=2)
             tl.store(p_A + s * BC, tl.where(keep, A_ss * scale, 0.), mask=m_t[:, None])
