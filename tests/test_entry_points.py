@@ -101,8 +101,7 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str]]]:
     run = ["config=debug.yaml", f"dump_dir={tmp}/train", "steps=2"]
     cases["train-no-config"] = ("apps.gla.train", [f"dump_dir={tmp}/train", "steps=2"])
     for bad in ("model.dim=0", "model.n_heads=0", "model.n_layers=0", "model.ffn_hidden=-4", "model.vocab_size=10",
-                "model.gla_bwd_intra=triton", "model.gla_fwd_intra=Fla", "steps=0", "steps=-3", "model=5",
-                "data.sources={train: 1.0"):
+                "model.gla_bwd_intra=triton", "steps=0", "steps=-3", "model=5", "data.sources={train: 1.0"):
         cases[f"train-{bad}"] = ("apps.gla.train", [*run, bad])
     cases["train-eval.steps=0"] = ("apps.gla.train", [*run, "eval.every=1", "eval.steps=0"])
     cases["train-tokenizer-not-sentencepiece"] = ("apps.gla.train", [*run, "data.tokenizer.name=sp",

@@ -64,20 +64,13 @@ def test_backend_choice():
 
 def test_unknown_intra_stage_is_refused_everywhere():
     """A misspelt stage name must not fall through to a default (every entry checks it, CPU included)."""
-    from lingua_zeco.kernels import GLAStages
-    from lingua_zeco.kernels.common import check_intra_stage
-    for kwargs, key in (({"fwd_intra": "triton"}, "fwd_intra"), ({"bwd_intra": "Zeco"}, "bwd_intra")):
-        with pytest.raises(ValueError, match=f"{key} must be one of"):
-            GLAStages(**kwargs)
-    with pytest.raises(ValueError, match="bwd_intra must be one of"):
-        check_intra_stage("bwd_intra", "fla ")
+    from lingua_zeco.sp import sp_gla
     q = torch.randn(1, 8, 2, 4)
     g = F.logsigmoid(torch.randn(1, 8, 2, 4))
-    with pytest.raises(TypeError, match="stages must be a GLAStages"):
-        chunk_gla(q, q, q, g, stages="fla")
-    fla_only = GLAStages("fla", "fla")
-    assert fla_only.fla_only and not GLAStages().fla_only and not GLAStages("fla", "fla", True).fla_only
-    assert torch.equal(chunk_gla(q, q, q, g, stages=fla_only)[0], chunk_gla(q, q, q, g)[0])  # torch backend: no stage
+    for call in (lambda: chunk_gla(q, q, q, g, bwd_intra="triton"), lambda: sp_gla(q, q, q, g, bwd_intra="Zeco")):
+        with pytest.raises(ValueError, match="bwd_intra must be one of"):
+            call()
+    assert torch.equal(chunk_gla(q, q, q, g, bwd_intra="fla")[0], chunk_gla(q, q, q, g)[0])  # torch backend: no stage
 
 
 @pytest.mark.gpu

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, gla_stages, log_forget_gate
+from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, log_forget_gate
 from lingua_zeco import kernels
 from lingua_zeco.sp import sp_gla, sp_simple_gla
 
@@ -26,7 +26,7 @@ class GatedLinearAttention(LinearAttention):
         self.o_proj = nn.Linear(vd, d, bias=False)
         self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
         self.compile_gates = args.compile_gates
-        self.stages = gla_stages(args)
+        self.bwd_intra = args.gla_bwd_intra
 
     def _inputs(self, x):
         """q, k, v (_qkv) and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
@@ -39,7 +39,7 @@ class GatedLinearAttention(LinearAttention):
         q, k, v, gk = self._inputs(x)
         attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
         o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
-                 scan=self.sp_scan, stages=self.stages)
+                 scan=self.sp_scan, bwd_intra=self.bwd_intra)
         return self._output(o, x)
 
     def _state_inputs(self, x):

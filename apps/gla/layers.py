@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lingua_zeco.kernels import INTRA_STAGES, GLAStages, acc_dtype
+from lingua_zeco.kernels import BWD_INTRA, acc_dtype
 
 
 @dataclass
@@ -31,12 +31,9 @@ class GLAArgs:
     init_std: float = 0.02  # std of the normal init of every matrix
     fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
     compile_gates: bool = True  # CUDA: the forget gate's logsigmoid / normalizer as one torch.compile'd kernel
-    # CUDA, gla (lingua_zeco.kernels.GLAStages): whose intra-chunk stage in the GLA forward (A) and backward
-    # (dq, dk): zeco (ours, lingua_zeco/kernels/gla_intra.py) | fla; gla_side_stream: the state scans on
-    # a second CUDA stream beside them (one rank). All fla, no side stream: fla's whole chunk_gla.
-    gla_fwd_intra: str = "zeco"
+    # CUDA, gla: the intra-chunk dq/dk stage of the GLA backward: zeco (ours, lingua_zeco/kernels/
+    # gla_bwd_intra.py) | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
     gla_bwd_intra: str = "zeco"
-    gla_side_stream: bool = False
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
     # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
@@ -80,13 +77,8 @@ def check_model_args(args: GLAArgs) -> None:
         raise ValueError(f"model.ffn_hidden={args.ffn_hidden} must be >= 0 (0 = fla's rule, 8/3 x dim)")
     if args.vocab_size < 0:
         raise ValueError(f"model.vocab_size={args.vocab_size} must be >= 0 (0 = the tokenizer's)")
-    for key in ("gla_fwd_intra", "gla_bwd_intra"):
-        if getattr(args, key) not in INTRA_STAGES:
-            raise ValueError(f"model.{key}={getattr(args, key)!r}; choose from {INTRA_STAGES}")
-
-
-def gla_stages(args: GLAArgs) -> GLAStages:
-    return GLAStages(args.gla_fwd_intra, args.gla_bwd_intra, args.gla_side_stream)
+    if args.gla_bwd_intra not in BWD_INTRA:
+        raise ValueError(f"model.gla_bwd_intra={args.gla_bwd_intra!r}; choose from {BWD_INTRA}")
 
 
 def _exact(x: float, what: str) -> int:

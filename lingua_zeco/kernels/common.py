@@ -8,38 +8,17 @@ from __future__ import annotations
 import bisect
 import functools
 import os
-from dataclasses import dataclass
 
 import torch
 
 BACKENDS = ("fla", "torch")
-# whose intra-chunk stage the fla backend runs, forward (A) and backward (dq, dk): ours (kernels/gla_intra.py) or fla's
-INTRA_STAGES = ("zeco", "fla")
+# the intra-chunk dq/dk stage of the GLA backward on the fla backend: ours (kernels/gla_bwd_intra.py) or fla's
+BWD_INTRA = ("zeco", "fla")
 
 
-def check_intra_stage(key: str, stage: str) -> None:
-    if stage not in INTRA_STAGES:
-        raise ValueError(f"{key} must be one of {INTRA_STAGES}, got {stage!r}")
-
-
-@dataclass(frozen=True)
-class GLAStages:
-    """How the fla backend runs dense GLA (kernels/gla_chunk.py; the fused ZeCO operator takes the two
-    intra stages): whose intra-chunk stage in the forward (A) and in the backward (dq, dk), and whether
-    the state scans (h; in the backward h and dh: a few dozen programs each, sequential over the chunks)
-    run on a second CUDA stream beside the intra-chunk stages, which need no state.
-    All fla and no side stream = fla's chunk_gla itself."""
-    fwd_intra: str = "zeco"
-    bwd_intra: str = "zeco"
-    side_stream: bool = False
-
-    def __post_init__(self):
-        check_intra_stage("fwd_intra", self.fwd_intra)
-        check_intra_stage("bwd_intra", self.bwd_intra)
-
-    @property
-    def fla_only(self) -> bool:
-        return self.fwd_intra == self.bwd_intra == "fla" and not self.side_stream
+def check_bwd_intra(bwd_intra: str) -> None:
+    if bwd_intra not in BWD_INTRA:
+        raise ValueError(f"bwd_intra must be one of {BWD_INTRA}, got {bwd_intra!r}")
 
 
 @functools.lru_cache(maxsize=1)

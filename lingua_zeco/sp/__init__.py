@@ -23,12 +23,13 @@ from .varlen import Packing, as_packing, local_segments, pack
 
 def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
            backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-           stages: kernels.GLAStages = kernels.GLAStages()):
+           bwd_intra: str = "zeco"):
     """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V].
     cu_seqlens: None (one sequence), the boundaries of the whole packed sequence (a tensor or ints, the
     same on every rank; planned on every call), or the step's `Packing` from `pack` (planned once).
-    stages: how the fla backend runs GLA (kernels.GLAStages): on one rank all of it, on the fused dense
-    paths the two intra-chunk stages (the scans there are ZeCO's own)."""
+    bwd_intra: the intra-chunk dq/dk stage of fla's backward, ours or fla's (kernels.BWD_INTRA), on one
+    rank and on the fused dense paths."""
+    kernels.check_bwd_intra(bwd_intra)
     rank, P = group_rank_size(group)
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
     check_local(q, k, v, g, method, packing, P)
@@ -37,7 +38,7 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     name = kernels.pick_backend(q.device, backend)
     if P == 1:  # nothing to exchange: every method is plain GLA
         cu = None if packing is None else packing.cu_seqlens
-        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=name, stages=stages)[0]
+        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=name, bwd_intra=bwd_intra)[0]
     seg = local_segments(None, rank, q.shape[1], q.device) if packing is None else packing.seg
     scan = scan or AllScanArgs()
     if method == "lasp1":
@@ -49,15 +50,15 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     if method in ("zeco", "lasp2") and fused and name == "fla":
         from .fused_zeco import fused_lasp2_gla, fused_zeco_gla  # imports fla's stages
         if method == "lasp2":
-            return fused_lasp2_gla(q, k, v, g, scale=scale, group=group, seg=seg, stages=stages)
-        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan, stages=stages)
+            return fused_lasp2_gla(q, k, v, g, scale=scale, group=group, seg=seg, bwd_intra=bwd_intra)
+        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan, bwd_intra=bwd_intra)
     return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
                              backend=name, scan_args=scan)
 
 
 def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
                   backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-                  stages: kernels.GLAStages = kernels.GLAStages()):
+                  bwd_intra: str = "zeco"):
     """Scalar-decay GLA (RetNet style, fla's chunk_simple_gla): g [B, T_local, H], one log decay per
     head and token. Its transition diag(exp(g)·1) is GLA's with the decay broadcast over K, so the
     same exchange is exact: one K×V state per head, the same All-Scan operator (the scanned decay
@@ -73,7 +74,7 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
         cu = None if packing is None else packing.cu_seqlens
         return kernels.chunk_simple_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=backend)[0]
     return sp_gla(q, k, v, g[..., None].expand_as(q), group=group, method=method, scale=scale,
-                  cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan, stages=stages)
+                  cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
 
 
 __all__ = ["METHODS", "Packing", "pack", "sp_gla", "sp_simple_gla"]

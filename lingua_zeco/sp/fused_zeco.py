@@ -5,7 +5,7 @@ Forward on rank p (fla's chunk_gla_fwd, reordered; chunk size by fla's rule):
   2. h, S_end = chunk states from a ZERO state            → S_end is ready early    fla
   3. Gx, b_end = gate sums from the slice start to each chunk (one small launch)  zeco_stages
   4. All-Scan(S_end, b_end) starts                                    ┐ overlapped
-  5. A = intra-chunk attention (needs no state)                       ┘  ours or fla
+  5. A = intra-chunk attention (needs no state)                       ┘           fla
   6. o = output stage with S_in folded into each chunk's state in registers      zeco_stages
 Backward: fla's backward with initial_state = S_in and final-state gradient G from the next rank.
 G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
@@ -30,8 +30,7 @@ import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import fla_stages as fla
-from lingua_zeco.kernels import GLAStages
-from lingua_zeco.kernels.gla_chunk import A_intra, dqk_intra
+from lingua_zeco.kernels.gla_chunk import dqk_intra
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -44,18 +43,18 @@ class FusedZeCOGLA(torch.autograd.Function):
     one GPU can run several virtual ranks in one process for tests and benchmarks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn, stages: GLAStages = GLAStages()):
+    def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco"):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
         g_cs_BTHK = fla.gate_cumsum(g, BT)
         h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
         Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs_BTHK, BT)
         work = scan_fn(S_end_BHKV, b_end_BHK, False)
-        A_BTHC = A_intra(q, k, g_cs_BTHK, scale, BT, stages.fwd_intra)
+        A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, chunk_size=BT)
         S_in_BHKV = work.wait()
         o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
         ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK)
-        ctx.scale, ctx.scan_fn, ctx.BT, ctx.stages = scale, scan_fn, BT, stages
+        ctx.scale, ctx.scan_fn, ctx.BT, ctx.bwd_intra = scale, scan_fn, BT, bwd_intra
         return o
 
     @staticmethod
@@ -72,7 +71,7 @@ class FusedZeCOGLA(torch.autograd.Function):
         h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
                                      states_in_fp32=True)
         dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
-        dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, ctx.stages.bwd_intra)
+        dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, ctx.bwd_intra)
         G_BHKV = work.wait()
         dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
                                        chunk_size=BT, states_in_fp32=True)
@@ -82,7 +81,7 @@ class FusedZeCOGLA(torch.autograd.Function):
         return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None
 
 
-def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, stages: GLAStages = GLAStages()):
+def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, bwd_intra: str = "zeco"):
     """ZeCO: the All-Scan overlapped with the intra-chunk work, or blocking, as scan.overlap says (auto:
     whichever measured faster, sp/overlap.py). Packed documents: a slice inside one document is the
     dense case; one where a document starts takes fused_packed."""
@@ -92,21 +91,21 @@ def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, stages: 
             return CHOOSER.scan(x, a, group, reverse, scan)
         return post(x, a, group, reverse, scan, overlapped=scan.overlap != "off")
 
-    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, stages)
+    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
 
 
-def fused_lasp2_gla(q, k, v, g, *, scale, group, seg, stages: GLAStages = GLAStages()):
+def fused_lasp2_gla(q, k, v, g, *, scale, group, seg, bwd_intra: str = "zeco"):
     """LASP-2 on the same stages: the all-gather of every rank's (state, decay) and a local scan,
     blocking, as LASP-2 is (its cost is the P-state collective)."""
     def scan_fn(x, a, reverse):
         return ScanWork(gather_scan(x, a, group, reverse=reverse))
 
-    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, stages)
+    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
 
 
-def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, stages: GLAStages = GLAStages()):
+def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco"):
     """The fused operator for this slice: dense (also a slice inside one packed document) or packed
     (fla's intra-chunk stage: ours takes no document table yet)."""
     if seg.carries:
-        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, stages)
+        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, bwd_intra)
     return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg)

@@ -9,11 +9,9 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
   fla_chunk_gla      fla's chunk_gla, no initial state (the single-device operator)
   fla_chunk_gla_h0   fla's chunk_gla from S_in with final-state gradient G (what LASP-1 computes)
   staged_chunk_gla   the single-device operator the model runs on CUDA (kernels/gla_chunk.py: fla's
-                     stages, our intra-chunk stages); `staged_vs_fla_pct` against fla_chunk_gla;
-                     staged_fla_fwd_intra: with fla's forward intra stage; staged_side_stream: with
-                     the state scans on a second stream (GLAStages)
+                     stages, our intra-chunk dq/dk); `staged_vs_fla_pct` against fla_chunk_gla
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco); zeco_fused_fla_intra: with fla's intra-chunk
-                     stages instead of ours
+                     dq/dk stage instead of ours
   fla_chunk_gla_packed, zeco_fused_packed: the same on packed documents of `doc_len` tokens, the slice
                      starting mid-document (`packed_vs_dense_pct` against zeco_fused; fla's varlen
                      chunk_gla reads sizes back to the host and is timed eagerly only)
@@ -59,7 +57,6 @@ def variants(q, k, v, g, do, scale):
     """name -> callable running forward + backward (returning the gradients, accumulating nothing)."""
     from fla.ops.gla import chunk_gla
 
-    from lingua_zeco.kernels import GLAStages
     from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
     from lingua_zeco.sp.fused_zeco import FusedZeCOGLA
     S_in, G = middle_rank_state(q, v)
@@ -72,16 +69,17 @@ def variants(q, k, v, g, do, scale):
         o, ht = chunk_gla(q, k, v, g, scale=scale, initial_state=S_in, output_final_state=True)
         return torch.autograd.grad((o, ht), leaves, (do, G))
 
-    def staged(**stages):
-        return lambda: torch.autograd.grad(
-            chunk_gla_staged(q, k, v, g, scale=scale, stages=GLAStages(**stages))[0], leaves, do)
+    def staged():
+        return torch.autograd.grad(chunk_gla_staged(q, k, v, g, scale=scale)[0], leaves, do)
 
-    def zeco(**stages):
-        return lambda: torch.autograd.grad(
-            FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G), GLAStages(**stages)), leaves, do)
-    return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "staged_chunk_gla": staged(),
-            "staged_fla_fwd_intra": staged(fwd_intra="fla"), "staged_side_stream": staged(side_stream=True),
-            "zeco_fused": zeco(), "zeco_fused_fla_intra": zeco(fwd_intra="fla", bwd_intra="fla")}
+    def zeco():
+        return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G)), leaves, do)
+
+    def zeco_fla_intra():
+        scan = middle_rank_scan(S_in, G)
+        return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, scan, "fla"), leaves, do)
+    return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "staged_chunk_gla": staged, "zeco_fused": zeco,
+            "zeco_fused_fla_intra": zeco_fla_intra}
 
 
 def packed_variants(q, k, v, g, do, scale, doc_len):

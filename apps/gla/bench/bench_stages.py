@@ -1,9 +1,8 @@
 """The stages of our own alone: time and effective bandwidth of `zeco_dS_in` (the backward's
 local ∂L/∂S_in, memory-bound: it reads q, the gates and dO once) at several `runs` (programs per
 call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw 16-bit gates;
-and the intra-chunk stages, ours (kernels/gla_intra.py) beside fla's on the same inputs: the forward's
-A (`fwd_A_zeco`, `fwd_A_fla`) and the backward's dq/dk (`intra_zeco`, `intra_fla`), with the largest
-difference between ours and fla's.
+and the intra-chunk dq/dk stage of the backward, ours (`intra_zeco`, kernels/gla_bwd_intra.py) beside
+fla's (`intra_fla`) on the same inputs, with the largest difference between them.
 
     python -m apps.gla.bench.bench_stages          # writes docs/results/raw/<date>-<gpu>/bench_stages.json
 
@@ -14,8 +13,6 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
-
-import torch
 
 from lingua_zeco import reliability
 
@@ -43,7 +40,7 @@ def _median_us(fns: dict, device, warmup: int, iters: int) -> dict:
 
 def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     # fla and Triton: imported on the GPU only
-    from lingua_zeco.kernels import INTRA_STAGES, fla_stages, gla_chunk, zeco_stages
+    from lingua_zeco.kernels import BWD_INTRA, fla_stages, gla_chunk, zeco_stages
     q, _, _, g, do = (t.detach() for t in inputs)
     BT = zeco_stages.fla_chunk_size(T)
     g_cs = fla_stages.gate_cumsum(g, BT)  # base 2, as FusedZeCOGLA
@@ -55,19 +52,13 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     dA = fla_stages.chunk_gla_bwd_dA(v=inputs[2].detach(), do=do, scale=0.1, chunk_size=BT)
     k = inputs[1].detach()
     fns |= {f"intra_{name}": (lambda name=name: gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name))
-            for name in INTRA_STAGES}
-    fns |= {f"fwd_A_{name}": (lambda name=name: gla_chunk.A_intra(q, k, g_cs, 0.1, BT, name))
-            for name in INTRA_STAGES}
+            for name in BWD_INTRA}
     timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, best_config=zeco_stages.dS_in_best_config())
     ours, theirs = (gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name) for name in ("zeco", "fla"))
     row["intra_max_rel_diff"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
-    causal = (torch.arange(BT, device=q.device) <= (torch.arange(T, device=q.device) % BT)[:, None])[None, :, None]
-    # fla leaves A above the diagonal blocks unwritten: compare the causal part
-    ours, theirs = (gla_chunk.A_intra(q, k, g_cs, 0.1, BT, name) * causal for name in ("zeco", "fla"))
-    row["fwd_A_max_rel_diff"] = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     for name, us in timed_us.items():
-        if name.startswith(("intra_", "fwd_A_")):
+        if name.startswith("intra_"):
             row[f"{name}_us"] = round(us, 2)
             continue
         nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes

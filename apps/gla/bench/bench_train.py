@@ -36,11 +36,8 @@ VARIANTS = {
     "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
     "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
-    # fla's intra-chunk stages (on one GPU its whole chunk_gla, as before ours); fla's forward stage only;
-    # the state scans on a second CUDA stream (lingua_zeco.kernels.GLAStages)
-    "ours_fla_intra": ["model.gla_fwd_intra=fla", "model.gla_bwd_intra=fla"],
-    "ours_fla_fwd_intra": ["model.gla_fwd_intra=fla"],
-    "ours_side_stream": ["model.gla_side_stream=true"],
+    # fla's intra-chunk dq/dk stage (on one GPU its whole chunk_gla, as before ours)
+    "ours_fla_intra": ["model.gla_bwd_intra=fla"],
     # GLA-1B as a hybrid (configs/gla_1b_hybrid.yaml): softmax attention at blocks 5, 11 and 17
     "ours_hybrid": ["model.softmax_layers=[5,11,17]"],
     # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP

@@ -1,13 +1,12 @@
-"""Our intra-chunk stages (lingua_zeco/kernels/gla_intra.py) on CPU: the oracles against a token-by-token
-loop over the scores (forward A) and autograd through those scores (backward dq, dk), and each Triton
-kernel under Triton's CPU interpreter against its oracle in float64 (every chunk size fla picks, every
-key block, a partial last chunk, the exact fallback); a changed gate is caught.
-On the GPU, against fla's stages: tests/test_gpu_intra.py."""
+"""Our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) on CPU: its torch oracle against
+autograd through the intra-chunk scores it differentiates, and the Triton kernel itself under Triton's
+CPU interpreter against that oracle in float64 (every chunk size fla picks, every key block, a partial
+last chunk); a changed gate is caught. On the GPU, against fla's stage: tests/test_gpu_intra.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.kernels.gla_intra import chunk_gla_bwd_dqk_intra_torch, chunk_gla_fwd_A_torch
+from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 from lingua_zeco.testing import run_interpreted
 
@@ -21,15 +20,6 @@ def _scores(q, k, g_cs, BT):
         for j in range(c0, t + 1):
             A[:, t, :, j - c0] = (q[:, t] * k[:, j] * torch.exp2(g_cs[:, t] - g_cs[:, j])).sum(-1)
     return A
-
-
-@pytest.mark.parametrize("T,BT", [(37, 16), (70, 32)])
-def test_forward_oracle_is_the_intra_scores(T, BT):
-    gen = torch.Generator().manual_seed(1)
-    q, k = (torch.randn(2, T, 2, 8, generator=gen, dtype=torch.double) for _ in range(2))
-    g_cs = chunk_local_cumsum_torch(F.logsigmoid(torch.randn(2, T, 2, 8, generator=gen, dtype=torch.double)), BT)
-    torch.testing.assert_close(chunk_gla_fwd_A_torch(q, k, g_cs, 0.3, BT), 0.3 * _scores(q, k, g_cs, BT),
-                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("T,BT", [(37, 16), (70, 32)])
@@ -50,7 +40,7 @@ def test_oracle_is_the_gradient_of_the_intra_scores(T, BT):
 _INTERPRETED = r"""
 import sys, torch, triton
 import torch.nn.functional as F
-from lingua_zeco.kernels import gla_intra as gi
+from lingua_zeco.kernels import gla_bwd_intra as gi
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 B, T, H, K = 2, 150, 2, 64
 gen = torch.Generator().manual_seed(0)
@@ -89,62 +79,21 @@ def test_triton_kernel_under_the_interpreter(variant):
         assert worst > 1e-2, worst
 
 
-_INTERPRETED_FWD = r"""
-import sys, torch, triton
-import torch.nn.functional as F
-from lingua_zeco.kernels import gla_intra as gi
-from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
-B, T, H, K = 2, 150, 2, 48  # K not a power of two: the masked keys of the [BC, 64] tiles
-gen = torch.Generator().manual_seed(0)
-q, k = torch.randn(B, T, H, K, generator=gen).half(), torch.randn(B, T, H, K, generator=gen).half()
-g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
-# (chunk, gate multiplier, SPAN), as the backward's cases; broken: one token's gates changed after the
-# oracle, and steep gates with the fallback switched off
-cases = {"exact": [(64, 1, 64.0), (32, 1, 64.0), (16, 1, 64.0), (64, 1, 0.0), (64, 40, 64.0)],
-         "broken": [(64, 1, 64.0), (64, 40, 1e9)]}[sys.argv[1]]
-worst, caught = 0.0, float("inf")
-for BT, mult, SPAN in cases:
-    g_cs = chunk_local_cumsum_torch(g * mult, BT)
-    ref = gi.chunk_gla_fwd_A_torch(q.double(), k.double(), g_cs.double(), 0.3, BT)
-    if sys.argv[1] == "broken" and mult == 1:
-        g_cs[:, 70] += 0.5
-    A = torch.full((B, T, H, BT), float("nan"))  # every entry must be written, zeros above the diagonal
-    gi._A_intra_kernel.fn[(triton.cdiv(T, BT), B * H)](q, k, g_cs, A, 0.3, T, H=H, K=K, BT=BT, BC=min(16, BT),
-                                                        BK=64, SPAN=SPAN)
-    err = ((A.double() - ref).abs().max() / ref.abs().max()).nan_to_num(float("inf")).item()
-    print(BT, mult, SPAN, err, file=sys.stderr)
-    worst, caught = max(worst, err), min(caught, err)
-print(worst if sys.argv[1] == "exact" else caught)
-"""
-
-
-@pytest.mark.parametrize("variant", ["exact", "broken"])
-def test_forward_kernel_under_the_interpreter(variant):
-    pytest.importorskip("triton")
-    worst = run_interpreted(_INTERPRETED_FWD, variant)
-    if variant == "exact":
-        assert worst < 1e-5, worst
-    else:
-        assert worst > 1e-2, worst
-
-
 _COMPILED = r"""
 import sys, triton
 from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
-from lingua_zeco.kernels import gla_intra as gi
+from lingua_zeco.kernels import gla_bwd_intra as gi
 # Triton's front end and its first two passes (Triton IR, then GPU IR with Hopper's layouts) for sm_90;
 # the LLVM and ptxas stages after them take minutes on a CPU and see no Python
 target = GPUTarget("cuda", 90, 32)
 backend = make_backend(target)
 options = backend.parse_options({})
 ptrs = {"q": "*bf16", "k": "*bf16", "g": "*fp32"}
-fwd = {**ptrs, "A": "*fp32", "scale": "fp32", "T": "i32"}
 bwd = {**ptrs, "dA": "*fp32", "dq": "*fp32", "dk": "*fp32", "T": "i32"}
-cases = [(gi._A_intra_kernel, fwd, dict(H=16, K=K, BT=BT, BC=16, BK=max(triton.next_power_of_2(K), 32), SPAN=64.0,
-                                        BE=32)) for K, BT in ((128, 64), (64, 16), (256, 32))]
-cases += [(gi._dqk_intra_kernel, bwd, dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0)) for BK, BT in ((32, 64), (64, 16))]
+cases = [(gi._dqk_intra_kernel, bwd, dict(H=16, K=K, BT=BT, BC=16, BK=BK, SPAN=64.0))
+         for K, BK, BT in ((128, 32, 64), (128, 64, 16), (64, 64, 32))]
 for kernel, sig, consts in cases:
     src = ASTSource(fn=kernel.fn, signature={**sig, **{name: "constexpr" for name in consts}}, constexprs=consts)
     context = ir.context()
@@ -162,11 +111,12 @@ print(len(cases))
 
 
 def test_kernels_compile_for_hopper():
-    """Triton's interpreter runs code its compiler refuses (a variable retyped in one branch): take each
-    kernel through Triton's front end for sm_90 on this machine (no GPU needed), several key and chunk sizes."""
+    """Triton's interpreter runs code its compiler refuses (a variable retyped in one branch did so once):
+    take the kernel through Triton's front end for sm_90 on this machine (no GPU needed), several key,
+    key-block and chunk sizes."""
     pytest.importorskip("triton.backends.nvidia")
     import subprocess
     import sys
     out = subprocess.run([sys.executable, "-c", _COMPILED], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-1] == "5"
+    assert out.stdout.split()[-1] == "3"

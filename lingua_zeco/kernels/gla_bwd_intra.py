@@ -1,0 +1,163 @@
+"""The intra-chunk part of GLA's dq and dk: a Triton kernel that replaces fla's
+`chunk_gla_bwd_dqk_intra` (its `chunk_gla_bwd_kernel_intra`, fla.ops.gla.chunk), beside its torch oracle.
+
+Inside a chunk of BT tokens, with fla's chunk-local base-2 gate cumsum g and dA[t, j] = ∂L/∂A_tj
+(scale included; fla's `chunk_gla_bwd_dA`):
+    dq_t = Σ_{j≤t} dA_tj · k_j ⊙ 2^(g_t − g_j)          dk_j = Σ_{t≥j} dA_tj · q_t ⊙ 2^(g_t − g_j)
+Why a kernel of our own: fla's is the slowest stage of chunk_gla's backward on H200 (≈ 28 % of its
+fwd+bwd at 16K). It runs one program per 16-token sub-chunk and walks the diagonal block token by
+token, once for dq and again for dk, each step a strided row load and a [16, BK] exp2. Here one
+program takes a whole chunk for BK keys, and each 16-token block s is a few tensor-core products
+through one reference gate, the gate g_r at s's middle token: 2^(g_t − g_j) = 2^(g_t − g_r)·2^(g_r − g_j).
+Off the diagonal block one factor is ≤ 1 (g falls along the chunk) and the other within s's own span;
+inside it both are within 2^±span. Where the gates fall so steeply that the span passes 2^±SPAN (64:
+far from fp32's 2^±126), the block takes an exact path instead (exact decays on the diagonal block as
+one [BC, BC, BK] tile for dq and dk, references at the block's edges off it), so no input overflows.
+Products run in fp32 (fla's choice for this stage; its comment: bf16 here loses precision): 3×TF32 on
+the diagonal block, which holds the largest terms, TF32 off it as fla's off-diagonal products.
+Measured on H200 (docs/results/performance.md): 0.56 ms against fla's 0.98 ms at 16K tokens, H = 16.
+"""
+from __future__ import annotations
+
+import torch
+
+from .common import acc_dtype
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the oracle still works
+    triton = None
+
+
+def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int):
+    """Oracle: (dq, dk) [B, T, H, K] in at least fp32 from q, k, the chunk-local base-2 cumsum g_cs
+    [B, T, H, K] and dA [B, T, H, BT] (row t, column j of t's chunk)."""
+    B, T, H, K = q.shape
+    acc = acc_dtype(q.dtype, g_cs.dtype, dA.dtype)
+    pad = (-T) % BT
+
+    def chunks(x):  # [B, T, H, X] -> [B, N, BT, H, X], zero rows past T
+        x = torch.nn.functional.pad(x.to(acc), (0, 0, 0, 0, 0, pad))
+        return x.view(B, -1, BT, H, x.shape[-1])
+
+    q_BNCHK, k_BNCHK, g_BNCHK, dA_BNCHJ = chunks(q), chunks(k), chunks(g_cs), chunks(dA)
+    t_C = torch.arange(BT, device=q.device)
+    valid_NC = (torch.arange(q_BNCHK.shape[1] * BT, device=q.device) < T).view(-1, BT)
+    keep_NTJ = (t_C[:, None] >= t_C[None, :]) & valid_NC[:, :, None] & valid_NC[:, None, :]
+    diff = g_BNCHK[:, :, :, None] - g_BNCHK[:, :, None, :]  # [B, N, t, j, H, K]
+    E = torch.exp2(diff.masked_fill(~keep_NTJ[None, :, :, :, None, None], float("-inf")))
+    W = dA_BNCHJ.permute(0, 1, 2, 4, 3)[..., None] * E  # dA[t, j] · 2^(g_t − g_j)
+    dq = torch.einsum("bntjhk,bnjhk->bnthk", W, k_BNCHK)
+    dk = torch.einsum("bntjhk,bnthk->bnjhk", W, q_BNCHK)
+    return dq.reshape(B, -1, H, K)[:, :T], dk.reshape(B, -1, H, K)[:, :T]
+
+
+if triton is not None:
+    @triton.jit
+    def _tile(x, t_x, i_b, i_h, o_k, m_k, T, H: tl.constexpr, K: tl.constexpr):
+        """Rows t_x [BC] of x [B, T, H, K] for keys o_k, fp32, zero past T (and the row mask)."""
+        m = (t_x < T)[:, None] & m_k[None, :]
+        rows = (i_b * T + t_x) * H + i_h  # int64
+        return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32), m
+
+    @triton.jit
+    def _dA_block(dA, t_rows, c0, T, i_b, i_h, o_c, H: tl.constexpr, BT: tl.constexpr, CAUSAL: tl.constexpr):
+        """dA[t_rows, c0 : c0 + BC] [BC, BC]; CAUSAL (a diagonal block): only j ≤ t counts."""
+        m = (t_rows < T)[:, None] & ((o_c[:, None] >= o_c[None, :]) if CAUSAL else (o_c[None, :] >= 0))
+        rows = (i_b * T + t_rows) * H + i_h
+        return tl.load(dA + rows[:, None] * BT + (c0 + o_c)[None, :], mask=m, other=0.)
+
+    @triton.autotune(
+        configs=[triton.Config({"BK": bk}, num_warps=w, num_stages=s)
+                 for bk in (32, 64) for w in (2, 4) for s in (1, 2)],
+        key=["BT", "K"], cache_results=True)
+    @triton.jit(do_not_specialize=["T"])
+    def _dqk_intra_kernel(q, k, g, dA, dq, dk, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                          BC: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr = 64.0):
+        NK: tl.constexpr = (K + BK - 1) // BK
+        NC: tl.constexpr = BT // BC
+        i_kn, i_bh = tl.program_id(0), tl.program_id(1)  # chunks on axis 0: no 65535 limit on T
+        i_k, i_n = i_kn % NK, i_kn // NK
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        o_c = tl.arange(0, BC)
+        t0 = i_n * BT
+        for s in tl.static_range(NC):
+            t_s = t0 + s * BC + o_c
+            g_s, m_sk = _tile(g, t_s, i_b, i_h, o_k, m_k, T, H, K)
+            # reference: the gate at the middle token of s (the last one when T ends before it)
+            mid = tl.minimum(BC // 2, T - 1 - (t0 + s * BC))
+            g_r = tl.sum(tl.where(o_c[:, None] == mid, g_s, 0.), axis=0)
+            span = tl.max(tl.max(tl.where(m_sk, tl.abs(g_s - g_r[None, :]), 0.), axis=1), axis=0)
+            if span <= SPAN:  # 2^(g_t − g_j) = 2^(g_t − g_r)·2^(g_r − g_j), every factor within 2^±SPAN
+                acc = tl.zeros([BC, BK], dtype=tl.float32)
+                for j in tl.static_range(s + 1):  # dq_t: the keys j ≤ t of this and the earlier sub-chunks
+                    k_j, m_jk = _tile(k, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
+                    g_j, _ = _tile(g, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
+                    kg_j = tl.where(m_jk, k_j * tl.exp2(g_r[None, :] - g_j), 0.)
+                    dA_sj = _dA_block(dA, t_s, j * BC, T, i_b, i_h, o_c, H, BT, j == s)
+                    acc = tl.dot(dA_sj, kg_j, acc, input_precision="tf32x3" if j == s else "tf32")
+                b_dq = acc * tl.exp2(tl.where(m_sk, g_s - g_r[None, :], 0.))
+                acc = tl.zeros([BC, BK], dtype=tl.float32)
+                for u in tl.static_range(s, NC):  # dk_j: the queries t ≥ j of this and the later sub-chunks
+                    t_u = t0 + u * BC + o_c
+                    q_u, m_uk = _tile(q, t_u, i_b, i_h, o_k, m_k, T, H, K)
+                    g_u, _ = _tile(g, t_u, i_b, i_h, o_k, m_k, T, H, K)
+                    qg_u = tl.where(m_uk, q_u * tl.exp2(g_u - g_r[None, :]), 0.)
+                    dA_us = _dA_block(dA, t_u, s * BC, T, i_b, i_h, o_c, H, BT, u == s)
+                    acc = tl.dot(tl.trans(dA_us), qg_u, acc, input_precision="tf32x3" if u == s else "tf32")
+                b_dk = acc * tl.exp2(tl.where(m_sk, g_r[None, :] - g_s, 0.))
+            else:  # steep gates: exact decays on the diagonal block, boundary references off it
+                q_s, _ = _tile(q, t_s, i_b, i_h, o_k, m_k, T, H, K)
+                k_s, _ = _tile(k, t_s, i_b, i_h, o_k, m_k, T, H, K)
+                dA_ss = _dA_block(dA, t_s, s * BC, T, i_b, i_h, o_c, H, BT, True)
+                keep = (o_c[:, None] >= o_c[None, :]) & (t_s < T)[:, None]  # j ≤ t < T (2^(0 - g_j) past T overflows)
+                E = tl.exp2(tl.where(keep[:, :, None], g_s[:, None, :] - g_s[None, :, :], float("-inf")))
+                W = dA_ss[:, :, None] * E  # one [t, j, k] tile of decays for both gradients
+                b_dq = tl.sum(W * k_s[None, :, :], axis=1)
+                b_dk = tl.sum(W * q_s[:, None, :], axis=0)
+                if s > 0:  # through the gate at s's first token
+                    g_first = tl.sum(tl.where(o_c[:, None] == 0, g_s, 0.), axis=0)
+                    acc = tl.zeros([BC, BK], dtype=tl.float32)
+                    for j in tl.static_range(s):
+                        k_j, m_jk = _tile(k, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
+                        g_j, _ = _tile(g, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
+                        kg_j = tl.where(m_jk, k_j * tl.exp2(g_first[None, :] - g_j), 0.)
+                        acc = tl.dot(_dA_block(dA, t_s, j * BC, T, i_b, i_h, o_c, H, BT, False), kg_j, acc)
+                    b_dq += acc * tl.exp2(tl.where(m_sk, g_s - g_first[None, :], 0.))
+                if s < NC - 1:  # through the gate at s's last token
+                    last = tl.minimum(BC - 1, T - 1 - (t0 + s * BC))
+                    g_last = tl.sum(tl.where(o_c[:, None] == last, g_s, 0.), axis=0)
+                    acc = tl.zeros([BC, BK], dtype=tl.float32)
+                    for u in tl.static_range(s + 1, NC):
+                        t_u = t0 + u * BC + o_c
+                        q_u, m_uk = _tile(q, t_u, i_b, i_h, o_k, m_k, T, H, K)
+                        g_u, _ = _tile(g, t_u, i_b, i_h, o_k, m_k, T, H, K)
+                        qg_u = tl.where(m_uk, q_u * tl.exp2(g_u - g_last[None, :]), 0.)
+                        acc = tl.dot(tl.trans(_dA_block(dA, t_u, s * BC, T, i_b, i_h, o_c, H, BT, False)), qg_u, acc)
+                    b_dk += acc * tl.exp2(tl.where(m_sk, g_last[None, :] - g_s, 0.))
+            rows_s = (i_b * T + t_s) * H + i_h
+            tl.store(dq + rows_s[:, None] * K + o_k[None, :], b_dq, mask=m_sk)
+            tl.store(dk + rows_s[:, None] * K + o_k[None, :], b_dk, mask=m_sk)
+
+
+def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int):
+    """= fla's chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=chunk_size) for one dense
+    sequence per batch row: (dq, dk) [B, T, H, K] in fp32."""
+    B, T, H, K = q.shape
+    if g_cs.dtype != torch.float or dA.dtype != torch.float:
+        raise TypeError(f"dqk_intra: g_cs and dA must be fp32 (fla's stages give them so), "
+                        f"got {g_cs.dtype}, {dA.dtype}")
+    dq = torch.empty_like(q, dtype=torch.float)
+    dk = torch.empty_like(k, dtype=torch.float)
+
+    def grid(meta):
+        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(T, chunk_size), B * H)
+
+    _dqk_intra_kernel[grid](q, k, g_cs, dA, dq, dk, T, H=H, K=K, BT=chunk_size, BC=min(16, chunk_size))
+    return dq, dk
+
+
+__all__ = ["chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqk_intra_torch"]
