@@ -1,5 +1,6 @@
-"""Run a function on P gloo processes on this machine (tests, CPU smoke runs of benchmarks), or a
-Triton kernel on the CPU under Triton's interpreter (`run_interpreted`).
+"""Run a function on P gloo processes on this machine (tests, CPU smoke runs of benchmarks), a
+Triton kernel on the CPU under Triton's interpreter (`run_interpreted`), or a kernel through Triton's
+compiler front end for a GPU this machine does not have (`compile_front_end`).
 
 `run_on_ranks(fn, world_size, *args)` spawns `world_size` processes, sets up a gloo process group,
 calls `fn(rank, world_size, *args)` in each, and returns the list of results in rank order.
@@ -84,3 +85,38 @@ def run_interpreted(script: str, *argv: str, timeout_s: float = 300.0) -> float:
     if proc.returncode != 0:
         raise RuntimeError(f"interpreted script failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return float(proc.stdout.split()[-1])
+
+
+def compile_front_end(kernel, signature: dict, constexprs: dict, capability: int = 90, num_warps: int = 4) -> str:
+    """Take a Triton kernel (a JITFunction, or an Autotuner around one) through Triton's front end and
+    its first two passes for an NVIDIA GPU of this compute capability (Triton IR, then GPU IR with the
+    layouts of that generation), on this machine, no GPU needed; returns the GPU IR. This catches what
+    the CPU interpreter lets through (a variable retyped in one branch, a dot of unsupported shapes);
+    the LLVM and ptxas stages after it take minutes on a CPU and see no Python. `signature` gives the
+    runtime arguments' Triton types ("*bf16", "fp32", "i32"), `constexprs` every compile-time one."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    from triton.runtime.jit import JITFunction
+
+    fn = kernel
+    while not isinstance(fn, JITFunction):  # autotuners and heuristics wrap it in .fn
+        if not hasattr(fn, "fn"):
+            raise TypeError(f"{kernel!r} is not a Triton kernel (under TRITON_INTERPRET=1 none is compiled)")
+        fn = fn.fn
+    target = GPUTarget("cuda", capability, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": num_warps})
+    src = ASTSource(fn=fn, signature={**signature, **{name: "constexpr" for name in constexprs}},
+                    constexprs=constexprs)
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
+                         context)
+    stages: dict = {}
+    backend.add_stages(stages, options, src.language)
+    for ext in ("ttir", "ttgir"):
+        module = stages[ext](module, {})
+    return str(module)

@@ -1,0 +1,64 @@
+"""Every Triton kernel of ours through Triton's compiler front end for Hopper (sm_90) on the CPU
+(lingua_zeco.testing.compile_front_end): the interpreter tests run the kernels' arithmetic, but not the
+compiler's checks (a variable retyped inside one branch once passed the interpreter and failed on the
+GPU). Each kernel at the shapes and constants its launcher uses (K = V = 128, fla's chunk sizes)."""
+import pytest
+
+from lingua_zeco.testing import compile_front_end
+
+pytest.importorskip("triton.backends.nvidia")
+
+
+def _cases():
+    from lingua_zeco.comm import symm_hop
+    from lingua_zeco.kernels import gla_bwd_intra, zeco_stages
+    i32, f32 = "i32", "fp32"
+    intra = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "dA": "*fp32", "dq": "*fp32", "dk": "*fp32", "T": i32}
+    prefix = {"g_cs": "*fp32", "gx": "*fp32", "b_end": "*fp32", "T": i32, "NT": i32}
+    fwd_o = {"q": "*bf16", "v": "*bf16", "g": "*fp32", "A": "*fp32", "h": "*bf16", "s_in": "*bf16", "gx": "*fp32",
+             "o": "*bf16", "scale": f32, "T": i32}
+
+    def dS_in(raw):
+        return {"q": "*bf16", "g_cs": "*bf16" if raw else "*fp32", "gx": "*fp32", "do": "*bf16", "dp": "*fp32",
+                "scale": f32, "T": i32, "NT": i32, "CPS": i32, "B": i32}
+    hop = {"x_ptr": "*fp32", "a_ptr": "*fp32", "y_ptr": "*fp32", "recv_ptr": "*fp32", "send_ptr": "*fp32",
+           "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32, "max_spins": i32}
+    cases = {f"dqk_intra_BT{BT}_BK{BK}": (gla_bwd_intra._dqk_intra_kernel, intra,
+                                          dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0))
+             for BT, BK in ((64, 32), (64, 64), (16, 64))}
+    cases["decay_prefix"] = (zeco_stages._decay_prefix_kernel, prefix, dict(H=16, K=128, BT=64, BK=32, BN=64))
+    cases |= {f"fwd_o_BK{BK}_BV{BV}": (zeco_stages._fwd_o_kernel, fwd_o, dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV))
+              for BK, BV in ((32, 64), (64, 128))}
+    cases |= {f"dS_in_raw{raw}_CPI{cpi}_HF{hf}": (zeco_stages._dS_in_kernel, dS_in(raw),
+                                                 dict(H=16, K=128, V=128, BT=64, BK=64, BV=128, CPI=cpi, HF=hf, RAW=raw))
+              for raw in (False, True) for cpi, hf in ((1, 0), (2, 1))}
+    cases |= {f"symm_hop_src{s}_dst{d}": (symm_hop._kernel(), hop, dict(V=128, BLOCK_R=32, HAS_SRC=s, HAS_DST=d))
+              for s in (False, True) for d in (False, True)}
+    return cases
+
+
+CASES = list(_cases())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_compiles_for_hopper(case):
+    kernel, signature, constexprs = _cases()[case]
+    gpu_ir = compile_front_end(kernel, signature, constexprs)
+    assert "ttg." in gpu_ir or "triton_gpu" in gpu_ir  # the GPU IR with its layouts, not the input back
+
+
+def test_a_kernel_the_interpreter_accepts_but_the_compiler_refuses_is_caught():
+    """The mistake that reached the GPU once: a variable given another shape inside one branch."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def retyped(x, flag, N: tl.constexpr):
+        o = tl.arange(0, N)
+        y, m = tl.load(x + o), o < N
+        if flag > 0:
+            y, m = tl.load(x + tl.arange(0, 2 * N)), tl.arange(0, 2 * N) < N
+        tl.store(x + o, y, mask=o < N)
+
+    with pytest.raises(Exception, match="redefines"):
+        compile_front_end(retyped, {"x": "*fp32", "flag": "i32"}, {"N": 16})
