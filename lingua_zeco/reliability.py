@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 NONFINITE_POLICIES = ("skip", "stop")
 STOP_SIGNALS = ("SIGTERM", "SIGUSR2", "SIGINT")
-EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+EXIT_FAILED, EXIT_BAD_INPUT = 1, 2  # a clean end (a stop signal included) exits 0
 
 
 @dataclass
