@@ -18,7 +18,7 @@ def _run_cut_short(tmp_path, env_value):
     env = dict(os.environ, LINGUA_ZECO_FAILURES_NOW=env_value, PYTHONUNBUFFERED="1")
     try:  # the run is killed by its time limit, as a device call's pytest is
         out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                             capture_output=True, text=True, timeout=8, env=env, cwd=tmp_path).stdout
+                             capture_output=True, text=True, timeout=6, env=env, cwd=tmp_path).stdout
     except subprocess.TimeoutExpired as cut:
         out = cut.stdout.decode() if isinstance(cut.stdout, bytes) else (cut.stdout or "")
     return out
