@@ -87,7 +87,8 @@ def run_interpreted(script: str, *argv: str, timeout_s: float = 300.0) -> float:
     return float(proc.stdout.split()[-1])
 
 
-def compile_front_end(kernel, signature: dict, constexprs: dict, capability: int = 90, num_warps: int = 4) -> str:
+def compile_front_end(kernel, signature: dict, constexprs: dict, capability: int = 90,
+                      num_warps: int = 4) -> str:
     """Take a Triton kernel (a JITFunction, or an Autotuner around one) through Triton's front end and
     its first two passes for an NVIDIA GPU of this compute capability (Triton IR, then GPU IR with the
     layouts of that generation), on this machine, no GPU needed; returns the GPU IR. This catches what
@@ -97,7 +98,6 @@ def compile_front_end(kernel, signature: dict, constexprs: dict, capability: int
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
-
     from triton.runtime.jit import JITFunction
 
     fn = kernel

@@ -77,4 +77,3 @@ def test_triton_kernel_under_the_interpreter(variant):
         assert worst < 1e-5, worst  # fp32 inside, fp16 inputs read exactly
     else:
         assert worst > 1e-2, worst
-

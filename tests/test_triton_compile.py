@@ -27,10 +27,12 @@ def _cases():
                                           dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0))
              for BT, BK in ((64, 32), (64, 64), (16, 64))}
     cases["decay_prefix"] = (zeco_stages._decay_prefix_kernel, prefix, dict(H=16, K=128, BT=64, BK=32, BN=64))
-    cases |= {f"fwd_o_BK{BK}_BV{BV}": (zeco_stages._fwd_o_kernel, fwd_o, dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV))
+    cases |= {f"fwd_o_BK{BK}_BV{BV}": (zeco_stages._fwd_o_kernel, fwd_o,
+                                       dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV))
               for BK, BV in ((32, 64), (64, 128))}
     cases |= {f"dS_in_raw{raw}_CPI{cpi}_HF{hf}": (zeco_stages._dS_in_kernel, dS_in(raw),
-                                                 dict(H=16, K=128, V=128, BT=64, BK=64, BV=128, CPI=cpi, HF=hf, RAW=raw))
+                                                 dict(H=16, K=128, V=128, BT=64, BK=64, BV=128, CPI=cpi, HF=hf,
+                                                      RAW=raw))
               for raw in (False, True) for cpi, hf in ((1, 0), (2, 1))}
     cases |= {f"symm_hop_src{s}_dst{d}": (symm_hop._kernel(), hop, dict(V=128, BLOCK_R=32, HAS_SRC=s, HAS_DST=d))
               for s in (False, True) for d in (False, True)}
