@@ -113,8 +113,8 @@ def compile_front_end(kernel, signature: dict, constexprs: dict, capability: int
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(),
-                         context)
+    codegen = backend.get_codegen_implementation(options)
+    module = src.make_ir(target, options, codegen, backend.get_module_map(), context)
     stages: dict = {}
     backend.add_stages(stages, options, src.language)
     for ext in ("ttir", "ttgir"):

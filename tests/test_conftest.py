@@ -26,4 +26,5 @@ def _run_cut_short(tmp_path, env_value):
 
 def test_failure_reason_survives_a_killed_run(tmp_path):
     assert "the reason of the failure" in _run_cut_short(tmp_path, "1")
-    assert "the reason of the failure" not in _run_cut_short(tmp_path, "0")  # pytest alone prints it at the end
+    # pytest alone prints it only at the end
+    assert "the reason of the failure" not in _run_cut_short(tmp_path, "0")

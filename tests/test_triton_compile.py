@@ -15,14 +15,15 @@ def _cases():
     i32, f32 = "i32", "fp32"
     intra = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "dA": "*fp32", "dq": "*fp32", "dk": "*fp32", "T": i32}
     prefix = {"g_cs": "*fp32", "gx": "*fp32", "b_end": "*fp32", "T": i32, "NT": i32}
-    fwd_o = {"q": "*bf16", "v": "*bf16", "g": "*fp32", "A": "*fp32", "h": "*bf16", "s_in": "*bf16", "gx": "*fp32",
-             "o": "*bf16", "scale": f32, "T": i32}
+    fwd_o = {"q": "*bf16", "v": "*bf16", "g": "*fp32", "A": "*fp32", "h": "*bf16", "s_in": "*bf16",
+             "gx": "*fp32", "o": "*bf16", "scale": f32, "T": i32}
 
     def dS_in(raw):
-        return {"q": "*bf16", "g_cs": "*bf16" if raw else "*fp32", "gx": "*fp32", "do": "*bf16", "dp": "*fp32",
-                "scale": f32, "T": i32, "NT": i32, "CPS": i32, "B": i32}
+        return {"q": "*bf16", "g_cs": "*bf16" if raw else "*fp32", "gx": "*fp32", "do": "*bf16",
+                "dp": "*fp32", "scale": f32, "T": i32, "NT": i32, "CPS": i32, "B": i32}
     hop = {"x_ptr": "*fp32", "a_ptr": "*fp32", "y_ptr": "*fp32", "recv_ptr": "*fp32", "send_ptr": "*fp32",
-           "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32, "max_spins": i32}
+           "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32,
+           "max_spins": i32}
     cases = {f"dqk_intra_BT{BT}_BK{BK}": (gla_bwd_intra._dqk_intra_kernel, intra,
                                           dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0))
              for BT, BK in ((64, 32), (64, 64), (16, 64))}
@@ -31,10 +32,11 @@ def _cases():
                                        dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV))
               for BK, BV in ((32, 64), (64, 128))}
     cases |= {f"dS_in_raw{raw}_CPI{cpi}_HF{hf}": (zeco_stages._dS_in_kernel, dS_in(raw),
-                                                 dict(H=16, K=128, V=128, BT=64, BK=64, BV=128, CPI=cpi, HF=hf,
-                                                      RAW=raw))
+                                                 dict(H=16, K=128, V=128, BT=64, BK=64, BV=128, CPI=cpi,
+                                                      HF=hf, RAW=raw))
               for raw in (False, True) for cpi, hf in ((1, 0), (2, 1))}
-    cases |= {f"symm_hop_src{s}_dst{d}": (symm_hop._kernel(), hop, dict(V=128, BLOCK_R=32, HAS_SRC=s, HAS_DST=d))
+    cases |= {f"symm_hop_src{s}_dst{d}": (symm_hop._kernel(), hop,
+                                          dict(V=128, BLOCK_R=32, HAS_SRC=s, HAS_DST=d))
               for s in (False, True) for d in (False, True)}
     return cases
 
