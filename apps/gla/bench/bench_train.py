@@ -216,11 +216,17 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     return row
 
 
-def measure(a: BenchTrainArgs, device) -> tuple[str, dict, str]:
+def measure(a: BenchTrainArgs, device):
+    """Yields the results after each variant (bench_main writes each: a run cut short keeps them)."""
     rows = []
     for name in a.variants:
         rows.append(run_variant(name, a, device))
         print({k: v for k, v in rows[-1].items() if not k.startswith("profile")}, flush=True)
+        yield a.stem, dict(rows=rows), summary(rows)
+
+
+def summary(rows: list[dict]) -> str:
+    """The rows (each with vs_fla when fla was measured) and their profiles as markdown."""
     ref = next((r["tok_per_s"] for r in rows if r["variant"] == "fla"), None)
     for r in rows:
         r["vs_fla"] = r["tok_per_s"] / ref if ref else None
@@ -236,7 +242,7 @@ def measure(a: BenchTrainArgs, device) -> tuple[str, dict, str]:
             md += (f"\nGPU idle per step: {gaps['idle_us'] / 1e3:.1f} ms of {gaps['span_us'] / 1e3:.1f} "
                    f"({gaps['host_late_us'] / 1e3:.1f} ms after a late launch), by what the host was doing:\n\n")
             md += markdown_table(gaps["by_cause"], ["cause", "gaps", "idle_us", "host_late_us"])
-    return a.stem, dict(rows=rows), md
+    return md
 
 
 main = bench_main(BenchTrainArgs, measure, check_args)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import itertools
 import json
 import os
@@ -81,17 +82,29 @@ def bench_main(cls, measure: Callable, check: Callable | None = None) -> Callabl
     device)` (refuses bad input before anything runs), `measure(args, device)` -> (stem, results dict,
     markdown or None); rank 0 writes <out>/<stem>.json (args, env, the results) and, with markdown, .md;
     out = args.out or docs/results/raw/<date>-<gpu>. main returns the JSON's path there (None on other
-    ranks)."""
+    ranks). A `measure` that is a generator yields the results so far after each measurement, the last
+    yield being the whole: each is written at once (marked "partial": true), so a run cut short by a time
+    limit keeps what it finished."""
     def main(argv: list[str] | None = None) -> str | None:
         args = parse_args(cls, argv)
         device = init_distributed()
         if check is not None:  # after the group: some checks need the world size or the device
             check(args, device)
-        stem, results, md = measure(args, device)
         gpu = device_name(device).split()[-1].lower()
         out = args.out or os.path.join("docs", "results", "raw", time.strftime("%Y-%m-%d-") + gpu)
-        payload = dict(args=dataclasses.asdict(args), env=env_info(device), **results)
-        path = write_outputs(out, stem, payload, md)
+        env = env_info(device)
+        produced = measure(args, device)
+        if inspect.isgenerator(produced):
+            last = None
+            for last in produced:
+                stem, results, md = last
+                payload = dict(args=dataclasses.asdict(args), env=env, partial=True, **results)
+                write_outputs(out, stem, payload, md, final=False)
+            produced = last
+        path = None
+        if produced is not None:  # (a generator that measured nothing writes nothing)
+            stem, results, md = produced
+            path = write_outputs(out, stem, dict(args=dataclasses.asdict(args), env=env, **results), md)
         finish()
         return path
     return main
@@ -100,13 +113,13 @@ def bench_main(cls, measure: Callable, check: Callable | None = None) -> Callabl
 def slices_main(cls, stem: str, measure_one: Callable, check: Callable | None = None) -> Callable:
     """bench_main of a one-GPU benchmark: `measure_one(args, T, args.inputs(T, device))` -> one row for
     each T of t_local, printed as it comes; <stem>.json holds them as "rows" (no markdown)."""
-    def measure(args, device: torch.device) -> tuple[str, dict, None]:
+    def measure(args, device: torch.device):
         rows = []
         for T in args.t_local:
             rows.append(measure_one(args, T, args.inputs(T, device)))
             print(json.dumps(rows[-1]), flush=True)
             torch.cuda.empty_cache()
-        return stem, dict(rows=rows), None
+            yield stem, dict(rows=rows), None
     return bench_main(cls, measure, check)
 
 
@@ -309,9 +322,10 @@ def markdown_table(rows: list[dict], cols: list[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str | None) -> str | None:
-    """Rank 0 writes <stem>.json and, with markdown, <stem>.md and prints the table; returns the JSON
-    path there (None elsewhere)."""
+def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str | None,
+                  final: bool = True) -> str | None:
+    """Rank 0 writes <stem>.json and, with markdown, <stem>.md and (final) prints the table; returns the
+    JSON path there (None elsewhere)."""
     if dist.get_rank() != 0:
         return None
     os.makedirs(out_dir, exist_ok=True)
@@ -321,6 +335,8 @@ def write_outputs(out_dir: str, stem: str, payload: dict, markdown: str | None) 
     if markdown is not None:
         with open(os.path.join(out_dir, stem + ".md"), "w") as f:
             f.write(markdown)
-        print(markdown)
-    print(f"wrote {path}")
+        if final:
+            print(markdown)
+    if final:
+        print(f"wrote {path}")
     return path
