@@ -12,6 +12,7 @@ import json
 import math
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -364,3 +365,15 @@ def test_symm_hop_fit_recovers_the_per_hop_cost(tmp_path):
         f.unlink()
     with pytest.raises(FileNotFoundError, match="at two P or more"):
         symm_hop_fit(str(tmp_path))
+
+
+def test_a_partial_benchmark_file_is_named_when_loaded(tmp_path):
+    """bench_main marks the JSON of a run cut short as partial: calibrating from it says so."""
+    from lingua_zeco.perf_model.calibrate import load_raw
+    (tmp_path / "bench_fused.json").write_text(json.dumps({"partial": True, "rows": []}))
+    with pytest.warns(UserWarning, match="bench_fused.json is partial"):
+        assert load_raw(str(tmp_path))["fused"]["rows"] == []
+    (tmp_path / "bench_fused.json").write_text(json.dumps({"rows": []}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_raw(str(tmp_path))
