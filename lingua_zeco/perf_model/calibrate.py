@@ -75,7 +75,7 @@ def load_raw(raw: str) -> dict:
             out["files"][key] = shown(found[0])
             if out[key].get("partial"):  # bench_main's mark of a run cut short
                 warnings.warn(f"{shown(found[0])} is partial (its benchmark was cut short): the model is "
-                              f"calibrated from the measurements it holds", stacklevel=2)
+                              "calibrated from the measurements it holds", stacklevel=2)
     for f in sorted(glob.glob(os.path.join(raw, "metrics_*.jsonl"))):
         name = os.path.basename(f)[len("metrics_"):-len(".jsonl")]
         out["metrics"][name] = [json.loads(line) for line in open(f) if line.strip()]
