@@ -61,7 +61,8 @@ for BT, BK, mult, SPAN in cases:
         g_cs[:, 70] += 0.5
     dq, dk = torch.empty(B, T, H, K), torch.empty(B, T, H, K)
     grid = (triton.cdiv(K, BK) * triton.cdiv(T, BT), B * H)
-    gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, T, H=H, K=K, BT=BT, BC=min(16, BT), BK=BK, SPAN=SPAN)
+    gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, None, None, T, H=H, K=K, BT=BT, BC=min(16, BT), BK=BK,
+                                  SPAN=SPAN)
     errs = [((a.double() - r).abs().max() / r.abs().max()).nan_to_num(float("inf")).item() for a, r in zip((dq, dk), ref)]
     print(BT, BK, mult, SPAN, errs, file=sys.stderr)
     worst, caught = max(worst, *errs), min(caught, *errs)
@@ -77,3 +78,59 @@ def test_triton_kernel_under_the_interpreter(variant):
         assert worst < 1e-5, worst  # fp32 inside, fp16 inputs read exactly
     else:
         assert worst > 1e-2, worst
+
+
+_PACKED = r"""
+import sys, torch, triton
+import torch.nn.functional as F
+from lingua_zeco.kernels import gla_bwd_intra as gi
+from lingua_zeco.kernels.common import varlen_chunk_tables
+from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
+# packed documents: a zero-length one, a one-token one, one shorter than a sub-chunk, one exactly a
+# chunk, one ending in a partial chunk; each chunked from its own start (fla's varlen layout)
+bounds = [0, 0, 1, 9, 9, 73, 150]
+T, H, K, BT, BK = bounds[-1], 2, 64, 64, 32
+gen = torch.Generator().manual_seed(1)
+q, k = torch.randn(1, T, H, K, generator=gen).half(), torch.randn(1, T, H, K, generator=gen).half()
+g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen) + 2)
+g_cs = torch.cat([chunk_local_cumsum_torch(g[:, a:b], BT) for a, b in zip(bounds, bounds[1:]) if b > a], 1)
+dA = torch.randn(1, T, H, BT, generator=gen)
+ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT, cu_seqlens=bounds)
+if sys.argv[1] == "broken":  # the documents read as one dense sequence: chunks cross document boundaries
+    bounds = [0, T]
+ci, _, NT = varlen_chunk_tables(bounds, BT, "cpu")
+dq, dk = torch.empty(1, T, H, K), torch.empty(1, T, H, K)
+cu = torch.tensor(bounds, dtype=torch.long)
+gi._dqk_intra_kernel.fn[(triton.cdiv(K, BK) * NT, H)](q, k, g_cs, dA, dq, dk, cu, ci, T, H=H, K=K, BT=BT, BC=16,
+                                                      BK=BK, IS_VARLEN=True)
+errs = [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((dq, dk), ref)]
+print(errs, file=sys.stderr)
+print(max(errs) if sys.argv[1] == "exact" else min(errs))
+"""
+
+
+@pytest.mark.parametrize("variant", ["exact", "broken"])
+def test_triton_kernel_on_packed_documents_under_the_interpreter(variant):
+    """fla's varlen layout (B = 1, chunk table): against the oracle applied document by document."""
+    pytest.importorskip("triton")
+    err = run_interpreted(_PACKED, variant)
+    if variant == "exact":
+        assert err < 1e-5, err
+    else:
+        assert err > 1e-2, err
+
+
+def test_packed_oracle_is_the_dense_oracle_per_document():
+    """The oracle's packed form equals running each document as its own sequence (a check that its
+    document loop cuts where the boundaries say), and differs from the whole row read as one sequence."""
+    gen = torch.Generator().manual_seed(2)
+    q, k = (torch.randn(1, 50, 2, 8, generator=gen, dtype=torch.double) for _ in range(2))
+    g_cs = torch.randn(1, 50, 2, 8, generator=gen, dtype=torch.double).clamp(max=0)
+    dA = torch.randn(1, 50, 2, 16, generator=gen, dtype=torch.double)
+    bounds = [0, 20, 20, 50]
+    dq, dk = chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, 16, cu_seqlens=bounds)
+    first = chunk_gla_bwd_dqk_intra_torch(q[:, 20:], k[:, 20:], g_cs[:, 20:], dA[:, 20:], 16)
+    torch.testing.assert_close(dq[:, 20:], first[0])
+    torch.testing.assert_close(dk[:, 20:], first[1])
+    whole = chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, 16)
+    assert (dq[:, 20:] - whole[0][:, 20:]).abs().max() > 1e-3

@@ -1,8 +1,8 @@
 """GLA compute backends behind one call: `chunk_gla(q, k, v, g, ...) -> (o, final_state)`.
 
 * "fla":   fla's Triton kernels (CUDA). Fast; its internal stages (kernels/fla_stages.py) are reordered
-           by lingua_zeco.sp's fused ZeCO, and dense sequences run them with our intra-chunk dq/dk
-           stage (kernels/gla_chunk.py, kernels/gla_bwd_intra.py; `bwd_intra="fla"`: fla's chunk_gla).
+           by lingua_zeco.sp's fused ZeCO, and dense sequences and packed documents run them with our
+           intra-chunk dq/dk stage (kernels/gla_chunk.py, kernels/gla_bwd_intra.py; `bwd_intra="fla"`: fla's chunk_gla).
 * "torch": pure PyTorch chunked GLA (any device, fp32 inside, autograd).
 * oracle:  lingua_zeco.kernels.naive.naive_gla, float64 token by token.
 `chunk_simple_gla` is the scalar-decay variant (g [B, T, H]; fla's chunk_simple_gla / RetNet style),
@@ -18,16 +18,18 @@ from .torch_chunk import torch_chunk_gla
 
 
 def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, backend: str | None = None, bwd_intra: str = "zeco"):
+              cu_seqlens=None, backend: str | None = None, bwd_intra: str = "zeco", chunk_tables=None):
     """GLA over [B, T, H, *] tensors with fla's contract; returns (o, final_state or None).
-    fla backend, dense: fla's stages with the intra-chunk dq/dk stage `bwd_intra` (kernels/gla_chunk.py);
-    bwd_intra="fla" and packed documents: fla's chunk_gla itself."""
+    fla backend: fla's stages with the intra-chunk dq/dk stage `bwd_intra` (kernels/gla_chunk.py), dense
+    or packed (`chunk_tables(BT)`: fla's chunk tables planned on the host, as LocalSegments.chunk_index
+    gives them; planned from cu_seqlens when None); bwd_intra="fla": fla's chunk_gla itself."""
     check_bwd_intra(bwd_intra)
     name = pick_backend(q.device, backend)
-    if name == "fla" and cu_seqlens is None and bwd_intra == "zeco":
+    if name == "fla" and bwd_intra == "zeco":
         from .gla_chunk import chunk_gla_staged
         return chunk_gla_staged(q, k, v, g, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state)
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                chunk_tables=chunk_tables)
     if name == "fla":
         from fla.ops.gla import chunk_gla as fla_chunk_gla
         return fla_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,

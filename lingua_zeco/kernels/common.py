@@ -74,7 +74,28 @@ def by_segments(fixed, q, *inputs, scale, initial_state, output_final_state, cu_
         return torch.cat(outs, dim=1).to(q.dtype), (torch.cat(finals) if output_final_state else None)
 
 
-# -- packed documents: which document a global token is in, and where in it --------------------------
+# -- packed documents: fla's chunk tables; which document a global token is in, and where in it -----
+def to_device(rows, device) -> torch.Tensor:
+    """Host ints as a long tensor on `device`; to a GPU from pinned memory, asynchronously (a plain
+    copy from pageable memory would wait for the GPU's queue: a host sync)."""
+    t = torch.tensor(rows, dtype=torch.long)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def varlen_chunk_tables(bounds, BT: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """fla's varlen chunk tables for documents with boundaries `bounds` (host ints), each chunked from
+    its own start: chunk_indices [NT, 2] (document, chunk in document), chunk_offsets [N + 1] (first
+    chunk of each document) on `device`, and NT on the host, so no stage reads them back."""
+    n_N = [-(-(b - a) // BT) for a, b in zip(bounds, bounds[1:])]
+    rows = [(d, c) for d, n in enumerate(n_N) for c in range(n)]
+    offsets = [0]
+    for n in n_N:
+        offsets.append(offsets[-1] + n)
+    return to_device(rows, device).reshape(-1, 2), to_device(offsets, device), offsets[-1]
+
+
 def _bounds_on(bounds, device) -> torch.Tensor:
     cu = bounds if torch.is_tensor(bounds) else torch.tensor(list(bounds), dtype=torch.long)
     return cu.to(device=device, dtype=torch.long)

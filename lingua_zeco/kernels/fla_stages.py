@@ -62,17 +62,19 @@ def chunk_fwd_h_packed(k, v, gk, h0, *, cu_seqlens, chunk_offsets, n_chunks: int
     return h, ht
 
 
-def chunk_bwd_dh_packed(q, k, v, do, dht, gk, *, scale, cu_seqlens, chunk_offsets, n_chunks: int, chunk_size: int):
-    """= chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht, scale=scale, gk=gk, cu_seqlens=cu_seqlens,
-    chunk_size=chunk_size, states_in_fp32=True)[0]: dh [B, NT, H, K, V] in fp32."""
+def chunk_bwd_dh_packed(q, k, v, do, dht, gk, *, scale, cu_seqlens, chunk_offsets, n_chunks: int, chunk_size: int,
+                        h0=None):
+    """= chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=gk, cu_seqlens=cu_seqlens,
+    chunk_size=chunk_size, states_in_fp32=True): (dh [B, NT, H, K, V] in fp32, dh0 [N, H, K, V] or None)."""
     B, T, H, K, V = *k.shape, v.shape[-1]
     N = cu_seqlens.numel() - 1
     dh = k.new_empty(B, n_chunks, H, K, V, dtype=torch.float)
+    dh0 = None if h0 is None else torch.empty_like(h0, dtype=torch.float)
     chunk_bwd_kernel_dh[_state_grid(K, V, N, H)](
-        q=q, g=None, g_gamma=None, gk=gk, gv=None, do=do, dh=dh, dht=dht, dh0=None, cu_seqlens=cu_seqlens,
+        q=q, g=None, g_gamma=None, gk=gk, gv=None, do=do, dh=dh, dht=dht, dh0=dh0, cu_seqlens=cu_seqlens,
         split_offsets=chunk_offsets, scale=scale, T=T, HQ=H, H=H, K=K, V=V, BT=chunk_size, BS=chunk_size, NG=1,
         USE_G=False, USE_G_GAMMA=False, USE_GK=True, USE_GV=False, STATE_V_FIRST=False)
-    return dh
+    return dh, dh0
 
 
 __all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg",

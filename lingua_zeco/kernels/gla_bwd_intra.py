@@ -30,9 +30,14 @@ except ImportError:  # CPU-only installs: the oracle still works
     triton = None
 
 
-def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int):
+def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int, cu_seqlens=None):
     """Oracle: (dq, dk) [B, T, H, K] in at least fp32 from q, k, the chunk-local base-2 cumsum g_cs
-    [B, T, H, K] and dA [B, T, H, BT] (row t, column j of t's chunk)."""
+    [B, T, H, K] and dA [B, T, H, BT] (row t, column j of t's chunk). cu_seqlens (host ints, B = 1):
+    packed documents, each chunked from its own start as fla's varlen stages do."""
+    if cu_seqlens is not None:
+        parts = [chunk_gla_bwd_dqk_intra_torch(q[:, a:b], k[:, a:b], g_cs[:, a:b], dA[:, a:b], BT)
+                 for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
+        return tuple(torch.cat(p, dim=1) for p in zip(*parts))
     B, T, H, K = q.shape
     acc = acc_dtype(q.dtype, g_cs.dtype, dA.dtype)
     pad = (-T) % BT
@@ -55,38 +60,47 @@ def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int):
 
 if triton is not None:
     @triton.jit
-    def _tile(x, t_x, i_b, i_h, o_k, m_k, T, H: tl.constexpr, K: tl.constexpr):
-        """Rows t_x [BC] of x [B, T, H, K] for keys o_k, fp32, zero past T (and the row mask)."""
+    def _tile(x, t_x, bos, i_h, o_k, m_k, T, H: tl.constexpr, K: tl.constexpr):
+        """Rows t_x [BC] (of the sequence starting at row bos, T long) of x [B·T, H, K] for keys o_k,
+        fp32, zero past T (and the row mask)."""
         m = (t_x < T)[:, None] & m_k[None, :]
-        rows = (i_b * T + t_x) * H + i_h  # int64
+        rows = (bos + t_x) * H + i_h  # int64
         return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32), m
 
     @triton.jit
-    def _dA_block(dA, t_rows, c0, T, i_b, i_h, o_c, H: tl.constexpr, BT: tl.constexpr, CAUSAL: tl.constexpr):
+    def _dA_block(dA, t_rows, c0, T, bos, i_h, o_c, H: tl.constexpr, BT: tl.constexpr, CAUSAL: tl.constexpr):
         """dA[t_rows, c0 : c0 + BC] [BC, BC]; CAUSAL (a diagonal block): only j ≤ t counts."""
         m = (t_rows < T)[:, None] & ((o_c[:, None] >= o_c[None, :]) if CAUSAL else (o_c[None, :] >= 0))
-        rows = (i_b * T + t_rows) * H + i_h
+        rows = (bos + t_rows) * H + i_h
         return tl.load(dA + rows[:, None] * BT + (c0 + o_c)[None, :], mask=m, other=0.)
 
     @triton.autotune(
         configs=[triton.Config({"BK": bk}, num_warps=w, num_stages=s)
                  for bk in (32, 64) for w in (2, 4) for s in (1, 2)],
-        key=["BT", "K"], cache_results=True)
+        key=["BT", "K", "IS_VARLEN"], cache_results=True)
     @triton.jit(do_not_specialize=["T"])
-    def _dqk_intra_kernel(q, k, g, dA, dq, dk, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                          BC: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr = 64.0):
+    def _dqk_intra_kernel(q, k, g, dA, dq, dk, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr = False,
+                          SPAN: tl.constexpr = 64.0):
         NK: tl.constexpr = (K + BK - 1) // BK
         NC: tl.constexpr = BT // BC
         i_kn, i_bh = tl.program_id(0), tl.program_id(1)  # chunks on axis 0: no 65535 limit on T
         i_k, i_n = i_kn % NK, i_kn // NK
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+        if IS_VARLEN:  # packed documents (B = 1): fla's table gives chunk i_n's document and its place there
+            i_d = tl.load(chunk_indices + i_n * 2).to(tl.int32)
+            i_n = tl.load(chunk_indices + i_n * 2 + 1).to(tl.int32)
+            bos = tl.load(cu_seqlens + i_d).to(tl.int64)
+            T = (tl.load(cu_seqlens + i_d + 1).to(tl.int64) - bos).to(tl.int32)  # from here on: the document's
+        else:
+            bos = i_b * T
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         o_c = tl.arange(0, BC)
         t0 = i_n * BT
         for s in tl.static_range(NC):
             t_s = t0 + s * BC + o_c
-            g_s, m_sk = _tile(g, t_s, i_b, i_h, o_k, m_k, T, H, K)
+            g_s, m_sk = _tile(g, t_s, bos, i_h, o_k, m_k, T, H, K)
             # reference: the gate at the middle token of s (the last one when T ends before it)
             mid = tl.minimum(BC // 2, T - 1 - (t0 + s * BC))
             g_r = tl.sum(tl.where(o_c[:, None] == mid, g_s, 0.), axis=0)
@@ -94,25 +108,25 @@ if triton is not None:
             if span <= SPAN:  # 2^(g_t − g_j) = 2^(g_t − g_r)·2^(g_r − g_j), every factor within 2^±SPAN
                 acc = tl.zeros([BC, BK], dtype=tl.float32)
                 for j in tl.static_range(s + 1):  # dq_t: the keys j ≤ t of this and the earlier sub-chunks
-                    k_j, m_jk = _tile(k, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
-                    g_j, _ = _tile(g, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
+                    k_j, m_jk = _tile(k, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
+                    g_j, _ = _tile(g, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
                     kg_j = tl.where(m_jk, k_j * tl.exp2(g_r[None, :] - g_j), 0.)
-                    dA_sj = _dA_block(dA, t_s, j * BC, T, i_b, i_h, o_c, H, BT, j == s)
+                    dA_sj = _dA_block(dA, t_s, j * BC, T, bos, i_h, o_c, H, BT, j == s)
                     acc = tl.dot(dA_sj, kg_j, acc, input_precision="tf32x3" if j == s else "tf32")
                 b_dq = acc * tl.exp2(tl.where(m_sk, g_s - g_r[None, :], 0.))
                 acc = tl.zeros([BC, BK], dtype=tl.float32)
                 for u in tl.static_range(s, NC):  # dk_j: the queries t ≥ j of this and the later sub-chunks
                     t_u = t0 + u * BC + o_c
-                    q_u, m_uk = _tile(q, t_u, i_b, i_h, o_k, m_k, T, H, K)
-                    g_u, _ = _tile(g, t_u, i_b, i_h, o_k, m_k, T, H, K)
+                    q_u, m_uk = _tile(q, t_u, bos, i_h, o_k, m_k, T, H, K)
+                    g_u, _ = _tile(g, t_u, bos, i_h, o_k, m_k, T, H, K)
                     qg_u = tl.where(m_uk, q_u * tl.exp2(g_u - g_r[None, :]), 0.)
-                    dA_us = _dA_block(dA, t_u, s * BC, T, i_b, i_h, o_c, H, BT, u == s)
+                    dA_us = _dA_block(dA, t_u, s * BC, T, bos, i_h, o_c, H, BT, u == s)
                     acc = tl.dot(tl.trans(dA_us), qg_u, acc, input_precision="tf32x3" if u == s else "tf32")
                 b_dk = acc * tl.exp2(tl.where(m_sk, g_r[None, :] - g_s, 0.))
             else:  # steep gates: exact decays on the diagonal block, boundary references off it
-                q_s, _ = _tile(q, t_s, i_b, i_h, o_k, m_k, T, H, K)
-                k_s, _ = _tile(k, t_s, i_b, i_h, o_k, m_k, T, H, K)
-                dA_ss = _dA_block(dA, t_s, s * BC, T, i_b, i_h, o_c, H, BT, True)
+                q_s, _ = _tile(q, t_s, bos, i_h, o_k, m_k, T, H, K)
+                k_s, _ = _tile(k, t_s, bos, i_h, o_k, m_k, T, H, K)
+                dA_ss = _dA_block(dA, t_s, s * BC, T, bos, i_h, o_c, H, BT, True)
                 keep = (o_c[:, None] >= o_c[None, :]) & (t_s < T)[:, None]  # j ≤ t < T (2^(0 - g_j) past T overflows)
                 E = tl.exp2(tl.where(keep[:, :, None], g_s[:, None, :] - g_s[None, :, :], float("-inf")))
                 W = dA_ss[:, :, None] * E  # one [t, j, k] tile of decays for both gradients
@@ -122,10 +136,10 @@ if triton is not None:
                     g_first = tl.sum(tl.where(o_c[:, None] == 0, g_s, 0.), axis=0)
                     acc = tl.zeros([BC, BK], dtype=tl.float32)
                     for j in tl.static_range(s):
-                        k_j, m_jk = _tile(k, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
-                        g_j, _ = _tile(g, t0 + j * BC + o_c, i_b, i_h, o_k, m_k, T, H, K)
+                        k_j, m_jk = _tile(k, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
+                        g_j, _ = _tile(g, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
                         kg_j = tl.where(m_jk, k_j * tl.exp2(g_first[None, :] - g_j), 0.)
-                        acc = tl.dot(_dA_block(dA, t_s, j * BC, T, i_b, i_h, o_c, H, BT, False), kg_j, acc)
+                        acc = tl.dot(_dA_block(dA, t_s, j * BC, T, bos, i_h, o_c, H, BT, False), kg_j, acc)
                     b_dq += acc * tl.exp2(tl.where(m_sk, g_s - g_first[None, :], 0.))
                 if s < NC - 1:  # through the gate at s's last token
                     last = tl.minimum(BC - 1, T - 1 - (t0 + s * BC))
@@ -133,30 +147,38 @@ if triton is not None:
                     acc = tl.zeros([BC, BK], dtype=tl.float32)
                     for u in tl.static_range(s + 1, NC):
                         t_u = t0 + u * BC + o_c
-                        q_u, m_uk = _tile(q, t_u, i_b, i_h, o_k, m_k, T, H, K)
-                        g_u, _ = _tile(g, t_u, i_b, i_h, o_k, m_k, T, H, K)
+                        q_u, m_uk = _tile(q, t_u, bos, i_h, o_k, m_k, T, H, K)
+                        g_u, _ = _tile(g, t_u, bos, i_h, o_k, m_k, T, H, K)
                         qg_u = tl.where(m_uk, q_u * tl.exp2(g_u - g_last[None, :]), 0.)
-                        acc = tl.dot(tl.trans(_dA_block(dA, t_u, s * BC, T, i_b, i_h, o_c, H, BT, False)), qg_u, acc)
+                        acc = tl.dot(tl.trans(_dA_block(dA, t_u, s * BC, T, bos, i_h, o_c, H, BT, False)), qg_u, acc)
                     b_dk += acc * tl.exp2(tl.where(m_sk, g_last[None, :] - g_s, 0.))
-            rows_s = (i_b * T + t_s) * H + i_h
+            rows_s = (bos + t_s) * H + i_h
             tl.store(dq + rows_s[:, None] * K + o_k[None, :], b_dq, mask=m_sk)
             tl.store(dk + rows_s[:, None] * K + o_k[None, :], b_dk, mask=m_sk)
 
 
-def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int):
-    """= fla's chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=chunk_size) for one dense
-    sequence per batch row: (dq, dk) [B, T, H, K] in fp32."""
+def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int, cu_seqlens=None, chunk_indices=None):
+    """= fla's chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
+    chunk_indices=chunk_indices): (dq, dk) [B, T, H, K] in fp32. Packed documents (B = 1) need fla's
+    chunk table [NT, 2] (document, chunk in document) as well as the boundaries: it sizes the grid,
+    so nothing is read back from the GPU."""
     B, T, H, K = q.shape
     if g_cs.dtype != torch.float or dA.dtype != torch.float:
         raise TypeError(f"dqk_intra: g_cs and dA must be fp32 (fla's stages give them so), "
                         f"got {g_cs.dtype}, {dA.dtype}")
+    if (cu_seqlens is None) != (chunk_indices is None) or (cu_seqlens is not None and B != 1):
+        raise ValueError("dqk_intra: packed documents need cu_seqlens and chunk_indices together, with B = 1; "
+                         f"got B = {B}, cu_seqlens {'set' if cu_seqlens is not None else 'None'}, "
+                         f"chunk_indices {'set' if chunk_indices is not None else 'None'}")
+    NT = triton.cdiv(T, chunk_size) if chunk_indices is None else chunk_indices.shape[0]
     dq = torch.empty_like(q, dtype=torch.float)
     dk = torch.empty_like(k, dtype=torch.float)
 
     def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * triton.cdiv(T, chunk_size), B * H)
+        return (triton.cdiv(K, meta["BK"]) * NT, B * H)
 
-    _dqk_intra_kernel[grid](q, k, g_cs, dA, dq, dk, T, H=H, K=K, BT=chunk_size, BC=min(16, chunk_size))
+    _dqk_intra_kernel[grid](q, k, g_cs, dA, dq, dk, cu_seqlens, chunk_indices, T, H=H, K=K, BT=chunk_size,
+                            BC=min(16, chunk_size), IS_VARLEN=cu_seqlens is not None)
     return dq, dk
 
 

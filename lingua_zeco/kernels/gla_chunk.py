@@ -4,65 +4,95 @@
   "fla"   fla's chunk_gla_bwd_dqk_intra
 Every other stage, the saved tensors and the precisions are fla's (ChunkGLAFunction): h in 16 bits in
 the forward, recomputed in fp32 in the backward; the gate cumsum kept when g is fp32, recomputed from
-16-bit gates. Dense sequences only (fla's contract without cu_seqlens); packed documents keep fla's
-chunk_gla. Shapes as fla names them: q, k, g [B, T, H, K], v [B, T, H, V], h0 and ht [B, H, K, V].
+16-bit gates. Dense sequences, or packed documents (B = 1) with fla's chunk tables planned on the host
+(`chunk_tables`), so that no stage reads the boundaries back from the GPU as fla's own varlen path does.
+Shapes as fla names them: q, k, g [B, T, H, K], v [B, T, H, V], h0 and ht [B or N documents, H, K, V].
 """
 from __future__ import annotations
 
 import torch
 
 from . import fla_stages as fla
-from .common import check_bwd_intra
+from .common import check_bwd_intra, varlen_chunk_tables
 from .gla_bwd_intra import chunk_gla_bwd_dqk_intra
 from .zeco_stages import fla_chunk_size
 
 
-def dqk_intra(q, k, g_cs, dA, BT: int, bwd_intra: str = "zeco"):
-    """The intra-chunk parts of (dq, dk), fp32, by the chosen stage (one of BWD_INTRA)."""
+def dqk_intra(q, k, g_cs, dA, BT: int, bwd_intra: str = "zeco", cu_seqlens=None, chunk_indices=None):
+    """The intra-chunk parts of (dq, dk), fp32, by the chosen stage (one of BWD_INTRA); packed documents
+    with fla's chunk table."""
     check_bwd_intra(bwd_intra)
     if bwd_intra == "zeco":
-        return chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, BT)
-    return fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT)
+        return chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, BT, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    return fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT, cu_seqlens=cu_seqlens,
+                                       chunk_indices=chunk_indices)
+
+
+def _states(k, v, g_cs, h0, BT, packed, final: bool, fp32: bool):
+    """(h [B, NT, H, K, V], final states or None): fla's chunk_fwd_h, dense or over the packed documents."""
+    if packed is None:
+        return fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=final, chunk_size=BT,
+                               states_in_fp32=fp32)
+    cu, _, co, NT = packed
+    return fla.chunk_fwd_h_packed(k, v, g_cs, h0, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT, chunk_size=BT,
+                                  output_final_state=final, states_in_fp32=fp32)
 
 
 class ChunkGLA(torch.autograd.Function):
+    """packed: None (dense) or (cu_seqlens, chunk_indices, chunk_offsets, NT) for chunk size BT."""
+
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, h0, output_final_state, bwd_intra):
+    def forward(ctx, q, k, v, g, scale, h0, output_final_state, bwd_intra, packed):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
-        g_cs = fla.gate_cumsum(g, BT)
-        h, ht = fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=output_final_state, chunk_size=BT)
-        A = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, chunk_size=BT)
-        o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, chunk_size=BT)
+        cu, ci = (None, None) if packed is None else packed[:2]
+        g_cs = fla.gate_cumsum(g, BT, cu, ci)
+        h, ht = _states(k, v, g_cs, h0, BT, packed, output_final_state, fp32=False)
+        A = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+        o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
+                                   chunk_indices=ci)
         keep_cs = g.dtype == torch.float  # as fla: the fp32 cumsum costs no more memory than fp32 g
         ctx.save_for_backward(q, k, v, None if keep_cs else g, g_cs if keep_cs else None, h0, A)
-        ctx.scale, ctx.BT, ctx.bwd_intra = scale, BT, bwd_intra
+        ctx.scale, ctx.BT, ctx.bwd_intra, ctx.packed = scale, BT, bwd_intra, packed
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, g_cs, h0, A = ctx.saved_tensors
-        scale, BT = ctx.scale, ctx.BT
+        scale, BT, packed = ctx.scale, ctx.BT, ctx.packed
+        cu, ci = (None, None) if packed is None else packed[:2]
+        vl = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
         do = do.contiguous()
         if g_cs is None:
-            g_cs = fla.gate_cumsum(g, BT)
-        h, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=False, chunk_size=BT,
-                               states_in_fp32=True)
-        dh, dh0 = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=g_cs, chunk_size=BT,
-                                   states_in_fp32=True)
-        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, chunk_size=BT)
-        dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
-        dq, dk = dqk_intra(q, k, g_cs, dA, BT, ctx.bwd_intra)
-        dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale,
-                                            chunk_size=BT)
-        return dq.to(q), dk.to(k), dv.to(v), dg, None, dh0, None, None
+            g_cs = fla.gate_cumsum(g, BT, cu, ci)
+        h, _ = _states(k, v, g_cs, h0, BT, packed, final=False, fp32=True)
+        if packed is None:
+            dh, dh0 = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=g_cs, chunk_size=BT,
+                                       states_in_fp32=True)
+        else:
+            dh, dh0 = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, h0=h0, scale=scale, cu_seqlens=cu,
+                                              chunk_offsets=packed[2], n_chunks=packed[3], chunk_size=BT)
+        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, **vl)
+        dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **vl)
+        dq, dk = dqk_intra(q, k, g_cs, dA, BT, ctx.bwd_intra, cu_seqlens=cu, chunk_indices=ci)
+        dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale, **vl)
+        return dq.to(q), dk.to(k), dv.to(v), dg, None, dh0, None, None, None
 
 
 def chunk_gla_staged(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-                     bwd_intra: str = "zeco"):
-    """fla's chunk_gla contract (dense): (o [B, T, H, V], final state [B, H, K, V] or None)."""
+                     bwd_intra: str = "zeco", cu_seqlens=None, chunk_tables=None):
+    """fla's chunk_gla contract: (o [B, T, H, V], final state(s) or None). Packed documents: cu_seqlens
+    (a long tensor on q's device) and `chunk_tables(BT) -> (chunk_indices, chunk_offsets, NT)` planned on
+    the host (lingua_zeco.sp.varlen.LocalSegments.chunk_index); without it they are planned here from
+    cu_seqlens, which reads it back once."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, bwd_intra)
+    packed = None
+    if cu_seqlens is not None:
+        BT = fla_chunk_size(q.shape[1])
+        tables = (chunk_tables(BT) if chunk_tables is not None
+                  else varlen_chunk_tables([int(b) for b in cu_seqlens.tolist()], BT, q.device))
+        packed = (cu_seqlens, *tables)
+    return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, bwd_intra, packed)
 
 
 __all__ = ["ChunkGLA", "chunk_gla_staged", "dqk_intra"]

@@ -37,8 +37,12 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = kernels.pick_backend(q.device, backend)
     if P == 1:  # nothing to exchange: every method is plain GLA
-        cu = None if packing is None else packing.cu_seqlens
-        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=name, bwd_intra=bwd_intra)[0]
+        if packing is None:
+            return kernels.chunk_gla(q, k, v, g, scale=scale, backend=name, bwd_intra=bwd_intra)[0]
+        seg = packing.seg  # its boundaries leave zero-length documents out (the same output) and its chunk
+        # tables are planned once per step for every layer
+        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, chunk_tables=seg.chunk_index,
+                                 backend=name, bwd_intra=bwd_intra)[0]
     seg = local_segments(None, rank, q.shape[1], q.device) if packing is None else packing.seg
     scan = scan or AllScanArgs()
     if method == "lasp1":

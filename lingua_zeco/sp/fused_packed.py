@@ -11,8 +11,8 @@ dense ZeCO stages apply to it unchanged (prefix views of a B = 1 tensor are cont
 Forward:  g_cs, h (zero initial states), S_last → scan starts; A and fla's output stage for the whole
           slice meanwhile; after the wait the prefix's outputs are redone with S_in folded in.
 Backward: D from the prefix → reverse scan starts; h recomputed with S_in as the first segment's
-          initial state, dA, intra dq/dk meanwhile; then fla's dh with G as the last segment's
-          final-state gradient, dv, dq/dk/dg — fla's varlen backward from (S_in, G).
+          initial state, dA, intra dq/dk (the stage `bwd_intra`) meanwhile; then fla's dh with G as
+          the last segment's final-state gradient, dv, dq/dk/dg — fla's varlen backward from (S_in, G).
 A slice inside one document (no boundary in it) takes the dense FusedZeCOGLA instead.
 """
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from lingua_zeco.kernels import fla_stages as fla
+from lingua_zeco.kernels.gla_chunk import dqk_intra
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -31,7 +32,7 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
     the previous rank's document."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn, seg):
+    def forward(ctx, q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco"):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
         cu, t0 = seg.cu_seqlens, seg.first_end
@@ -53,7 +54,7 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
             o[:, :t0] = zeco_fwd_o(q[:, :t0], v[:, :t0], g_cs_BTHK[:, :t0], A_BTHC[:, :t0], h_BNHKV[:, :n0],
                                    S_in_BHKV.to(h_BNHKV.dtype), Gx0_BNHK, scale, BT)
         ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK)
-        ctx.scale, ctx.scan_fn, ctx.BT, ctx.seg = scale, scan_fn, BT, seg
+        ctx.scale, ctx.scan_fn, ctx.BT, ctx.seg, ctx.bwd_intra = scale, scan_fn, BT, seg, bwd_intra
         return o
 
     @staticmethod
@@ -78,15 +79,14 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
         h_BNHKV, _ = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, h0_NHKV, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
                                             chunk_size=BT, output_final_state=False, states_in_fp32=True)
         dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-        dq, dk = fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs_BTHK, dA=dA_BTHC, cu_seqlens=cu, chunk_size=BT,
-                                             chunk_indices=ci)
+        dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, ctx.bwd_intra, cu_seqlens=cu, chunk_indices=ci)
         G_BHKV = work.wait()
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]
-        dh_BNHKV = fla.chunk_bwd_dh_packed(q, k, v, do, dht_NHKV, g_cs_BTHK, scale=scale, cu_seqlens=cu,
-                                           chunk_offsets=co, n_chunks=NT, chunk_size=BT)
+        dh_BNHKV, _ = fla.chunk_bwd_dh_packed(q, k, v, do, dht_NHKV, g_cs_BTHK, scale=scale, cu_seqlens=cu,
+                                              chunk_offsets=co, n_chunks=NT, chunk_size=BT)
         dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, cu_seqlens=cu, chunk_size=BT,
                                   chunk_indices=ci)
         dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
                                             scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None
+        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None, None

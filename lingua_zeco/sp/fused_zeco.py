@@ -104,8 +104,7 @@ def fused_lasp2_gla(q, k, v, g, *, scale, group, seg, bwd_intra: str = "zeco"):
 
 
 def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco"):
-    """The fused operator for this slice: dense (also a slice inside one packed document) or packed
-    (fla's intra-chunk stage: ours takes no document table yet)."""
+    """The fused operator for this slice: dense (also a slice inside one packed document) or packed."""
     if seg.carries:
         return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, bwd_intra)
-    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg)
+    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)

@@ -12,15 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lingua_zeco.kernels import acc_dtype
-
-
-def to_device(rows, device) -> torch.Tensor:
-    """Host ints as a long tensor on `device`; to a GPU from pinned memory, asynchronously (a plain
-    copy from pageable memory would wait for the GPU's queue: a host sync)."""
-    t = torch.tensor(rows, dtype=torch.long)
-    if torch.device(device).type != "cuda":
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
+from lingua_zeco.kernels.common import to_device, varlen_chunk_tables
 
 
 @dataclass(eq=False)
@@ -46,13 +38,7 @@ class LocalSegments:
         [NT, 2] (document, chunk in document), chunk_offsets [N + 1] (first chunk of each document)
         and NT, so that fla's stages need not read them back from the GPU."""
         if BT not in self._chunks:
-            n_BN = [-(-(b - a) // BT) for a, b in zip(self.bounds, self.bounds[1:])]
-            rows = [(d, c) for d, n in enumerate(n_BN) for c in range(n)]
-            offsets = [0]
-            for n in n_BN:
-                offsets.append(offsets[-1] + n)
-            dev = self.cu_seqlens.device
-            self._chunks[BT] = (to_device(rows, dev).reshape(-1, 2), to_device(offsets, dev), offsets[-1])
+            self._chunks[BT] = varlen_chunk_tables(self.bounds, BT, self.cu_seqlens.device)
         return self._chunks[BT]
 
 

@@ -12,9 +12,10 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
                      stages, our intra-chunk dq/dk); `staged_vs_fla_pct` against fla_chunk_gla
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco); zeco_fused_fla_intra: with fla's intra-chunk
                      dq/dk stage instead of ours
-  fla_chunk_gla_packed, zeco_fused_packed: the same on packed documents of `doc_len` tokens, the slice
-                     starting mid-document (`packed_vs_dense_pct` against zeco_fused; fla's varlen
-                     chunk_gla reads sizes back to the host and is timed eagerly only)
+  fla_chunk_gla_packed, staged_chunk_gla_packed, zeco_fused_packed (and _fla_intra): the same on packed
+                     documents of `doc_len` tokens, the slice starting mid-document (`packed_vs_dense_pct`
+                     against zeco_fused; fla's varlen chunk_gla reads sizes back to the host and is
+                     timed eagerly only)
 Each is timed eagerly (the host enqueue time of a call, perf_counter without a sync, is reported
 too) and replayed from a CUDA graph (GPU time alone, no host in the way). `extra_pct` is the
 eager zeco_fused against fla_chunk_gla; `graph_extra_pct` the same from the graphs.
@@ -84,9 +85,11 @@ def variants(q, k, v, g, do, scale):
 
 def packed_variants(q, k, v, g, do, scale, doc_len):
     """Packed documents of doc_len tokens, the slice starting in the middle of one (a middle rank that
-    continues a document and ends inside another): fla's varlen chunk_gla and the fused packed path."""
+    continues a document and ends inside another): fla's varlen chunk_gla, the staged single-device
+    operator on the same documents, and the fused packed path (with our intra-chunk stage and fla's)."""
     from fla.ops.gla import chunk_gla
 
+    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
     from lingua_zeco.sp.fused_zeco import fused_zeco_apply
     from lingua_zeco.sp.varlen import local_segments
     T, first = q.shape[1], doc_len // 2
@@ -99,9 +102,15 @@ def packed_variants(q, k, v, g, do, scale, doc_len):
     def fla_packed():
         return torch.autograd.grad(chunk_gla(q, k, v, g, scale=scale, cu_seqlens=cu)[0], leaves, do)
 
-    def zeco_packed():
-        return torch.autograd.grad(fused_zeco_apply(q, k, v, g, scale, middle_rank_scan(S_in, G), seg), leaves, do)
-    return {"fla_chunk_gla_packed": fla_packed, "zeco_fused_packed": zeco_packed}
+    def staged_packed():
+        o = chunk_gla_staged(q, k, v, g, scale=scale, cu_seqlens=cu, chunk_tables=seg.chunk_index)[0]
+        return torch.autograd.grad(o, leaves, do)
+
+    def zeco_packed(bwd_intra="zeco"):
+        o = fused_zeco_apply(q, k, v, g, scale, middle_rank_scan(S_in, G), seg, bwd_intra)
+        return torch.autograd.grad(o, leaves, do)
+    return {"fla_chunk_gla_packed": fla_packed, "staged_chunk_gla_packed": staged_packed,
+            "zeco_fused_packed": zeco_packed, "zeco_fused_packed_fla_intra": lambda: zeco_packed("fla")}
 
 
 def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
@@ -122,11 +131,13 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
     if packed:
         row["packed_vs_dense_pct"] = pct("zeco_fused_packed", "zeco_fused")
         row["packed_extra_pct"] = pct("zeco_fused_packed", "fla_chunk_gla_packed")
+        row["packed_fla_intra_vs_dense_pct"] = pct("zeco_fused_packed_fla_intra", "zeco_fused")
+        row["staged_packed_vs_fla_pct"] = pct("staged_chunk_gla_packed", "fla_chunk_gla_packed")
     if args.graphs:
         try:
             graphed = {n: cuda_graph(fn) for n, fn in fns.items()}
             if packed:  # planned on the host, it captures (a host sync inside would fail here)
-                graphed["zeco_fused_packed"] = cuda_graph(packed["zeco_fused_packed"])
+                graphed |= {n: cuda_graph(packed[n]) for n in ("staged_chunk_gla_packed", "zeco_fused_packed")}
         except Exception as e:  # report, keep the eager numbers
             row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
         else:
