@@ -109,11 +109,11 @@ def test_single_process_runs(tmp_path):
 def test_bench_train_runs_the_trainer_step_and_its_sp_variants(tmp_path):
     tiny = ["config=debug.yaml", "overrides=model.vocab_size=258,model.dim=32,model.n_heads=2,model.ffn_hidden=64",
             "seq_len=32", "warmup=1", "steps=2", f"out={tmp_path}"]
-    run(["-m", "apps.gla.bench.bench_train", *tiny, "variants=ours,ours_noguard", "stem=p1"])
+    run(["-m", "apps.gla.bench.bench_train", *tiny, "variants=ours,ours_noguard,ours_packed", "doc_len=10", "stem=p1"])
     rows = json.load(open(tmp_path / "p1.json"))["rows"]
-    assert [r["variant"] for r in rows] == ["ours", "ours_noguard"]
+    assert [r["variant"] for r in rows] == ["ours", "ours_noguard", "ours_packed"]
     assert all(finite_positive(r["step_ms"]) and finite_positive(r["tok_per_s"]) for r in rows)
-    assert rows[0]["params_M"] == rows[1]["params_M"] > 0
+    assert rows[0]["params_M"] == rows[1]["params_M"] == rows[2]["params_M"] > 0
     torchrun("apps.gla.bench.bench_train", 2, [*tiny, "variants=sp_zeco,sp_lasp2", "stem=p2"])
     rows = json.load(open(tmp_path / "p2.json"))["rows"]
     assert [r["variant"] for r in rows] == ["sp_zeco", "sp_lasp2"] and all(finite_positive(r["tok_per_s"]) for r in rows)

@@ -38,6 +38,10 @@ VARIANTS = {
     "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
     # fla's intra-chunk dq/dk stage (on one GPU its whole chunk_gla, as before ours)
     "ours_fla_intra": ["model.gla_bwd_intra=fla"],
+    # packed documents of `doc_len` tokens (boundaries in every batch, as the loader gives them with
+    # data.varlen=true): our intra-chunk stage, and fla's for comparison
+    "ours_packed": [],
+    "ours_packed_fla_intra": ["model.gla_bwd_intra=fla"],
     # GLA-1B as a hybrid (configs/gla_1b_hybrid.yaml): softmax attention at blocks 5, 11 and 17
     "ours_hybrid": ["model.softmax_layers=[5,11,17]"],
     # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP
@@ -58,6 +62,7 @@ class BenchTrainArgs:
     seq_len: int = 16384  # tokens per step and GPU
     warmup: int = 3  # untimed steps first
     steps: int = 8  # timed steps
+    doc_len: int = 4096  # *_packed variants: documents of this many tokens
     profile: tuple[str, ...] = ()  # variant names: also profile one step of each and print kernel time by category
     out: str = "bench_out"  # output folder
     stem: str = "train"  # output file names: <out>/<stem>.json and .md
@@ -79,7 +84,9 @@ def build_ours(name: str, a: BenchTrainArgs):
             *a.overrides, *VARIANTS[name]]
     if name.startswith("sp_"):
         argv.append(f"distributed.sp_size={dist.get_world_size()}")
-    step, _, _, model, opt = trainer_step(argv, a.seq_len, guard=_NoSyncGuard() if name == "ours_noguard" else None)
+    cu = [*range(0, a.seq_len, a.doc_len), a.seq_len] if "_packed" in name else None
+    step, _, _, model, opt = trainer_step(argv, a.seq_len, guard=_NoSyncGuard() if name == "ours_noguard" else None,
+                                          cu_seqlens=cu)
     return step, sum(p.numel() for p in model.parameters()), (model, opt)
 
 
@@ -181,7 +188,7 @@ def steady_state_times(step, device, warmup: int, steps: int) -> list[float]:
 # ----------------------------------------------------------------------------------------- main
 def check_args(a: BenchTrainArgs, device) -> None:
     """Refuse bad input before the first variant runs: one line naming the key."""
-    at_least(a, seq_len=1, warmup=0, steps=1)  # steps: the statistics need one timed step
+    at_least(a, seq_len=1, warmup=0, steps=1, doc_len=1)  # steps: the statistics need one timed step
     for key in ("variants", "profile"):
         unknown = [n for n in getattr(a, key) if n not in VARIANTS]
         if unknown:

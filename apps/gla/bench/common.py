@@ -286,10 +286,11 @@ def trainer_args(argv: list[str]):
     return train.with_vocab_size(parse_args(train.TrainArgs, argv))
 
 
-def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync: bool = False):
+def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync: bool = False, cu_seqlens=None):
     """The trainer's step (apps.gla.train.train_step: FSDP2, autocast, clipping, the non-finite guard or
     `guard`, AdamW) of the model the trainer's `key=value`s build, on the same seq_len random tokens
-    each step, in host memory as the loader gives them. Returns (step, args, env, model, optimizer)."""
+    each step, in host memory as the loader gives them (with cu_seqlens, host ints: packed documents
+    with those boundaries). Returns (step, args, env, model, optimizer)."""
     from apps.gla import train
     from lingua_zeco.optim import build_optimizer
     from lingua_zeco.reliability import StepGuard
@@ -300,7 +301,10 @@ def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync:
     optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
     guard = StepGuard(args.reliability) if guard is None else guard
     x, y = random_tokens(args.model.vocab_size, seq_len, torch.device("cpu"), seed)
-    data = itertools.repeat({"input_ids": x, "labels": y})
+    batch = {"input_ids": x, "labels": y}
+    if cu_seqlens is not None:
+        batch["cu_seqlens"] = torch.tensor(cu_seqlens, dtype=torch.long)
+    data = itertools.repeat(batch)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
     counter = itertools.count()
 
