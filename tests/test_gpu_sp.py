@@ -163,11 +163,16 @@ def test_packed_state_launchers_equal_fla_stages():
                                    output_final_state=True)
     assert torch.equal(h, h_ref) and torch.equal(ht, ht_ref)
     dht = torch.randn_like(h0)
-    dh_ref, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=dht, scale=0.1, gk=g_cs, cu_seqlens=cu,
-                                 chunk_size=BT, states_in_fp32=True)
-    dh = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, scale=0.1, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
-                                 chunk_size=BT)
-    assert torch.equal(dh, dh_ref)
+    for init in (None, h0):  # with initial states: their gradients dh0 too
+        dh_ref, dh0_ref = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=init, dht=dht, scale=0.1, gk=g_cs,
+                                           cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
+        dh, dh0 = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, h0=init, scale=0.1, cu_seqlens=cu,
+                                          chunk_offsets=co, n_chunks=NT, chunk_size=BT)
+        assert torch.equal(dh, dh_ref)
+        if init is None:
+            assert dh0 is None and dh0_ref is None
+        else:
+            assert torch.equal(dh0, dh0_ref)
     shifted = co.clone()
     shifted[1:-1] += 1  # every document's states written one chunk late
     h_bad, _ = fla.chunk_fwd_h_packed(k, v, g_cs, h0, cu_seqlens=cu, chunk_offsets=shifted, n_chunks=NT,

@@ -117,7 +117,7 @@ def build_fla(a: BenchTrainArgs, device):
 # ------------------------------------------------------------------------------------ profiling
 CATEGORIES = [  # first match wins; lower-case substrings of kernel names
     ("gla (fla chunk kernels + ZeCO stages)", ("chunk_", "_fwd_o_kernel", "_dS_in_kernel", "_decay_prefix", "gla",
-                                               "fwd_h", "bwd_dh", "cumsum")),
+                                               "fwd_h", "bwd_dh", "cumsum", "_dqk_intra_kernel")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul")),
     ("cross-entropy", ("cross_entropy", "logsumexp", "ce_")),
     ("norms", ("norm",)),
