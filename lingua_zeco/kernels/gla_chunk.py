@@ -43,7 +43,9 @@ class ChunkGLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, h0, output_final_state, bwd_intra, packed):
+        # fla's kernels assume contiguous tensors (fla's own wrapper makes every input so)
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
+        h0 = None if h0 is None else h0.contiguous()
         BT = fla_chunk_size(q.shape[1])
         cu, ci = (None, None) if packed is None else packed[:2]
         g_cs = fla.gate_cumsum(g, BT, cu, ci)
@@ -63,6 +65,7 @@ class ChunkGLA(torch.autograd.Function):
         cu, ci = (None, None) if packed is None else packed[:2]
         vl = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
         do = do.contiguous()
+        dht = None if dht is None else dht.contiguous()  # e.g. ht.sum()'s gradient: ones expanded, stride 0
         if g_cs is None:
             g_cs = fla.gate_cumsum(g, BT, cu, ci)
         h, _ = _states(k, v, g_cs, h0, BT, packed, final=False, fp32=True)
