@@ -2,7 +2,8 @@
 
 * "fla":   fla's Triton kernels (CUDA). Fast; its internal stages (kernels/fla_stages.py) are reordered
            by lingua_zeco.sp's fused ZeCO, and dense sequences and packed documents run them with our
-           intra-chunk dq/dk stage (kernels/gla_chunk.py, kernels/gla_bwd_intra.py; `bwd_intra="fla"`: fla's chunk_gla).
+           intra-chunk dq/dk stage (kernels/gla_chunk.py, kernels/gla_bwd_intra.py;
+           `bwd_intra="fla"`: fla's chunk_gla).
 * "torch": pure PyTorch chunked GLA (any device, fp32 inside, autograd).
 * oracle:  lingua_zeco.kernels.naive.naive_gla, float64 token by token.
 `chunk_simple_gla` is the scalar-decay variant (g [B, T, H]; fla's chunk_simple_gla / RetNet style),

@@ -15,6 +15,8 @@ far from fp32's 2^±126), the block takes an exact path instead (exact decays on
 one [BC, BC, BK] tile for dq and dk, references at the block's edges off it), so no input overflows.
 Products run in fp32 (fla's choice for this stage; its comment: bf16 here loses precision): 3×TF32 on
 the diagonal block, which holds the largest terms, TF32 off it as fla's off-diagonal products.
+Packed documents (B = 1) come as fla's varlen stages take them, with its chunk table: a program's chunk
+is (document, chunk in document), and it reads that document's rows as one sequence of its own length.
 Measured on H200 (docs/results/performance.md): 0.56 ms against fla's 0.98 ms at 16K tokens, H = 16.
 """
 from __future__ import annotations

@@ -6,13 +6,7 @@
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), tables also on stdout.
 set -u
 PART=${1:?"usage: issue16_2gpu.sh A|B"}
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "error: carry the fla-core, flash-linear-attention, omegaconf and antlr4 wheels in .whl/ (pip download --no-deps)"; exit 2; }
-export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 LINGUA_ZECO_FAILURES_NOW=1  # tests/conftest.py
-mkdir -p /tmp/tc && tar xzf setup/gpu/triton_autotune_h200.tgz -C /tmp/tc
-date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 T2="torchrun --standalone --nproc_per_node=2"
 
 case "$PART" in
