@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable, Hashable, Sequence
 
+import pytest
 import torch
 
 from lingua_zeco.comm import AllScanArgs
@@ -160,3 +161,15 @@ def empty_docs_worker(rank, P, op, inputs, docs, methods, t_local: int) -> dict:
         return op(*ins, method=method, cu_seqlens=docs if empty else docs.unique(),
                   scan=AllScanArgs(algorithm=algo, n_blocks=2))
     return rank_results(rank, t_local, variants, lambda _: inputs, run)
+
+
+def grads_or_skip(fn):
+    """fn() -> gradients. fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 ≤ v < 3.7.1
+    (fla issue #640; simple GLA and Gated DeltaNet, the GPU image has 3.6): call it once the forward
+    checks have passed, so that on such a stack the test skips the gradient part with that reason."""
+    try:
+        return list(fn())
+    except RuntimeError as e:
+        if "#640" in str(e):
+            pytest.skip(f"forward checked; fla's gated backward unavailable here: {str(e)[:120]}")
+        raise

@@ -11,7 +11,7 @@ from lingua_zeco.comm import AllScanArgs, pair_scan
 from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm, naive_gated_delta, torch_chunk_gated_delta
 from lingua_zeco.sp import sp_gated_delta
 from lingua_zeco.testing import run_on_ranks
-from sp_harness import (autocast_worker, docs_with_empty, empty_docs_worker, expect_all_close, expect_close,
+from sp_harness import (autocast_worker, grads_or_skip, docs_with_empty, empty_docs_worker, expect_all_close, expect_close,
                         expect_equal, expect_matches_reference, expect_pairs_equal, fwd_bwd, max_rel, on_ranks,
                         rank_results, rel_errors)
 
@@ -203,7 +203,7 @@ def test_fla_gated_delta_matches_torch_on_gpu():
     _close(res["fla"], res["torch"], "o ht".split())
     for backend in ("fla", "torch"):
         o, ht = res[backend]
-        res[backend] += _grads_or_skip(lambda: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
+        res[backend] += grads_or_skip(lambda: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
                                                                    (q, k, v, g, beta)))
     _close(res["fla"], res["torch"], "o ht dq dk dv dg dbeta".split())
 
@@ -212,17 +212,6 @@ def _close(got, want, names, tol=2e-2):
     for name, a, b in zip(names, got, want):
         rel = (a.float() - b.float()).norm() / b.float().norm()
         assert rel < tol, f"{name}: relative error {rel:.3e}"
-
-
-def _grads_or_skip(fn):
-    """fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 ≤ v < 3.7.1 (fla issue #640):
-    the forward checks have passed by then; skip the gradient part with that reason."""
-    try:
-        return list(fn())
-    except RuntimeError as e:
-        if "#640" in str(e):
-            pytest.skip(f"forward checked; fla's gated backward unavailable here: {str(e)[:120]}")
-        raise
 
 
 # ----------------------------------------------------------------------------- the model variant
@@ -309,7 +298,7 @@ def test_fla_widened_pass_two_virtual_ranks_on_gpu():
     h = T // 2  # the second virtual rank's outputs, with and without S_in
     rel = (results[False][:, h:] - ref_o[:, h:].float()).norm() / ref_o[:, h:].float().norm()
     assert rel > 5e-2, f"dropping S_in went unnoticed ({rel:.2e})"
-    ref = [ref_o, *_grads_or_skip(lambda: torch.autograd.grad((ref_o.float() * do.float()).sum(), ins))]
+    ref = [ref_o, *grads_or_skip(lambda: torch.autograd.grad((ref_o.float() * do.float()).sum(), ins))]
     got = [results[True], *torch.autograd.grad((results[True] * do.float()).sum(), ins)]
     _close(got, ref, NAMES)
 
