@@ -40,9 +40,7 @@ class DistributedArgs:
     # price is the compute-dtype copy of every weight held through the step (2.3 GiB for GLA-1B)
     fsdp_unit: str = "block"
     param_dtype: str = "bf16"  # FSDP compute dtype on GPU; CPU always runs fp32
-    # gradient reduction dtype on GPU; auto: param_dtype where the reduction is a sum of one term (one
-    # rank, one micro-batch: exact, and half the bytes FSDP2 copies on one GPU), fp32 otherwise
-    reduce_dtype: str = "auto"
+    reduce_dtype: str = "fp32"  # gradient reduction dtype on GPU
     timeout_s: int = 600  # collective timeout: a stuck rank becomes an error, not a hang
     all_scan: AllScanArgs = field(default_factory=AllScanArgs)  # zeco's scan: algorithm, blocks, alpha-beta
 
@@ -70,9 +68,9 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
         raise ValueError(f"distributed.softmax_sp={args.softmax_sp!r}; choose one of {', '.join(SOFTMAX_SP)}")
     if args.fsdp_unit not in FSDP_UNITS:
         raise ValueError(f"distributed.fsdp_unit={args.fsdp_unit!r}; choose one of {', '.join(FSDP_UNITS)}")
-    for name, allowed in (("param_dtype", tuple(DTYPES)), ("reduce_dtype", (*DTYPES, "auto"))):
-        if getattr(args, name) not in allowed:
-            raise ValueError(f"distributed.{name}={getattr(args, name)!r}; choose one of {', '.join(allowed)}")
+    for name in ("param_dtype", "reduce_dtype"):
+        if getattr(args, name) not in DTYPES:
+            raise ValueError(f"distributed.{name}={getattr(args, name)!r}; choose one of {', '.join(DTYPES)}")
     if args.dp_replicate < 1 or world % args.dp_replicate:
         raise ValueError(f"distributed.dp_replicate={args.dp_replicate} does not divide the world size {world}")
     if args.sp_size == "auto":
@@ -174,26 +172,13 @@ def teardown(env: DistEnv) -> None:
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}  # the names configs use
 
 
-def reduce_dtype(args: DistributedArgs, mesh_size: int, grad_acc_steps: int) -> torch.dtype:
-    """FSDP2's gradient reduction dtype on GPU. reduce_dtype=auto: on a one-rank mesh with one
-    micro-batch per step the reduction is a sum of one term, exact in any dtype, so it runs in the
-    compute dtype: FSDP2 then copies 16-bit gradients instead of widening them to fp32 before its
-    one-rank reduce-scatter and copying fp32 after it, and the fp32 gradient it ends with holds the same
-    values. Otherwise fp32: with several micro-batches FSDP2 also accumulates them in this dtype."""
-    if args.reduce_dtype != "auto":
-        return DTYPES[args.reduce_dtype]
-    return DTYPES[args.param_dtype] if mesh_size == 1 and grad_acc_steps == 1 else torch.float32
-
-
-def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, blocks,
-               grad_acc_steps: int = 1) -> torch.nn.Module:
+def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, blocks) -> torch.nn.Module:
     """FSDP2 each block (fsdp_unit=block), then the root (the rest, or everything with fsdp_unit=model).
-    `blocks`: the block modules; grad_acc_steps: micro-batches per optimizer step (see reduce_dtype)."""
+    `blocks`: the block modules."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if env.device.type == "cuda":
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype],
-                                  reduce_dtype=reduce_dtype(args, env.fsdp_mesh.size(), grad_acc_steps))
+        mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype])
     else:
         mp = MixedPrecisionPolicy()  # CPU: fp32 end to end
     for i, block in enumerate(blocks if args.fsdp_unit == "block" else []):

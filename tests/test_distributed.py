@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.distributed import DistributedArgs, apply_fsdp, reduce_dtype, resolve_dims, setup, teardown
+from lingua_zeco.distributed import DistributedArgs, apply_fsdp, resolve_dims, setup, teardown
 from lingua_zeco.testing import run_on_ranks
 
 
@@ -29,22 +29,11 @@ def test_resolve_dims():
     (dict(sp_size=0), 4, "positive int or 'auto'"),
     (dict(fsdp_unit="layer"), 4, "fsdp_unit='layer'; choose one of block, model"),
     (dict(param_dtype="bfloat16"), 4, "param_dtype='bfloat16'; choose one of bf16, fp16, fp32"),
-    (dict(reduce_dtype="fp64"), 4, "reduce_dtype='fp64'; choose one of bf16, fp16, fp32, auto"),
+    (dict(reduce_dtype="fp64"), 4, "reduce_dtype='fp64'; choose one of bf16, fp16, fp32"),
 ])
 def test_resolve_dims_errors(kw, world, msg):
     with pytest.raises(ValueError, match=msg):
         resolve_dims(DistributedArgs(**kw), world)
-
-
-def test_reduce_dtype_is_the_compute_dtype_only_where_the_sum_has_one_term():
-    """auto: one rank and one micro-batch add nothing, so 16 bits lose nothing; several ranks add
-    terms and several micro-batches are accumulated in the reduction dtype: fp32 there. A dtype named
-    in the config is taken as it is."""
-    auto = DistributedArgs(param_dtype="bf16", reduce_dtype="auto")
-    assert reduce_dtype(auto, mesh_size=1, grad_acc_steps=1) == torch.bfloat16
-    assert reduce_dtype(auto, mesh_size=2, grad_acc_steps=1) == torch.float32
-    assert reduce_dtype(auto, mesh_size=1, grad_acc_steps=2) == torch.float32
-    assert reduce_dtype(DistributedArgs(reduce_dtype="fp32"), mesh_size=1, grad_acc_steps=1) == torch.float32
 
 
 def test_single_process_setup():

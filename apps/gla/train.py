@@ -71,7 +71,7 @@ def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
     model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
     model.to(env.device)
     if args.distributed.fsdp:
-        distributed.apply_fsdp(model, env, args.distributed, model.blocks, args.grad_acc_steps)
+        distributed.apply_fsdp(model, env, args.distributed, model.blocks)
     else:
         distributed.broadcast_params(model)
     return model
