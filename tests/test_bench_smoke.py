@@ -114,9 +114,21 @@ def test_bench_train_runs_the_trainer_step_and_its_sp_variants(tmp_path):
     assert [r["variant"] for r in rows] == ["ours", "ours_noguard", "ours_packed"]
     assert all(finite_positive(r["step_ms"]) and finite_positive(r["tok_per_s"]) for r in rows)
     assert rows[0]["params_M"] == rows[1]["params_M"] == rows[2]["params_M"] > 0
-    torchrun("apps.gla.bench.bench_train", 2, [*tiny, "variants=sp_zeco,sp_lasp2", "stem=p2"])
+    torchrun("apps.gla.bench.bench_train", 2, [*tiny, "variants=sp_zeco,sp_lasp2,sp_zeco_packed", "doc_len=10",
+                                               "stem=p2"])
     rows = json.load(open(tmp_path / "p2.json"))["rows"]
-    assert [r["variant"] for r in rows] == ["sp_zeco", "sp_lasp2"] and all(finite_positive(r["tok_per_s"]) for r in rows)
+    assert [r["variant"] for r in rows] == ["sp_zeco", "sp_lasp2", "sp_zeco_packed"]
+    assert all(finite_positive(r["tok_per_s"]) for r in rows)
+
+
+def test_packed_variants_cut_every_rank_boundary_inside_a_document():
+    from apps.gla.bench.bench_train import BenchTrainArgs, doc_bounds
+    a = BenchTrainArgs(seq_len=32, doc_len=10)
+    assert doc_bounds("ours", a, 1) is None
+    assert doc_bounds("ours_packed", a, 1) == [0, 10, 20, 30, 32]
+    bounds = doc_bounds("sp_zeco_packed", a, 4)
+    assert bounds == [0, 5, 15, 25, 35, 45, 55, 65, 75, 85, 95, 105, 115, 125, 128]
+    assert not {32, 64, 96} & set(bounds)  # the state crosses every rank boundary
 
 
 def test_gpu_gaps_blames_late_launches(tmp_path):

@@ -22,8 +22,8 @@ A)
     ;;
 B)
     for T in 16384 32768; do
-        echo "== bench_train T=$T"; timeout 270 $T2 -m apps.gla.bench.bench_train out="$OUT" stem="train_2gpu_$T" \
-            seq_len=$T warmup=2 steps=6 variants=[ours,sp_zeco,sp_zeco_blocking,sp_zeco_symm,sp_lasp1,sp_lasp2] 2>&1 \
+        echo "== bench_train T=$T"; timeout 285 $T2 -m apps.gla.bench.bench_train out="$OUT" stem="train_2gpu_$T" \
+            seq_len=$T warmup=2 steps=6 variants=[ours,sp_zeco,sp_zeco_blocking,sp_zeco_symm,sp_lasp1,sp_lasp2,sp_zeco_packed] 2>&1 \
             | grep -E "^\||rror" | tee "$OUT/train_2gpu_${T}_stdout.md"
     done
     ;;

@@ -49,6 +49,7 @@ VARIANTS = {
     "sp_zeco_overlap": ["distributed.sp_method=zeco", "distributed.all_scan.overlap=on"],
     "sp_zeco_blocking": ["distributed.sp_method=zeco", "distributed.all_scan.overlap=off"],
     "sp_zeco_symm": ["distributed.sp_method=zeco", "distributed.all_scan.transport=symm"],  # one node, CUDA
+    "sp_zeco_packed": ["distributed.sp_method=zeco"],  # packed documents over the SP group (doc_bounds)
     "sp_lasp1": ["distributed.sp_method=lasp1"],
     "sp_lasp2": ["distributed.sp_method=lasp2"],
 }
@@ -78,15 +79,26 @@ class _NoSyncGuard:
         return reliability.Verdict(apply=True, stop=False)
 
 
+def doc_bounds(name: str, a: BenchTrainArgs, world: int) -> list[int] | None:
+    """Host boundaries of the *_packed variants' documents of doc_len tokens. On one GPU they start at
+    0; under SP they are the global sequence's (seq_len tokens on each of `world` ranks) and start half
+    a document in, so that every rank boundary cuts a document and its state passes from rank to rank."""
+    if "_packed" not in name:
+        return None
+    if not name.startswith("sp_"):
+        return [*range(0, a.seq_len, a.doc_len), a.seq_len]
+    total = a.seq_len * world
+    return sorted({0, *range(a.doc_len // 2, total, a.doc_len), total})
+
+
 def build_ours(name: str, a: BenchTrainArgs):
     """(step function, n_params, objects to keep alive) of the trainer's step for variant `name`."""
     argv = [f"config={a.config}", f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1",
             *a.overrides, *VARIANTS[name]]
     if name.startswith("sp_"):
         argv.append(f"distributed.sp_size={dist.get_world_size()}")
-    cu = [*range(0, a.seq_len, a.doc_len), a.seq_len] if "_packed" in name else None
     step, _, _, model, opt = trainer_step(argv, a.seq_len, guard=_NoSyncGuard() if name == "ours_noguard" else None,
-                                          cu_seqlens=cu)
+                                          cu_seqlens=doc_bounds(name, a, dist.get_world_size()))
     return step, sum(p.numel() for p in model.parameters()), (model, opt)
 
 
