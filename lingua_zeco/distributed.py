@@ -39,9 +39,6 @@ class DistributedArgs:
     # units' host work made GLA-1B's forward host-bound on an H200 (docs/results/performance.md); the
     # price is the compute-dtype copy of every weight held through the step (2.3 GiB for GLA-1B)
     fsdp_unit: str = "block"
-    # fsdp_unit=block: this many consecutive blocks form one unit (gathered together): fewer units, less
-    # host work per step, for one more unit's compute-dtype weights held at a time
-    fsdp_unit_blocks: int = 1
     param_dtype: str = "bf16"  # FSDP compute dtype on GPU; CPU always runs fp32
     reduce_dtype: str = "fp32"  # gradient reduction dtype on GPU
     timeout_s: int = 600  # collective timeout: a stuck rank becomes an error, not a hang
@@ -71,9 +68,6 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
         raise ValueError(f"distributed.softmax_sp={args.softmax_sp!r}; choose one of {', '.join(SOFTMAX_SP)}")
     if args.fsdp_unit not in FSDP_UNITS:
         raise ValueError(f"distributed.fsdp_unit={args.fsdp_unit!r}; choose one of {', '.join(FSDP_UNITS)}")
-    if not isinstance(args.fsdp_unit_blocks, int) or args.fsdp_unit_blocks < 1:
-        raise ValueError(f"distributed.fsdp_unit_blocks={args.fsdp_unit_blocks!r}; use a positive int (blocks per "
-                         f"FSDP unit)")
     for name in ("param_dtype", "reduce_dtype"):
         if getattr(args, name) not in DTYPES:
             raise ValueError(f"distributed.{name}={getattr(args, name)!r}; choose one of {', '.join(DTYPES)}")
@@ -179,20 +173,17 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32} 
 
 
 def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, blocks) -> torch.nn.Module:
-    """FSDP2 each block, or each run of fsdp_unit_blocks blocks (fsdp_unit=block), then the root (the
-    rest, or everything with fsdp_unit=model). `blocks`: the block modules."""
+    """FSDP2 each block (fsdp_unit=block), then the root (the rest, or everything with fsdp_unit=model).
+    `blocks`: the block modules."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     if env.device.type == "cuda":
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype])
     else:
         mp = MixedPrecisionPolicy()  # CPU: fp32 end to end
-    blocks, n = list(blocks if args.fsdp_unit == "block" else []), args.fsdp_unit_blocks
-    for i in range(0, len(blocks), n):
-        # The last unit's parameters are needed again at once by backward: keep them gathered.
-        unit = blocks[i:i + n]
-        fully_shard(unit if len(unit) > 1 else unit[0], mesh=env.fsdp_mesh, mp_policy=mp,
-                    reshard_after_forward=i + n < len(blocks))
+    for i, block in enumerate(blocks if args.fsdp_unit == "block" else []):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=env.fsdp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=env.fsdp_mesh, mp_policy=mp)
     return model
 

@@ -28,7 +28,6 @@ def test_resolve_dims():
     (dict(sp_size=1, dp_replicate=3), 4, "dp_replicate=3 does not divide"),
     (dict(sp_size=0), 4, "positive int or 'auto'"),
     (dict(fsdp_unit="layer"), 4, "fsdp_unit='layer'; choose one of block, model"),
-    (dict(fsdp_unit_blocks=0), 4, "fsdp_unit_blocks=0; use a positive int"),
     (dict(param_dtype="bfloat16"), 4, "param_dtype='bfloat16'; choose one of bf16, fp16, fp32"),
     (dict(reduce_dtype="fp64"), 4, "reduce_dtype='fp64'; choose one of bf16, fp16, fp32"),
 ])
@@ -95,29 +94,3 @@ def test_pure_data_parallel_gets_one_rank_sp_groups(unit, units):
     for rank, o in enumerate(out):
         assert o["sp_members"] == [rank] and o["method"] == "none" and o["err"] < 1e-6
         assert o["units"] == units, o
-
-
-def _grouped_units(rank, world, n_blocks, per_unit):
-    """n_blocks linear blocks and a head under FSDP2 with fsdp_unit_blocks=per_unit: (FSDP units, largest
-    gradient difference to the whole batch on one module)."""
-    from torch.distributed.fsdp import fully_shard
-    env = setup(DistributedArgs(sp_size=1))
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(n_blocks)], torch.nn.Linear(6, 2))
-    ref = torch.nn.Sequential(*[torch.nn.Linear(6, 6) for _ in range(n_blocks)], torch.nn.Linear(6, 2))
-    ref.load_state_dict(model.state_dict())
-    apply_fsdp(model, env, DistributedArgs(fsdp_unit_blocks=per_unit), list(model)[:n_blocks])
-    xs = torch.randn(world, 5, 6, generator=torch.Generator().manual_seed(1))
-    model(xs[rank]).square().sum().backward()
-    ref(xs.reshape(-1, 6)).square().sum().div(world).backward()
-    err = max((p.grad.full_tensor() - r.grad).abs().max().item() for p, r in zip(model.parameters(), ref.parameters()))
-    units = len({id(fully_shard.state(m)) for m in model.modules() if fully_shard.state(m) is not None})
-    return dict(units=units, err=err)
-
-
-@pytest.mark.parametrize("n_blocks, per_unit, units", [(5, 1, 6), (5, 2, 4), (4, 4, 2)])
-def test_blocks_grouped_into_fsdp_units(n_blocks, per_unit, units):
-    """fsdp_unit_blocks=k: ceil(n/k) block units plus the root (the head), the same averaged gradient."""
-    for o in run_on_ranks(_grouped_units, 2, n_blocks, per_unit):
-        assert o["units"] == units and o["err"] < 1e-6, o
-

@@ -34,8 +34,6 @@ VARIANTS = {
     "ours": [],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
     "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
-    "ours_unit2": ["distributed.fsdp_unit_blocks=2"],  # two blocks per FSDP unit: half the units' host work
-    "ours_unit4": ["distributed.fsdp_unit_blocks=4"],
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
     "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
     # fla's intra-chunk dq/dk stage (on one GPU its whole chunk_gla, as before ours)
