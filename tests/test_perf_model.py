@@ -24,7 +24,7 @@ from lingua_zeco.perf_model import (FREE, LinkArgs, MemoryArgs, OpArgs, StateArg
                                     tokens_per_gpu, tree_closed, tree_sim)
 from lingua_zeco.perf_model.calibrate import RAW, RAW_1GPU, calibrate, check_rows
 from lingua_zeco.perf_model.cli import main as cli_main
-from lingua_zeco.perf_model.inputs import ASSUMED, ASSUMED_LABEL, NotMeasured
+from lingua_zeco.perf_model.inputs import ASSUMED, ASSUMED_LABEL, CONFIG_LABEL, NotMeasured
 from lingua_zeco.perf_model.memory import ModelShapeArgs
 from lingua_zeco.perf_model.op_model import lasp1_closed, lasp1_sim
 from lingua_zeco.perf_model.schedules import DeviceArgs, allreduce_state, recv_bytes
@@ -184,7 +184,7 @@ def test_throughput_against_a_hand_computed_step_and_its_orderings():
     tp = ThroughputArgs(tok_s={16384: 50e3}, grad_overlap=0.5)
     op = OpArgs(kernel_ms={16384: 3.5})
     # N = 8 on one node: the gradient ring all-reduce, half of it exposed
-    grad_bytes = 2 * ModelShapeArgs().n_params()
+    grad_bytes = 4 * ModelShapeArgs().n_params()  # fp32 reduction, as the gla_1b configs
     ring = 30e-6 + 2 * 7 * (3e-6 + grad_bytes / 8 / 370e9)
     r8 = tokens_per_gpu(8, 16384, tp, op, NV, DEV)
     assert r8["dp"] == pytest.approx(16384 / (16384 / 50e3 + 0.5 * ring), rel=1e-12)
@@ -298,6 +298,9 @@ def test_default_inputs_name_their_measured_file_or_assumption(tmp_path, monkeyp
         if src.startswith("measured: "):
             named = [w.strip(",;()") for w in src.split() if w.startswith("docs/results/raw/")]
             assert named and all((ROOT / p).is_file() for p in named), r
+        elif src.startswith(f"{CONFIG_LABEL}: "):  # a setting of a committed config, named as the file says it
+            path, setting = src.split(": ", 1)[1].split(" ", 1)
+            assert setting.split(" (")[0] in (ROOT / path).read_text(), r
         else:
             assert src.startswith(ASSUMED_LABEL) and r["input"] in ASSUMED, r
     origin = {r["input"]: r["source"] for r in rows}

@@ -127,7 +127,14 @@ def input_keys(link_names: list[str]) -> list[str]:
         "dev.hbm_Bps", "dev.launch_s", "dev.scan_fixed_s", "dev.scan_s_per_byte", "dev.tree_round_s",
         "op.kernel_ms", "op.zeco_extra_by_T", "op.zeco_extra_frac", "op.compose_extra_ms", "op.scan_op_overhead_s",
         "op.lasp1_serial_frac", "op.fwd_frac", "op.intra_frac",
-        "tput.tok_s", "tput.tok_s_world", "tput.grad_overlap", "tput.hide_op_overhead", "mem.overhead_gib"]
+        "tput.tok_s", "tput.tok_s_world", "tput.grad_bytes", "tput.grad_overlap", "tput.hide_op_overhead",
+        "mem.overhead_gib"]
+
+
+# inputs that are facts of the configuration the measured runs used, not measurements nor assumptions
+CONFIG_LABEL = "config"
+FROM_CONFIG = {"tput.grad_bytes": f"{CONFIG_LABEL}: configs/gla_1b_dp.yaml reduce_dtype: fp32 (4 bytes; the "
+                                  "measured DP run's setting, the same in every gla_1b config)"}
 
 
 def inputs_rows(targets: dict[str, object], link_names: list[str], sources: dict[str, str]) -> list[dict]:
@@ -147,6 +154,8 @@ def inputs_rows(targets: dict[str, object], link_names: list[str], sources: dict
             origin = f"not measured: needs {MEASURED.get(key, 'a measurement')}"
         elif key in ASSUMED:
             origin = assumed_origin(key)
+        elif key in FROM_CONFIG:
+            origin = FROM_CONFIG[key]
         else:
             origin = "given by the caller (no file recorded)"
         rows.append(dict(input=key, value=_shown(value), source=origin))

@@ -24,7 +24,7 @@ class ThroughputArgs:
     tok_s: dict[int, float] = field(default_factory=dict)
     n_layers: int = ModelShapeArgs.n_layers  # the GLA-1B shape of memory.ModelShapeArgs
     n_params: float = field(default_factory=lambda: float(ModelShapeArgs().n_params()))
-    grad_bytes: int = 2  # gradients reduced in bf16 (FSDP2 MixedPrecisionPolicy reduce_dtype)
+    grad_bytes: int = 4  # bytes per reduced gradient: fp32, the gla_1b configs' distributed.reduce_dtype
     grad_overlap: float = assumed("tput.grad_overlap")  # share of the gradient reduction hidden under backward
     tok_s_world: int = assumed("tput.tok_s_world")  # GPUs of the tok_s measurement: its gradient sync leaves T0
     hide_op_overhead: bool = assumed("tput.hide_op_overhead")  # op.scan_op_overhead_s (host gaps) hides in training
