@@ -11,9 +11,9 @@ from lingua_zeco.comm import AllScanArgs, pair_scan
 from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm, naive_gated_delta, torch_chunk_gated_delta
 from lingua_zeco.sp import sp_gated_delta
 from lingua_zeco.testing import run_on_ranks
-from sp_harness import (autocast_worker, grads_or_skip, docs_with_empty, empty_docs_worker, expect_all_close, expect_close,
-                        expect_equal, expect_matches_reference, expect_pairs_equal, fwd_bwd, max_rel, on_ranks,
-                        rank_results, rel_errors)
+from sp_harness import (autocast_worker, docs_with_empty, empty_docs_worker, expect_all_close, expect_close,
+                        expect_equal, expect_matches_reference, expect_pairs_equal, fwd_bwd, grads_or_skip, max_rel,
+                        on_ranks, rank_results, rel_errors)
 
 B, H, K, V, T_LOCAL = 2, 2, 6, 4, 20
 
@@ -204,7 +204,7 @@ def test_fla_gated_delta_matches_torch_on_gpu():
     for backend in ("fla", "torch"):
         o, ht = res[backend]
         res[backend] += grads_or_skip(lambda: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
-                                                                   (q, k, v, g, beta)))
+                                                                  (q, k, v, g, beta)))
     _close(res["fla"], res["torch"], "o ht dq dk dv dg dbeta".split())
 
 

@@ -9,7 +9,8 @@ from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.kernels import chunk_simple_gla, naive_gla, naive_simple_gla
 from lingua_zeco.sp import sp_simple_gla
 from lingua_zeco.testing import run_on_ranks
-from sp_harness import docs_for, expect_matches_reference, grads_or_skip, fwd_bwd, gather, gla_inputs, max_rel, rank_results
+from sp_harness import (docs_for, expect_matches_reference, fwd_bwd, gather, gla_inputs, grads_or_skip, max_rel,
+                        rank_results)
 
 B, H, K, V, T_LOCAL = 2, 2, 8, 4, 12
 
