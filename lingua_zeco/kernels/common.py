@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 import os
 
 import torch
@@ -90,9 +91,7 @@ def varlen_chunk_tables(bounds, BT: int, device) -> tuple[torch.Tensor, torch.Te
     chunk of each document) on `device`, and NT on the host, so no stage reads them back."""
     n_N = [-(-(b - a) // BT) for a, b in zip(bounds, bounds[1:])]
     rows = [(d, c) for d, n in enumerate(n_N) for c in range(n)]
-    offsets = [0]
-    for n in n_N:
-        offsets.append(offsets[-1] + n)
+    offsets = [0, *itertools.accumulate(n_N)]
     return to_device(rows, device).reshape(-1, 2), to_device(offsets, device), offsets[-1]
 
 
