@@ -15,6 +15,10 @@ import torch.nn.functional as F
 from lingua_zeco.kernels import BWD_INTRA, acc_dtype
 
 
+COMPILE_MODES = ("auto", "blocks", "none")
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+
+
 @dataclass
 class GLAArgs:
     dim: int = 2048  # hidden size
@@ -31,6 +35,13 @@ class GLAArgs:
     init_std: float = 0.02  # std of the normal init of every matrix
     fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
     compile_gates: bool = True  # CUDA: the forget gate's logsigmoid / normalizer as one torch.compile'd kernel
+    # torch.compile per block (apps/gla/compile.py): blocks | none | auto (blocks on CUDA, none elsewhere).
+    # Compiled, the norms, gates, SwiGLU and residuals are fused by Inductor and the GLA operator is one
+    # opaque custom op (lingua_zeco.kernels.chunk_gla_op); fused_kernels then applies outside the blocks only.
+    compile: str = "auto"
+    # torchao float8 training of the block linears (apps/gla/compile.py): none | tensorwise | rowwise
+    float8: str = "none"
+    float8_head: bool = False  # the LM head in float8 too (its loss then materialises the logits)
     # CUDA, gla: the intra-chunk dq/dk stage of the GLA backward: zeco (ours, lingua_zeco/kernels/
     # gla_bwd_intra.py) | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
     gla_bwd_intra: str = "zeco"
@@ -77,6 +88,12 @@ def check_model_args(args: GLAArgs) -> None:
         raise ValueError(f"model.ffn_hidden={args.ffn_hidden} must be >= 0 (0 = fla's rule, 8/3 x dim)")
     if args.vocab_size < 0:
         raise ValueError(f"model.vocab_size={args.vocab_size} must be >= 0 (0 = the tokenizer's)")
+    if args.compile not in COMPILE_MODES:
+        raise ValueError(f"model.compile={args.compile!r}; choose from {COMPILE_MODES}")
+    if args.float8 not in FLOAT8_RECIPES:
+        raise ValueError(f"model.float8={args.float8!r}; choose from {FLOAT8_RECIPES}")
+    if args.float8_head and args.float8 == "none":
+        raise ValueError("model.float8_head=true needs model.float8=tensorwise or rowwise")
     if args.gla_bwd_intra not in BWD_INTRA:
         raise ValueError(f"model.gla_bwd_intra={args.gla_bwd_intra!r}; choose from {BWD_INTRA}")
 
@@ -87,6 +104,12 @@ def _exact(x: float, what: str) -> int:
     return round(x)
 
 
+def fused_here(fused: bool, x) -> bool:
+    """Whether a module runs fla's fused Triton kernel: fused_kernels on CUDA, outside torch.compile'd code
+    (there Inductor fuses the torch maths itself). fla is imported on first use: the import is slow."""
+    return fused and x.is_cuda and not torch.compiler.is_compiling()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, fused: bool):
         super().__init__()
@@ -94,7 +117,7 @@ class RMSNorm(nn.Module):
         self.eps, self.fused = eps, fused
 
     def forward(self, x):
-        if self.fused and x.is_cuda:  # fla is imported on first use: the import is slow
+        if fused_here(self.fused, x):
             from fla.modules.norm.layernorm import rms_norm
             return rms_norm(x, self.weight, None, eps=self.eps)
         xf = x.to(acc_dtype(x.dtype))
@@ -106,7 +129,7 @@ class GatedRMSNorm(RMSNorm):
     """RMSNorm(o) * swish(g) over each head's value vector (fla's FusedRMSNormGated)."""
 
     def forward(self, x, g):
-        if self.fused and x.is_cuda:
+        if fused_here(self.fused, x):
             from fla.modules.norm.fused_norm_gate import rms_norm_gated
             return rms_norm_gated(x, g, self.weight, None, activation="swish", eps=self.eps)
         y = super().forward(x).to(acc_dtype(x.dtype))
@@ -173,6 +196,6 @@ def _compiled_log_gate():
 def log_forget_gate(z, normalizer: float, compiled: bool = True):
     """fla's GLA forget gate, logsigmoid(z) / normalizer. compiled (CUDA only): one torch.compile'd
     kernel each way instead of an eager logsigmoid, a division and their two backward kernels."""
-    if compiled and z.is_cuda:
+    if compiled and z.is_cuda and not torch.compiler.is_compiling():  # a compiled block traces it anyway
         return _compiled_log_gate()(z, normalizer)
     return _log_gate(z, normalizer)

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from apps.gla.attention_gla import GatedLinearAttention
 from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
-from apps.gla.layers import GLAArgs, RMSNorm, check_model_args
+from apps.gla.layers import GLAArgs, RMSNorm, check_model_args, fused_here
 from lingua_zeco.comm import group_rank_size
 from lingua_zeco.kernels import acc_dtype
 from lingua_zeco.sp.varlen import as_packing
@@ -42,7 +42,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         gate, up = self.gate_proj(x), self.up_proj(x)
-        if self.fused and x.is_cuda:  # fla is imported on first use: the import is slow
+        if fused_here(self.fused, x):
             from fla.modules.activations import swiglu_linear
             return swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
         return self.down_proj(F.silu(gate) * up)
@@ -64,6 +64,7 @@ class GLABlock(nn.Module):
         if args.activation_checkpointing not in AC_MODES:
             raise ValueError(f"activation_checkpointing={args.activation_checkpointing!r}; choose from {AC_MODES}")
         self.ac = args.activation_checkpointing
+        self.compiled = None  # apps/gla/compile.py: this block's forward as a torch.compile'd function
 
     def _attn_half(self, x, cu_seqlens):
         return x + self.attn(self.attn_norm(x), cu_seqlens)
@@ -72,6 +73,13 @@ class GLABlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def forward(self, x, cu_seqlens=None):
+        # the compiled function is called from forward, so FSDP2's hooks on this module stay outside it
+        if self.compiled is not None:
+            return self.compiled(self, x, cu_seqlens)
+        return self.run(x, cu_seqlens)
+
+    def run(self, x, cu_seqlens=None):
+        """The block's computation (what model.compile=blocks compiles), activation checkpointing inside."""
         if self.ac == "full" and torch.is_grad_enabled():
             # Recomputing the attention re-runs its SP exchange in backward: the price of full AC.
             return checkpoint(self._block, x, cu_seqlens, use_reentrant=False)
@@ -145,7 +153,7 @@ class GLAForCausalLM(nn.Module):
         if labels is None:
             return self.lm_head(h)
         n_tokens = (labels != -100).sum()
-        if self.args.fused_kernels and h.is_cuda:
+        if self.args.fused_kernels and h.is_cuda and not self.args.float8_head:  # float8_head: lm_head's own GEMM
             # Never materialises the [tokens, vocab] logits (1 GiB in fp32 at 16K x 32K). fla's default
             # accumulates the head's weight gradient in fp32, which runs as a non-tensor-core SGEMM:
             # 42.8 ms of a 370 ms GLA-1B step at 16K on an H200 (docs/results/performance.md).

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from apps.gla.layers import check_model_args
+from apps.gla.compile import apply_speedups
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
 from lingua_zeco import distributed
@@ -70,6 +71,7 @@ def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
                            sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
     model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
     model.to(env.device)
+    apply_speedups(model, args.model, env.device)  # model.float8 / model.compile, before FSDP wraps the blocks
     if args.distributed.fsdp:
         distributed.apply_fsdp(model, env, args.distributed, model.blocks)
     else:

@@ -6,6 +6,7 @@
            `bwd_intra="fla"`: fla's chunk_gla).
 * "torch": pure PyTorch chunked GLA (any device, fp32 inside, autograd).
 * oracle:  lingua_zeco.kernels.naive.naive_gla, float64 token by token.
+`chunk_gla_op` is the same operator as one opaque custom op for torch.compile'd code (kernels/gla_op.py).
 `chunk_simple_gla` is the scalar-decay variant (g [B, T, H]; fla's chunk_simple_gla / RetNet style),
 oracle naive_simple_gla.
 
@@ -14,6 +15,7 @@ The backend follows the device (lingua_zeco.kernels.common.pick_backend).
 from __future__ import annotations
 
 from .common import BACKENDS, BWD_INTRA, acc_dtype, check_bwd_intra, fla_available, pick_backend
+from .gla_op import chunk_gla_op
 from .naive import naive_gla, naive_simple_gla
 from .torch_chunk import torch_chunk_gla
 
@@ -54,5 +56,5 @@ def chunk_simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-__all__ = ["BACKENDS", "BWD_INTRA", "acc_dtype", "check_bwd_intra", "chunk_gla", "chunk_simple_gla", "fla_available",
+__all__ = ["BACKENDS", "BWD_INTRA", "acc_dtype", "check_bwd_intra", "chunk_gla", "chunk_gla_op", "chunk_simple_gla", "fla_available",
            "naive_gla", "naive_simple_gla", "pick_backend", "torch_chunk_gla"]

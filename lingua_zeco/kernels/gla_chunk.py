@@ -38,6 +38,44 @@ def _states(k, v, g_cs, h0, BT, packed, final: bool, fp32: bool):
                                   output_final_state=final, states_in_fp32=fp32)
 
 
+def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, packed):
+    """The forward stages on contiguous inputs: (o, final state(s) or None, A, g_cs or None). A [B, T, H, BT]
+    fp32 is the intra-chunk attention the backward reuses; g_cs (the fp32 gate cumsum) is kept only when g
+    is fp32 (as fla: it then costs no more memory than g), else the backward recomputes it."""
+    BT = fla_chunk_size(q.shape[1])
+    cu, ci = (None, None) if packed is None else packed[:2]
+    g_cs = fla.gate_cumsum(g, BT, cu, ci)
+    h, ht = _states(k, v, g_cs, h0, BT, packed, output_final_state, fp32=False)
+    A = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+    o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
+                               chunk_indices=ci)
+    return o, ht, A, g_cs if g.dtype == torch.float else None
+
+
+def staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, scale: float, bwd_intra: str, packed):
+    """The backward stages: (dq, dk, dv, dg, dh0) from staged_fwd's inputs and saved tensors (g_cs None:
+    recomputed from g) and the gradients of o and of the final state(s) (dht None: zero)."""
+    BT = fla_chunk_size(q.shape[1])
+    cu, ci = (None, None) if packed is None else packed[:2]
+    vl = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+    do = do.contiguous()
+    dht = None if dht is None else dht.contiguous()  # e.g. ht.sum()'s gradient: ones expanded, stride 0
+    if g_cs is None:
+        g_cs = fla.gate_cumsum(g, BT, cu, ci)
+    h, _ = _states(k, v, g_cs, h0, BT, packed, final=False, fp32=True)
+    if packed is None:
+        dh, dh0 = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=g_cs, chunk_size=BT,
+                                   states_in_fp32=True)
+    else:
+        dh, dh0 = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, h0=h0, scale=scale, cu_seqlens=cu,
+                                          chunk_offsets=packed[2], n_chunks=packed[3], chunk_size=BT)
+    dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, **vl)
+    dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **vl)
+    dq, dk = dqk_intra(q, k, g_cs, dA, BT, bwd_intra, cu_seqlens=cu, chunk_indices=ci)
+    dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale, **vl)
+    return dq.to(q), dk.to(k), dv.to(v), dg, dh0
+
+
 class ChunkGLA(torch.autograd.Function):
     """packed: None (dense) or (cu_seqlens, chunk_indices, chunk_offsets, NT) for chunk size BT."""
 
@@ -46,40 +84,16 @@ class ChunkGLA(torch.autograd.Function):
         # fla's kernels assume contiguous tensors (fla's own wrapper makes every input so)
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         h0 = None if h0 is None else h0.contiguous()
-        BT = fla_chunk_size(q.shape[1])
-        cu, ci = (None, None) if packed is None else packed[:2]
-        g_cs = fla.gate_cumsum(g, BT, cu, ci)
-        h, ht = _states(k, v, g_cs, h0, BT, packed, output_final_state, fp32=False)
-        A = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-        o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
-                                   chunk_indices=ci)
-        keep_cs = g.dtype == torch.float  # as fla: the fp32 cumsum costs no more memory than fp32 g
-        ctx.save_for_backward(q, k, v, None if keep_cs else g, g_cs if keep_cs else None, h0, A)
-        ctx.scale, ctx.BT, ctx.bwd_intra, ctx.packed = scale, BT, bwd_intra, packed
+        o, ht, A, g_cs = staged_fwd(q, k, v, g, scale, h0, output_final_state, packed)
+        ctx.save_for_backward(q, k, v, None if g_cs is not None else g, g_cs, h0, A)
+        ctx.scale, ctx.bwd_intra, ctx.packed = scale, bwd_intra, packed
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, g, g_cs, h0, A = ctx.saved_tensors
-        scale, BT, packed = ctx.scale, ctx.BT, ctx.packed
-        cu, ci = (None, None) if packed is None else packed[:2]
-        vl = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-        do = do.contiguous()
-        dht = None if dht is None else dht.contiguous()  # e.g. ht.sum()'s gradient: ones expanded, stride 0
-        if g_cs is None:
-            g_cs = fla.gate_cumsum(g, BT, cu, ci)
-        h, _ = _states(k, v, g_cs, h0, BT, packed, final=False, fp32=True)
-        if packed is None:
-            dh, dh0 = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=g_cs, chunk_size=BT,
-                                       states_in_fp32=True)
-        else:
-            dh, dh0 = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, h0=h0, scale=scale, cu_seqlens=cu,
-                                              chunk_offsets=packed[2], n_chunks=packed[3], chunk_size=BT)
-        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, **vl)
-        dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **vl)
-        dq, dk = dqk_intra(q, k, g_cs, dA, BT, ctx.bwd_intra, cu_seqlens=cu, chunk_indices=ci)
-        dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale, **vl)
-        return dq.to(q), dk.to(k), dv.to(v), dg, None, dh0, None, None, None
+        dq, dk, dv, dg, dh0 = staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, ctx.scale, ctx.bwd_intra, ctx.packed)
+        return dq, dk, dv, dg, None, dh0, None, None, None
 
 
 def chunk_gla_staged(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
@@ -98,4 +112,4 @@ def chunk_gla_staged(q, k, v, g, *, scale=None, initial_state=None, output_final
     return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, bwd_intra, packed)
 
 
-__all__ = ["ChunkGLA", "chunk_gla_staged", "dqk_intra"]
+__all__ = ["ChunkGLA", "chunk_gla_staged", "dqk_intra", "staged_bwd", "staged_fwd"]

@@ -11,6 +11,8 @@ sp_simple_gla: the scalar-decay variant (one decay per head and token) through t
 """
 from __future__ import annotations
 
+import torch
+
 from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs, group_rank_size
 
@@ -28,7 +30,20 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     cu_seqlens: None (one sequence), the boundaries of the whole packed sequence (a tensor or ints, the
     same on every rank; planned on every call), or the step's `Packing` from `pack` (planned once).
     bwd_intra: the intra-chunk dq/dk stage of fla's backward, ours or fla's (kernels.BWD_INTRA), on one
-    rank and on the fused dense paths."""
+    rank and on the fused dense paths.
+    Inside torch.compile: one dense sequence on one rank is the opaque custom op kernels.chunk_gla_op (no
+    graph break); the exchange with other ranks and packed documents run outside the graph (one break)."""
+    kw = dict(group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend, fused=fused,
+              scan=scan, bwd_intra=bwd_intra)
+    if not torch.compiler.is_compiling():
+        return _sp_gla(q, k, v, g, **kw)
+    if cu_seqlens is None and group_rank_size(group)[1] == 1 and backend in (None, kernels.pick_backend(q.device)):
+        check_local(q, k, v, g, method, None, 1)  # shapes and dtypes: decided while tracing
+        return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra)
+    return _sp_gla_outside_graph(q, k, v, g, **kw)
+
+
+def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, scan, bwd_intra):
     kernels.check_bwd_intra(bwd_intra)
     rank, P = group_rank_size(group)
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
@@ -60,6 +75,10 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
                              backend=name, scan_args=scan)
 
 
+# collectives, host-planned document tables and fla's autotuned stages stay out of compiled graphs
+_sp_gla_outside_graph = torch.compiler.disable(_sp_gla)
+
+
 def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
                   backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
                   bwd_intra: str = "zeco"):
@@ -70,6 +89,10 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
     CUDA); P > 1 runs sp_gla on the broadcast gate (a [B, T, H, K] view; dg sums over K by autograd)."""
     if g.dim() != 3 or g.shape != q.shape[:3]:
         raise ValueError(f"sp_simple_gla: g must be [B, T_local, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
+    if torch.compiler.is_compiling():  # fla's kernel or the exchange: outside the graph
+        return _sp_simple_gla_outside_graph(q, k, v, g, group=group, method=method, scale=scale,
+                                            cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan,
+                                            bwd_intra=bwd_intra)
     rank, P = group_rank_size(group)
     if P == 1:
         packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
@@ -80,5 +103,7 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
     return sp_gla(q, k, v, g[..., None].expand_as(q), group=group, method=method, scale=scale,
                   cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
 
+
+_sp_simple_gla_outside_graph = torch.compiler.disable(sp_simple_gla)
 
 __all__ = ["METHODS", "Packing", "pack", "sp_gla", "sp_simple_gla"]
