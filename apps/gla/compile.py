@@ -75,7 +75,7 @@ def apply_speedups(model, args: GLAArgs, device: torch.device) -> dict:
     if args.float8 != "none":
         done["float8"] = convert_float8(model, args.float8, args.float8_head, device)
     if compile_enabled(args, device):
-        compile_blocks(model.blocks)
+        compile_blocks(model.blocks, args.compile_backend)
         done["compiled"] = True
     return done
 

@@ -16,6 +16,7 @@ from lingua_zeco.kernels import BWD_INTRA, acc_dtype
 
 
 COMPILE_MODES = ("auto", "blocks", "none")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 
 
@@ -39,6 +40,7 @@ class GLAArgs:
     # Compiled, the norms, gates, SwiGLU and residuals are fused by Inductor and the GLA operator is one
     # opaque custom op (lingua_zeco.kernels.chunk_gla_op); fused_kernels then applies outside the blocks only.
     compile: str = "auto"
+    compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: tracing and autograd only, for tests)
     # torchao float8 training of the block linears (apps/gla/compile.py): none | tensorwise | rowwise
     float8: str = "none"
     float8_head: bool = False  # the LM head in float8 too (its loss then materialises the logits)
@@ -90,6 +92,8 @@ def check_model_args(args: GLAArgs) -> None:
         raise ValueError(f"model.vocab_size={args.vocab_size} must be >= 0 (0 = the tokenizer's)")
     if args.compile not in COMPILE_MODES:
         raise ValueError(f"model.compile={args.compile!r}; choose from {COMPILE_MODES}")
+    if args.compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(f"model.compile_backend={args.compile_backend!r}; choose from {COMPILE_BACKENDS}")
     if args.float8 not in FLOAT8_RECIPES:
         raise ValueError(f"model.float8={args.float8!r}; choose from {FLOAT8_RECIPES}")
     if args.float8_head and args.float8 == "none":

@@ -31,7 +31,12 @@ from lingua_zeco.args import ConfigError
 # name -> extra overrides on top of `config` and `overrides`
 VARIANTS = {
     "fla": None,
-    "ours": [],
+    "ours": [],  # the default config: model.compile=auto (compiled blocks on CUDA)
+    "ours_eager": ["model.compile=none"],  # no torch.compile: fla's fused norms / SwiGLU, eager everything
+    # torchao float8 block linears (compiled blocks fuse the scaling casts); _head: the LM head too
+    "ours_float8": ["model.float8=tensorwise"],
+    "ours_float8_rowwise": ["model.float8=rowwise"],
+    "ours_float8_head": ["model.float8=tensorwise", "model.float8_head=true"],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
     "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
@@ -40,7 +45,8 @@ VARIANTS = {
     "ours_fla_intra": ["model.gla_bwd_intra=fla"],
     # packed documents of `doc_len` tokens (boundaries in every batch, as the loader gives them with
     # data.varlen=true): our intra-chunk stage, and fla's for comparison
-    "ours_packed": [],
+    "ours_packed": [],  # compiled: the packed GLA operator runs outside the graph (one break per block)
+    "ours_packed_eager": ["model.compile=none"],
     "ours_packed_fla_intra": ["model.gla_bwd_intra=fla"],
     # GLA-1B as a hybrid (configs/gla_1b_hybrid.yaml): softmax attention at blocks 5, 11 and 17
     "ours_hybrid": ["model.softmax_layers=[5,11,17]"],
@@ -130,7 +136,9 @@ def build_fla(a: BenchTrainArgs, device):
 CATEGORIES = [  # first match wins; lower-case substrings of kernel names
     ("gla (fla chunk kernels + ZeCO stages)", ("chunk_", "_fwd_o_kernel", "_dS_in_kernel", "_decay_prefix", "gla",
                                                "fwd_h", "bwd_dh", "cumsum", "_dqk_intra_kernel")),
-    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "_scaled_mm")),
+    # Inductor's generated kernels (model.compile=blocks): norms, gates, SwiGLU, residuals, float8 casts fused
+    ("inductor fused kernels", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),
     ("cross-entropy", ("cross_entropy", "logsumexp", "ce_")),
     ("norms", ("norm",)),
     ("swiglu / activations", ("swiglu", "swish", "silu", "sigmoid")),
@@ -180,6 +188,16 @@ def kernel_breakdown(step, steps: int = 3) -> tuple[list[dict], list[dict], dict
     return rows, sorted(ops, key=lambda r: -r["ms"])[:20], gaps
 
 
+def first_step_seconds(step, device) -> float:
+    """Wall time of the first step, synchronised: torch.compile and Triton's autotuning happen here."""
+    import time
+    t0 = time.perf_counter()
+    step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
 def steady_state_times(step, device, warmup: int, steps: int) -> list[float]:
     """Seconds per step with no synchronisation between steps, as in the trainer's hot loop: an
     event after each step, the durations between consecutive events (GPU idle gaps included)."""
@@ -219,6 +237,7 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
 
     reset_peak_memory(device)
     step, n_params, keep = build_fla(a, device) if name == "fla" else build_ours(name, a)
+    first_s = first_step_seconds(step, device)  # compile time is the first step's excess over a median step
     s = summarize(steady_state_times(step, device, a.warmup, a.steps))
     m = trainer_args([f"config={a.config}", *a.overrides, *(VARIANTS[name] or [])]).model
     fpt = flops_per_token(m, context=a.seq_len * (dist.get_world_size() if name.startswith("sp_") else 1))
@@ -226,7 +245,7 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     peak, mem = peak_flops(device), peak_memory_mib(device)
     row = dict(variant=name, seq_len=a.seq_len, params_M=n_params / 1e6, step_ms=s["median_ms"],
                p10_ms=s["p10_ms"], p90_ms=s["p90_ms"], tok_per_s=tok_s, mfu=tok_s * fpt / peak if peak else None,
-               peak_gib=mem / 1024 if mem is not None else None)
+               peak_gib=mem / 1024 if mem is not None else None, first_step_s=first_s)
     if name in a.profile:
         row["profile"], row["profile_ops"], row["profile_gaps"] = kernel_breakdown(step)
     del keep, step
@@ -250,7 +269,7 @@ def summary(rows: list[dict]) -> str:
     for r in rows:
         r["vs_fla"] = r["tok_per_s"] / ref if ref else None
     md = markdown_table(rows, ["variant", "seq_len", "params_M", "step_ms", "p10_ms", "p90_ms", "tok_per_s",
-                               "vs_fla", "mfu", "peak_gib"])
+                               "vs_fla", "mfu", "peak_gib", "first_step_s"])
     for r in rows:
         if "profile" in r:
             md += f"\nKernel time of one `{r['variant']}` step by category (ms):\n\n"
