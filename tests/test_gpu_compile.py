@@ -69,4 +69,5 @@ def test_float8_compiled_close_to_bf16(recipe):
     compile_blocks(model.blocks)
     loss, got = _loss_and_grads(model, tokens)
     assert loss != ref_loss and abs(loss - ref_loss) < 2e-2 * abs(ref_loss)
-    assert _rel(got["model.layers.1.mlp.down_proj.weight"], ref["model.layers.1.mlp.down_proj.weight"]) < 0.3
+    # float8's 3 mantissa bits at init: a weight gradient moves by ~30 % (run 38); an unrelated one by ~140 %
+    assert _rel(got["model.layers.1.mlp.down_proj.weight"], ref["model.layers.1.mlp.down_proj.weight"]) < 0.5

@@ -21,10 +21,12 @@ A)
         | grep -E "^\{|rror|Traceback"
     ;;
 B)
-    echo "== bench_train 32K"; timeout 300 $BENCH stem=train_32k seq_len=32768 steps=6 \
+    echo "== GPU tests (float8)"; timeout 100 $PYTEST tests/test_gpu_compile.py -k float8 2>&1 \
+        | tee "$OUT/pytest_gpu_float8.txt" | tail -4
+    echo "== bench_train 32K"; timeout 250 $BENCH stem=train_32k seq_len=32768 steps=6 \
         variants=fla,ours_eager,ours,ours_float8 2>&1 | tee "$OUT/train_32k.log" | grep -E "^\{|rror|Traceback"
-    echo "== bench_train 16K recipes, head, packed"; timeout 240 $BENCH stem=train_16k_more seq_len=16384 steps=10 \
-        variants=ours_float8_rowwise,ours_float8_head,ours_packed,ours_packed_eager 2>&1 \
+    echo "== bench_train 16K recipes, head, no FSDP, packed"; timeout 230 $BENCH stem=train_16k_more seq_len=16384 \
+        steps=6 variants=ours_float8_rowwise,ours_float8_head,ours_nofsdp,ours_float8_nofsdp,ours_packed,ours_packed_eager 2>&1 \
         | tee "$OUT/train_16k_more.log" | grep -E "^\{|rror|Traceback"
     ;;
 C)
