@@ -38,6 +38,7 @@ VARIANTS = {
     "ours_float8_rowwise": ["model.float8=rowwise"],
     "ours_float8_head": ["model.float8=tensorwise", "model.float8_head=true"],
     "ours_float8_nofsdp": ["model.float8=tensorwise", "distributed.fsdp=false"],
+    "ours_float8_head_nofsdp": ["model.float8=tensorwise", "model.float8_head=true", "distributed.fsdp=false"],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
     "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
