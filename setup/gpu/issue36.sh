@@ -30,9 +30,9 @@ B)
         | tee "$OUT/train_16k_more.log" | grep -E "^\{|rror|Traceback"
     ;;
 C)
-    echo "== bench_train 16K"; timeout 100 $BENCH stem=train_16k_head_nofsdp seq_len=16384 steps=6 \
+    echo "== bench_train 16K"; timeout 80 $BENCH stem=train_16k_head_nofsdp seq_len=16384 steps=5 \
         variants=ours_float8_head_nofsdp 2>&1 | tee "$OUT/train_16k_head_nofsdp.log" | grep -E "^\{|rror|Traceback"
-    echo "== loss parity"; timeout 330 python3 -m apps.gla.bench.bench_loss out="$OUT" stem=loss_float8 \
+    echo "== loss parity"; timeout 300 python3 -m apps.gla.bench.bench_loss out="$OUT" stem=loss_float8 \
         config=gla_1b_dp.yaml variants=bf16,float8 steps=300 seq_len=8192 overrides=optim.warmup=30 2>&1 \
         | tee "$OUT/loss_float8.log" | grep -E "^\{|rror|Traceback"
     ;;
