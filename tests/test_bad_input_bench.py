@@ -42,6 +42,8 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
         "perf_model-P-negative": (PERF, ["what=comm", "P=-8"], "P=-8"),
         "perf_model-T-0": (PERF, ["what=throughput", "T=0"], "T=0"),
         "perf_model-calib-not-json": (PERF, ["what=comm", f"calib={tmp}/not.json"], "not.json"),
+        "perf_model-raw_1gpu-missing": (PERF, ["what=throughput", f"raw_1gpu={tmp}/no_such"], "raw_1gpu="),
+        "perf_model-raw_fused-missing": (PERF, ["what=op", f"raw_fused={tmp}/no_such"], "raw_fused="),
     }
     if not torch.cuda.is_available():  # the GPU-only programs refuse a machine without one
         cases |= {f"{m}-no-cuda": (f"apps.gla.bench.{m}", [f"out={tmp}/{m}"], "CUDA") for m in GPU_ONLY}

@@ -22,7 +22,7 @@ from lingua_zeco.perf_model import (FREE, LinkArgs, MemoryArgs, OpArgs, StateArg
                                     TopologyArgs, allgather_scan, chain_closed, chain_sim, default_links,
                                     fit_alpha_beta, kernel_seconds, op_times, peak_memory, ring_closed, ring_sim,
                                     tokens_per_gpu, tree_closed, tree_sim)
-from lingua_zeco.perf_model.calibrate import RAW, RAW_1GPU, calibrate, check_rows
+from lingua_zeco.perf_model.calibrate import RAW, RAW_1GPU, RAW_FUSED, calibrate, check_rows, load_fused
 from lingua_zeco.perf_model.cli import main as cli_main
 from lingua_zeco.perf_model.inputs import ASSUMED, ASSUMED_LABEL, CONFIG_LABEL, NotMeasured
 from lingua_zeco.perf_model.memory import ModelShapeArgs
@@ -30,6 +30,7 @@ from lingua_zeco.perf_model.op_model import lasp1_closed, lasp1_sim
 from lingua_zeco.perf_model.schedules import DeviceArgs, allreduce_state, recv_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
+FLA_1GPU = "docs/results/raw/2026-11-30-h200-perf"  # fla's GLAForCausalLM on one H200 at 16K and 32K
 TEST_LINK = LinkArgs(alpha_s=40e-6, beta_Bps=370e9, coll_alpha_s=30e-6, step_alpha_s=3e-6)
 NV = Topology(TopologyArgs(kind="nvlink"), {**default_links(), "nvlink": TEST_LINK})
 HIER = Topology(TopologyArgs(kind="hier", gpus_per_node=8), {**default_links(), "nvlink": TEST_LINK})
@@ -208,7 +209,7 @@ def test_memory_decreases_with_fsdp_and_checkpointing():
 def _fla_one_gpu() -> dict[int, dict]:
     """fla's GLAForCausalLM on one H200, read straight from the committed bench_train files."""
     out = {}
-    for f in sorted(glob.glob(str(ROOT / RAW_1GPU / "before_train_*k.json"))):
+    for f in sorted(glob.glob(str(ROOT / FLA_1GPU / "before_train_*k.json"))):
         for r in json.load(open(f))["rows"]:
             if r["variant"] == "fla":
                 out[r["seq_len"]] = r
@@ -304,8 +305,10 @@ def test_default_inputs_name_their_measured_file_or_assumption(tmp_path, monkeyp
         else:
             assert src.startswith(ASSUMED_LABEL) and r["input"] in ASSUMED, r
     origin = {r["input"]: r["source"] for r in rows}
-    for key in ("link.nvlink.alpha_s", "link.nvlink.coll_alpha_s", "op.kernel_ms", "op.zeco_extra_by_T", "tput.tok_s"):
+    for key in ("link.nvlink.alpha_s", "link.nvlink.coll_alpha_s", "op.kernel_ms", "op.compose_extra_ms"):
         assert origin[key].startswith(f"measured: {RAW}/"), (key, origin[key])
+    assert origin["op.zeco_extra_by_T"].startswith(f"measured: {RAW_FUSED}/"), origin["op.zeco_extra_by_T"]
+    assert origin["tput.tok_s"].startswith(f"measured: T=16384: {RAW_1GPU}/"), origin["tput.tok_s"]
 
 
 def test_calibrated_inputs_follow_the_raw_files(tmp_path):
@@ -331,17 +334,18 @@ def test_calibration_from_raw_h200x2_within_15_percent():
     from lingua_zeco.perf_model.schedules import hier_scan
     if not (ROOT / RAW).is_dir():
         pytest.skip("no raw measurements")
-    topo, dev, op, tput, notes = calibrate(str(ROOT / RAW), raw_1gpu=str(ROOT / RAW_1GPU))
+    topo, dev, op, tput, notes = calibrate(str(ROOT / RAW))
     rows = check_rows(str(ROOT / RAW), topo, dev, op, tput)
     assert len(rows) == 30
     assert all(abs(r["err_pct"]) <= 15 for r in rows), [r for r in rows if abs(r["err_pct"]) > 15]
+    # the check feeds the model what raw's points ran (its bench_fused.json, its DP step), not the newest inputs
+    old = calibrate(str(ROOT / RAW), raw_1gpu=None, raw_fused=None)
+    assert op.zeco_extra_by_T != old[2].zeco_extra_by_T and tput.tok_s != old[3].tok_s
+    assert rows == check_rows(str(ROOT / RAW), *old[:4])
     st = StateArgs(H=16)
     assert hier_scan(256, st, topo, dev) <= tree_sim(256, st, topo, dev)
-    # 32K tokens/s: the trainer's 16K value scaled by fla's own single-GPU ratio between the two lengths
-    fla = _fla_one_gpu()
-    assert tput.tok_s[32768] / tput.tok_s[16384] == pytest.approx(fla[32768]["tok_per_s"] / fla[16384]["tok_per_s"],
-                                                                  rel=1e-3)
-    assert all(os.path.isfile(ROOT / f) for run in notes["single_gpu"].values() for f in run["files"])
+    assert all(os.path.isfile(ROOT / f) for runs in notes["single_gpu"].values() for run in runs.values()
+               for f in run["files"])
     assert math.isfinite(topo.links["ib"].alpha_s) and topo.links["ib"].alpha_s > topo.links["nvlink"].alpha_s
     # the per-message cost split into the transport's (fastest P2P one-way) and the scan's own
     split = notes["alpha_split"]
@@ -380,3 +384,79 @@ def test_a_partial_benchmark_file_is_named_when_loaded(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_raw(str(tmp_path))
+
+
+def _bench_train(path: Path, time: str, rows: list[tuple], world: int = 1, overrides: tuple = ()) -> None:
+    """A bench_train JSON as the bench writes it: env, args, rows (variant, seq_len, tok_per_s)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(env=dict(world_size=world, time=time), args=dict(overrides=list(overrides)),
+                                    rows=[dict(variant=v, seq_len=T, tok_per_s=t, peak_gib=40.0) for v, T, t in rows])))
+
+
+def test_one_gpu_step_comes_from_the_newest_bench_train_of_a_folder(tmp_path, capsys):
+    """raw_1gpu=FOLDER: per length the "ours" rows of the newest one-GPU bench_train JSON in or below it (the
+    time the file records, not its name), their median; two-GPU runs and runs with overrides do not count."""
+    one = tmp_path / "one_gpu"
+    _bench_train(one / "zz_old.json", "2026-12-02 17:00:00", [("ours", 16384, 50e3), ("ours", 32768, 52e3),
+                                                             ("fla", 16384, 45e3)])
+    _bench_train(one / "run1" / "train_16k.json", "2026-12-03 09:00:00", [("ours", 16384, 60e3), ("fla", 16384, 1),
+                                                                         ("ours", 16384, 62e3)])
+    _bench_train(one / "run2" / "two.json", "2026-12-03 10:00:00", [("ours", 16384, 99e3)], world=2)
+    _bench_train(one / "run2" / "ckpt.json", "2026-12-03 10:00:00", [("ours", 16384, 98e3)],
+                 overrides=("model.activation_checkpointing=full",))
+    _, _, _, tput, _ = calibrate(str(ROOT / RAW), raw_1gpu=str(one))
+    assert tput.tok_s == {16384: 61e3, 32768: 52e3} and tput.tok_s_world == 1
+    out = tmp_path / "pm.json"
+    assert cli_main(["what=throughput", "P=8", "T=16384", f"raw_1gpu={one}", f"json={out}"]) == 0
+    origin = {r["input"]: r["source"] for r in json.loads(out.read_text())["tables"]["inputs"]}
+    assert f"T=16384: {one / 'run1' / 'train_16k.json'} (2 rows, median)" in origin["tput.tok_s"]
+    assert f"T=32768: {one / 'zz_old.json'} (1 row" in origin["tput.tok_s"]
+    # the committed default: the newest one-GPU "ours" rows per length, found here independently
+    newest: dict[int, tuple] = {}
+    for f in glob.glob(str(ROOT / RAW_1GPU / "**" / "*.json"), recursive=True):
+        data = json.loads(Path(f).read_text())
+        if not (isinstance(data, dict) and data.get("env", {}).get("world_size") == 1) or data["args"].get("overrides"):
+            continue
+        for T in {r["seq_len"] for r in data.get("rows", []) if r.get("variant") == "ours" and "tok_per_s" in r}:
+            vals = sorted(r["tok_per_s"] for r in data["rows"] if r["variant"] == "ours" and r["seq_len"] == T)
+            median = (vals[(len(vals) - 1) // 2] + vals[len(vals) // 2]) / 2
+            newest[T] = max(newest.get(T, ("",)), (data["env"]["time"], f, median))
+    _, _, _, tput, _ = calibrate(str(ROOT / RAW))
+    assert newest and tput.tok_s == pytest.approx({T: v[2] for T, v in newest.items()}, rel=1e-12)
+    with pytest.raises(FileNotFoundError, match="raw_1gpu=.*no one-GPU bench_train JSON"):
+        calibrate(str(ROOT / RAW), raw_1gpu=str(one / "run2"))
+
+
+def _fused_file(path: Path, time: str, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(env=dict(time=time), rows=rows)))
+
+
+def test_fused_extra_comes_from_the_newest_bench_fused(tmp_path):
+    """raw_fused=: the fused operator against the single-device one, from the newest bench_fused JSON (the time
+    it records); the committed default is the newest committed file and matches its rows."""
+    row = dict(T_local=16384, fla_chunk_gla_ms=4.0, staged_chunk_gla_ms=3.6, zeco_fused_ms=3.8, extra_pct=-5.0,
+               fla_chunk_gla_graph_ms=3.5, staged_chunk_gla_graph_ms=3.0, zeco_fused_graph_ms=3.3)
+    _fused_file(tmp_path / "run9" / "bench_fused.json", "2026-12-02 08:00:00", [dict(row, zeco_fused_graph_ms=9.9)])
+    _fused_file(tmp_path / "run10" / "bench_fused.json", "2026-12-02 14:00:00", [row])
+    extra, src = load_fused(str(tmp_path))
+    assert extra == {16384: pytest.approx(3.3 / 3.0 - 1)} and "run10" in src and "graph" in src
+    eager = {k: v for k, v in row.items() if "graph" not in k}  # no graph times: eager ones
+    _fused_file(tmp_path / "eager.json", "", [eager])
+    assert load_fused(str(tmp_path / "eager.json"))[0] == {16384: pytest.approx(3.8 / 3.6 - 1)}
+    old = dict(T_local=16384, fla_chunk_gla_ms=4.17, zeco_fused_no_comm_ms=4.82, extra_pct=15.47)  # 2026-11-30 form
+    _fused_file(tmp_path / "old.json", "", [old])
+    assert load_fused(str(tmp_path / "old.json"))[0] == {16384: pytest.approx(0.1547)}
+    with pytest.raises(FileNotFoundError, match="raw_fused=.*no bench_fused JSON"):
+        load_fused(str(tmp_path / "run10" / "nothing_here"))
+    # the committed default: the newest *bench_fused*.json under RAW_FUSED, its graph times against the staged operator
+    found = glob.glob(str(ROOT / RAW_FUSED / "**" / "*bench_fused*.json"), recursive=True)
+    files = [(json.loads(Path(f).read_text()), f) for f in found]
+    data, newest = max(files, key=lambda df: (df[0].get("env", {}).get("time", ""), df[1]))
+    _, _, op, _, notes = calibrate(str(ROOT / RAW))
+    assert op.zeco_extra_by_T == {r["T_local"]: pytest.approx(r["zeco_fused_graph_ms"] / r["staged_chunk_gla_graph_ms"]
+                                                              - 1) for r in data["rows"]}
+    assert notes["sources"]["op.zeco_extra_by_T"].startswith(f"measured: {Path(newest).relative_to(ROOT)} ")
+    # the in-operator scan cost is fitted with the extra of the operator raw's zeco row ran, whatever raw_fused says
+    _, _, op_old, _, _ = calibrate(str(ROOT / RAW), raw_fused=None)
+    assert op.scan_op_overhead_s == op_old.scan_op_overhead_s and op_old.zeco_extra_by_T[16384] == pytest.approx(0.1547)

@@ -5,8 +5,9 @@ compare the model with every measured point.
     python -m lingua_zeco.perf_model what=op raw=docs/results/raw/2026-11-30-h200x2 P=8,64,256
 
 `raw` holds comm_P<n>.json (bench_comm), op_P<n>.json (bench_op), optionally bench_fused.json and
-metrics_<method>.jsonl (trainer); `raw_1gpu` holds single-GPU bench_train JSON (fla's model, one GPU).
-By default both are the committed measurements, RAW and RAW_1GPU. What is fitted, and from which rows:
+metrics_<method>.jsonl (trainer); `raw_fused` a bench_fused JSON (or a folder: its newest one) of the current
+operator; `raw_1gpu` a folder of single-GPU bench_train JSON (newest file per variant and length).
+By default they are the committed measurements RAW, RAW_FUSED and RAW_1GPU. What is fitted, and from which rows:
   links.nvlink   alpha = per-block slope of the chain rows (time = fixed + n_blocks * alpha + bytes-term,
                  relative least squares over every chain<n> row at the measured P); coll_alpha from the
                  all-gather / all-reduce rows (mean residual of the ring model). beta is assumed
@@ -14,13 +15,17 @@ By default both are the committed measurements, RAW and RAW_1GPU. What is fitted
   dev            scan_fixed_s, scan_s_per_byte (intercept and bytes-slope of the same fit);
                  tree_round_s = tree rows minus the model's one-round tree.
   links.ib       not measured: NVLink's alpha and coll_alpha + inputs.IB_EXTRA_S (links.complete_links).
-  op             kernel_ms from the fla rows; zeco_extra_by_T from bench_fused.json (no-comm extra compute);
-                 compose_extra_ms per T from the lasp2 rows; scan_op_overhead_s from the zeco row at
-                 the smallest T (the other T are checks); lasp1_serial_frac: mean over T of the value
-                 that reproduces each lasp1 row.
-  tput           tok_s from metrics_dp.jsonl: median tokens/s/GPU over the logged steps after the first,
+  op             kernel_ms from the fla rows; compose_extra_ms per T from the lasp2 rows; scan_op_overhead_s
+                 from the zeco row at the smallest T (the other T are checks), with the extra compute of the
+                 operator those rows ran (raw's own bench_fused.json); lasp1_serial_frac: mean over T of the
+                 value that reproduces each lasp1 row. zeco_extra_by_T, what the predictions use: raw_fused's
+                 rows (fused_extra: the fused operator against the single-device one), else raw's.
+  tput           tok_s: the newest single-GPU tokens/s of our trainer ("ours" rows of raw_1gpu), tok_s_world 1;
+                 without them, metrics_dp.jsonl: median tokens/s/GPU over the logged steps after the first,
                  T_local = tokens_global / world (world of the comm file), tok_s_world = that world; other
                  lengths: that value times the ratio of fla's single-GPU tokens/s (raw_1gpu) at the two lengths.
+`what=check` puts raw's measurements beside the model fed what was measured with them (raw's bench_fused.json
+and metrics_dp.jsonl): check_inputs.
 """
 from __future__ import annotations
 
@@ -42,7 +47,8 @@ from .throughput import ThroughputArgs, tokens_per_gpu
 
 REPO = Path(__file__).resolve().parents[2]
 RAW = "docs/results/raw/2026-11-30-h200x2"  # 2 x H200, NVLink: comm_P2, op_P2, bench_fused, metrics_*.jsonl
-RAW_1GPU = "docs/results/raw/2026-11-30-h200-perf"  # one H200: bench_train JSON, fla's model at 16K and 32K
+# one H200, the newest session: bench_fused JSON (run*/bench_fused.json) and bench_train JSON of our trainer
+RAW_FUSED = RAW_1GPU = "docs/results/raw/2026-12-02-h200"
 
 
 def find(path: str) -> str:
@@ -83,22 +89,83 @@ def load_raw(raw: str) -> dict:
     return out
 
 
-def single_gpu_runs(folder: str) -> dict[int, dict]:
-    """bench_train JSON of one GPU without overrides: per seq_len the median tokens/s and peak GiB of
-    fla's model over the files, and the files."""
-    found: dict[int, list[dict]] = {}
-    for f in sorted(glob.glob(os.path.join(find(folder), "*.json"))):
-        data = json.load(open(f))
-        if not isinstance(data, dict) or data.get("env", {}).get("world_size") != 1:
-            continue
-        if data.get("args", {}).get("overrides"):  # e.g. activation checkpointing: not the plain model
-            continue
-        for r in data.get("rows", []):
-            if r.get("variant") == "fla" and "tok_per_s" in r:
-                found.setdefault(int(r["seq_len"]), []).append(dict(r, file=shown(f)))
-    return {T: dict(tok_s=statistics.median(r["tok_per_s"] for r in rs),
-                    peak_gib=statistics.median(r["peak_gib"] for r in rs),
-                    files=sorted({r["file"] for r in rs})) for T, rs in sorted(found.items())}
+def recorded_time(data: dict) -> str:
+    """When a bench JSON says it ran ("YYYY-MM-DD HH:MM:SS"; "" when it does not say)."""
+    return str(data.get("env", {}).get("time") or data.get("time") or "")
+
+
+def newest_json(folder: str, keep, name: str = "*.json") -> list[tuple[str, dict]]:
+    """(file, data) of every JSON named `name` under `folder` (recursively) that keep(data) accepts, oldest
+    first: by the time the file records, then by path."""
+    found = []
+    for f in sorted(glob.glob(os.path.join(find(folder), "**", name), recursive=True)):
+        try:
+            data = json.loads(Path(f).read_text())
+        except (OSError, ValueError):
+            continue  # not a bench output
+        if isinstance(data, dict) and keep(data):
+            found.append((f, data))
+    return sorted(found, key=lambda fd: (recorded_time(fd[1]), fd[0]))
+
+
+def is_one_gpu_train(data: dict) -> bool:
+    """bench_train JSON of one GPU without overrides (e.g. activation checkpointing: not the plain model)."""
+    return (data.get("env", {}).get("world_size") == 1 and not data.get("args", {}).get("overrides")
+            and any("tok_per_s" in r and "variant" in r for r in data.get("rows", [])))
+
+
+def single_gpu_runs(folder: str) -> dict[str, dict[int, dict]]:
+    """variant -> seq_len -> tokens/s and peak GiB of one-GPU bench_train rows, from the newest file (the time
+    it records) holding that variant at that length (median over its rows of it), and that file."""
+    found = newest_json(folder, is_one_gpu_train)
+    if not found:
+        raise FileNotFoundError(f"raw_1gpu={folder}: no one-GPU bench_train JSON (rows with tok_per_s) in or below "
+                                "that folder; give a folder holding one, or raw_1gpu=none")
+    out: dict[str, dict[int, dict]] = {}
+    for f, data in found:  # oldest first: newer files replace older ones
+        by: dict[tuple[str, int], list[dict]] = {}
+        for r in data["rows"]:
+            if "tok_per_s" in r:
+                by.setdefault((r["variant"], int(r["seq_len"])), []).append(r)
+        for (variant, T), rs in by.items():
+            out.setdefault(variant, {})[T] = dict(
+                tok_s=statistics.median(r["tok_per_s"] for r in rs), rows=len(rs), files=[shown(f)],
+                peak_gib=statistics.median(r["peak_gib"] for r in rs), time=recorded_time(data))
+    return {v: dict(sorted(runs.items())) for v, runs in sorted(out.items())}
+
+
+def fused_extra(row: dict) -> tuple[float, str]:
+    """The fused ZeCO operator's extra work over the single-device operator, as a fraction, and how: against
+    the staged operator (what one GPU runs on CUDA) where the row has it, else fla's chunk_gla; CUDA-graph times
+    (GPU work alone) where the row has them, else eager; rows with neither: extra_pct (eager, against fla)."""
+    base = "staged_chunk_gla" if "staged_chunk_gla_ms" in row else "fla_chunk_gla"
+    for suffix in ("_graph_ms", "_ms"):
+        if f"zeco_fused{suffix}" in row and f"{base}{suffix}" in row:
+            return row[f"zeco_fused{suffix}"] / row[f"{base}{suffix}"] - 1, f"zeco_fused{suffix} / {base}{suffix} - 1"
+    return row["extra_pct"] / 100, "extra_pct: fused ZeCO without comm vs fla"
+
+
+def fused_rows(data: dict, file: str) -> tuple[dict[int, float], str]:
+    """op.zeco_extra_by_T from one bench_fused JSON (dense rows, by T_local) and its source line."""
+    extra, hows = {}, set()
+    for r in data["rows"]:
+        extra[int(r["T_local"])], how = fused_extra(r)
+        hows.add(how)
+    return extra, f"measured: {file} ({'; '.join(sorted(hows))})"
+
+
+def load_fused(path: str) -> tuple[dict[int, float], str]:
+    """raw_fused=: a bench_fused JSON, or a folder whose newest *bench_fused*.json with rows (recursively)."""
+    path = find(path)
+    with_rows = lambda d: bool(d.get("rows")) and all("T_local" in r for r in d["rows"])  # noqa: E731
+    if os.path.isfile(path):
+        files = [(path, data) for data in [json.loads(Path(path).read_text())] if with_rows(data)]
+    else:
+        files = newest_json(path, with_rows, "*bench_fused*.json") if os.path.isdir(path) else []
+    if not files:
+        raise FileNotFoundError(f"raw_fused={path}: no bench_fused JSON with rows there (give a bench_fused.json "
+                                "or a folder holding one; raw_fused=none: raw's own bench_fused.json)")
+    return fused_rows(files[-1][1], shown(files[-1][0]))
 
 
 def median_tok_s(rows: list[dict]) -> float:
@@ -135,16 +202,21 @@ def symm_hop_fit(folder: str) -> tuple[float, str]:
                           f"zero bytes; NVLink's wire time is the bytes/beta term)")
 
 
-def calibrate(raw: str = RAW, topology: str = "hier", gpus_per_node: int = 8, raw_1gpu: str | None = RAW_1GPU):
-    """Returns (Topology, DeviceArgs, OpArgs, ThroughputArgs, notes) fitted to the files in `raw` (and the
-    single-GPU runs in `raw_1gpu`, None: none); notes["sources"] names the file behind every fitted input."""
+def calibrate(raw: str = RAW, topology: str = "hier", gpus_per_node: int = 8, raw_1gpu: str | None = RAW_1GPU,
+              raw_fused: str | None = RAW_FUSED):
+    """Returns (Topology, DeviceArgs, OpArgs, ThroughputArgs, notes) fitted to the files in `raw`, the fused
+    operator's extra from `raw_fused` and the single-GPU runs in `raw_1gpu` (None: raw's own bench_fused.json,
+    no single-GPU runs); notes["sources"] names the file behind every fitted input."""
     data = load_raw(raw)
     notes: dict = {"sources": {}}
+    src = notes["sources"]
     links, dev = _fit_comm(data, notes) if data.get("comm") else (default_links(), DeviceArgs())
     topo = Topology(TopologyArgs(kind=topology, gpus_per_node=gpus_per_node), links)
-    op = _fit_op(data, topo, dev, notes["sources"]) if data.get("op") else OpArgs()
+    op = _fit_op(data, topo, dev, src) if data.get("op") else OpArgs()
+    if raw_fused:  # the predictions use the newest operator; the fit above, the one raw's rows ran
+        op.zeco_extra_by_T, src["op.zeco_extra_by_T"] = load_fused(raw_fused)
     notes["single_gpu"] = single_gpu_runs(raw_1gpu) if raw_1gpu else {}
-    return topo, dev, op, _fit_tput(data, notes["single_gpu"], notes["sources"]), notes
+    return topo, dev, op, _fit_tput(data, notes["single_gpu"], src), notes
 
 
 def _state(row: dict, comm: dict) -> StateArgs:
@@ -209,10 +281,8 @@ def _fit_op(data: dict, topo: Topology, dev: DeviceArgs, src: dict) -> OpArgs:
     op.n_blocks = int(opd["args"].get("n_blocks", op.n_blocks))
     how = f"measured: {data['files']['op']}"
     src["op.kernel_ms"] = f"{how} ({base} rows, B=1 H={opd['args']['heads']} K=V={opd['args']['head_k']})"
-    if data.get("fused"):
-        op.zeco_extra_by_T = {r["T_local"]: r["extra_pct"] / 100 for r in data["fused"]["rows"]}
-        src["op.zeco_extra_by_T"] = (f"measured: {data['files']['fused']} "
-                                     "(extra_pct: fused ZeCO without comm vs fla)")
+    if data.get("fused"):  # the operator the zeco rows ran
+        op.zeco_extra_by_T, src["op.zeco_extra_by_T"] = fused_rows(data["fused"], data["files"]["fused"])
     meas = {(r["method"], r["T_local"]): r["median_ms"] * 1e-3 for r in res}
     Ts = sorted(op.kernel_ms)
     # composition path: what lasp2 costs beyond kernel + exposed all-gathers
@@ -225,7 +295,7 @@ def _fit_op(data: dict, topo: Topology, dev: DeviceArgs, src: dict) -> OpArgs:
         op.scan_op_overhead_s = _bisect(
             lambda d: op_times(P, Ts[0], replace(op, scan="chain", scan_op_overhead_s=d), topo, dev)["zeco"],
             meas["zeco", Ts[0]], 0.0, 0.05)
-        src["op.scan_op_overhead_s"] = f"{how} (zeco row at T={Ts[0]})"
+        src["op.scan_op_overhead_s"] = f"{how} (zeco row at T={Ts[0]}, with the extra of raw's own bench_fused.json)"
     fs = [_bisect(lambda f: op_times(P, T, replace(op, lasp1_serial_frac=f), topo, dev)["lasp1"],
                   meas["lasp1", T], 0.0, 1.0) for T in Ts if ("lasp1", T) in meas]
     if fs:
@@ -234,27 +304,37 @@ def _fit_op(data: dict, topo: Topology, dev: DeviceArgs, src: dict) -> OpArgs:
     return op
 
 
-def _fit_tput(data: dict, runs: dict[int, dict], src: dict) -> ThroughputArgs:
-    """Training tokens/s/GPU from metrics_dp.jsonl, other lengths through fla's single-GPU runs."""
+def _fit_tput(data: dict, runs: dict[str, dict[int, dict]], src: dict) -> ThroughputArgs:
+    """Training tokens/s/GPU: our trainer's newest single-GPU runs, else metrics_dp.jsonl with other lengths
+    through fla's single-GPU runs, else fla's own."""
     tput, files = ThroughputArgs(), data["files"]
-    used = ", ".join(sorted({f for run in runs.values() for f in run["files"]}))
+
+    def used(variant: str) -> str:
+        return ", ".join(sorted({f for run in runs[variant].values() for f in run["files"]}))
     dp = data["metrics"].get("dp")
-    if dp:
+    if runs.get("ours"):  # the default trainer's own step, one GPU: no gradient sync in it
+        tput.tok_s, tput.tok_s_world = {t: run["tok_s"] for t, run in runs["ours"].items()}, 1
+        per_T = "; ".join(f"T={t}: {run['files'][0]} ({run['rows']} row{'s' * (run['rows'] > 1)}, median)"
+                          for t, run in runs["ours"].items())
+        src["tput.tok_s"] = f"measured: {per_T} (variant ours, one GPU, the newest file per length)"
+        src["tput.tok_s_world"] = f"measured: {used('ours')} (world size 1)"
+    elif dp:
         world = (data.get("comm") or {}).get("world_size", 1)
         T = int(dp[0]["tokens_global"] // world)
         tput.tok_s, tput.tok_s_world = {T: median_tok_s(dp)}, world
         how = f"measured: {files['metrics_dp']} (median tokens/s/GPU after the first logged step, T={T})"
         src["tput.tok_s_world"] = f"measured: {files.get('comm', files['metrics_dp'])} (world size)"
-        if T in runs:  # other lengths: the trainer's value times fla's single-GPU ratio between the lengths
-            ratio = tput.tok_s[T] / runs[T]["tok_s"]
-            for t, run in runs.items():
+        fla = runs.get("fla", {})
+        if T in fla:  # other lengths: the trainer's value times fla's single-GPU ratio between the lengths
+            ratio = tput.tok_s[T] / fla[T]["tok_s"]
+            for t, run in fla.items():
                 tput.tok_s.setdefault(t, run["tok_s"] * ratio)
-            how += f"; other lengths scaled by fla's single-GPU tokens/s in {used}"
+            how += f"; other lengths scaled by fla's single-GPU tokens/s in {used('fla')}"
         src["tput.tok_s"] = how
-    elif runs:  # no trainer run: fla's own single-GPU throughput
-        tput.tok_s = {t: run["tok_s"] for t, run in runs.items()}
-        src["tput.tok_s"] = f"measured: {used} (fla, one GPU)"
-        src["tput.tok_s_world"] = f"measured: {used} (world size 1)"
+    elif runs.get("fla"):  # no trainer run: fla's own single-GPU throughput
+        tput.tok_s = {t: run["tok_s"] for t, run in runs["fla"].items()}
+        src["tput.tok_s"] = f"measured: {used('fla')} (fla, one GPU)"
+        src["tput.tok_s_world"] = f"measured: {used('fla')} (world size 1)"
     return tput
 
 
@@ -270,9 +350,22 @@ def _bisect(fn, target: float, lo: float, hi: float, iters: int = 60) -> float:
     return (lo + hi) / 2
 
 
+def check_inputs(data: dict, op: OpArgs, tput: ThroughputArgs) -> tuple[OpArgs, ThroughputArgs]:
+    """The inputs that describe the code raw's points ran: its own bench_fused.json extra and the trainer's
+    step of its metrics_dp.jsonl, where the folder has them (the predictions may use newer ones)."""
+    if data.get("fused"):
+        op = replace(op, zeco_extra_by_T=fused_rows(data["fused"], data["files"]["fused"])[0])
+    if data["metrics"].get("dp"):
+        step = _fit_tput(data, {}, {})
+        tput = replace(tput, tok_s=step.tok_s, tok_s_world=step.tok_s_world)
+    return op, tput
+
+
 def check_rows(raw: str, topo: Topology, dev: DeviceArgs, op: OpArgs, tput: ThroughputArgs) -> list[dict]:
-    """Every measured point beside the calibrated model's value and the error (model/measured - 1)."""
+    """Every measured point beside the calibrated model's value and the error (model/measured - 1); the
+    model is fed what was measured with those points (check_inputs)."""
     data = load_raw(raw)
+    op, tput = check_inputs(data, op, tput)
     out = []
 
     def add(table, point, measured, model, unit, role):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from lingua_zeco.args import ConfigError, parse_args
 
-from .calibrate import RAW, RAW_1GPU, calibrate, check_rows, shown, symm_hop_fit
+from .calibrate import RAW, RAW_1GPU, RAW_FUSED, calibrate, check_rows, shown, symm_hop_fit
 from .inputs import NotMeasured, format_inputs, inputs_rows, lookup
 from .links import (Topology, TopologyArgs, apply_link_calibration, complete_links, default_links, load_calibration,
                     numeric_keys)
@@ -46,9 +46,14 @@ class PerfModelArgs:
     # folder of raw bench outputs to calibrate from (calibrate.py); default: the committed 2 x H200 runs
     # (calibrate.RAW), or none when calib= is given (another machine's files); none: no folder
     raw: str = "default"
-    # single-GPU bench_train JSON (fla's model) for tokens/s at other lengths; default: the committed
-    # one-H200 runs (calibrate.RAW_1GPU) whenever raw= is used; none: not used
+    # folder of single-GPU bench_train JSON (searched recursively; per variant and length the newest file):
+    # our trainer's step ("ours" rows) for tokens/s, else fla's rows scale metrics_dp.jsonl to other lengths;
+    # default: the committed one-H200 session (calibrate.RAW_1GPU) whenever raw= is used; none: not used
     raw_1gpu: str = "default"
+    # the fused operator's extra work for the predictions: a bench_fused JSON, or a folder whose newest one is
+    # taken; default: the committed one-H200 session (calibrate.RAW_FUSED) whenever raw= is used;
+    # none: raw's own bench_fused.json (the operator raw's runs measured)
+    raw_fused: str = "default"
     json: str = ""  # also write every table here
     # folder of bench_comm loopback=P outputs (comm_loopback_P*.json): hops inside a node at the symm
     # transport's measured cost (calibrate.symm_hop_fit); across nodes unchanged
@@ -96,11 +101,12 @@ def apply_set(targets: dict[str, object], item: str) -> None:
     setattr(obj, name, _coerce(getattr(obj, name), text))
 
 
-def folders(ns: PerfModelArgs) -> tuple[str | None, str | None]:
-    """The raw= and raw_1gpu= folders this run calibrates from (None: none)."""
+def folders(ns: PerfModelArgs) -> tuple[str | None, str | None, str | None]:
+    """The raw=, raw_1gpu= and raw_fused= paths this run calibrates from (None: none)."""
     raw = {"default": None if ns.calib else RAW, "none": None, "": None}.get(ns.raw, ns.raw)
     one = {"default": RAW_1GPU if raw else None, "none": None, "": None}.get(ns.raw_1gpu, ns.raw_1gpu)
-    return raw, one
+    fused = {"default": RAW_FUSED if raw else None, "none": None, "": None}.get(ns.raw_fused, ns.raw_fused)
+    return raw, one, fused
 
 
 def build(ns: PerfModelArgs, overrides: list[str] = ()):
@@ -109,9 +115,9 @@ def build(ns: PerfModelArgs, overrides: list[str] = ()):
     the calibration's by-products (e.g. alpha_split)."""
     op, tput, mem, dev = OpArgs(), ThroughputArgs(), MemoryArgs(), DeviceArgs()
     links, notes = default_links(), {"sources": {}}
-    raw, raw_1gpu = folders(ns)
+    raw, raw_1gpu, raw_fused = folders(ns)
     if raw:
-        topo_raw, dev, op, tput, notes = calibrate(raw, "nvlink", ns.gpus_per_node, raw_1gpu=raw_1gpu)
+        topo_raw, dev, op, tput, notes = calibrate(raw, "nvlink", ns.gpus_per_node, raw_1gpu, raw_fused)
         links = dict(topo_raw.links)
     sources: dict[str, str] = dict(notes["sources"])
     for path in ns.calib:
@@ -206,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     tables = run(ns, overrides)
     titles = dict(comm="Table 2 model: one exclusive scan (µs)", op="Tables 3-4 model: operator fwd+bwd (ms)",
                   throughput="Tables 5-6 model: tokens/s/GPU (K)", memory="Peak memory per GPU (GiB)",
-                  check="Measured vs calibrated model (err = model / measured - 1)",
+                  check="Measured vs calibrated model (err = model / measured - 1; the model fed raw's own "
+                        "bench_fused.json and metrics_dp.jsonl, the code those points ran)",
                   alpha_split="The chain's cost per message: the transport's (P2P ping-pong) and the scan's own (µs)")
     sys.stdout.write(format_inputs(tables["inputs"]) + "\n")
     for name, rows in tables.items():
