@@ -32,6 +32,10 @@ ATTENTION = {"gla": GatedLinearAttention, "simple_gla": GatedLinearAttention, "g
 DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 
 
+def _silu_mul(gate, up):
+    return F.silu(gate) * up
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, hidden: int, fused: bool):
         super().__init__()
@@ -45,7 +49,11 @@ class SwiGLU(nn.Module):
         if fused_here(self.fused, x):
             from fla.modules.activations import swiglu_linear
             return swiglu_linear(gate, up, self.down_proj.weight, self.down_proj.bias)
-        return self.down_proj(F.silu(gate) * up)
+        if torch.compiler.is_compiling():
+            # Recompute silu(gate) * up in the backward (as fla's swiglu_linear does) instead of letting the
+            # partitioner keep it: one [tokens, ffn] tensor per block less for a fused pointwise recompute
+            return self.down_proj(checkpoint(_silu_mul, gate, up, use_reentrant=False))
+        return self.down_proj(_silu_mul(gate, up))
 
 
 class GLABlock(nn.Module):
