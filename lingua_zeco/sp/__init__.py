@@ -17,6 +17,7 @@ from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs, group_rank_size
 
 from .delta import sp_gated_delta  # noqa: F401  (Gated DeltaNet: lingua_zeco/sp/delta.py)
+from .graph import outside_graph
 from .lasp1 import lasp1
 from .reference import scan_then_correct
 from .validate import METHODS, check_across_ranks, check_local
@@ -35,14 +36,14 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     graph break); the exchange with other ranks and packed documents run outside the graph (one break)."""
     kw = dict(group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend, fused=fused,
               scan=scan, bwd_intra=bwd_intra)
-    if not torch.compiler.is_compiling():
-        return _sp_gla(q, k, v, g, **kw)
-    if cu_seqlens is None and group_rank_size(group)[1] == 1 and backend in (None, kernels.pick_backend(q.device)):
+    if (torch.compiler.is_compiling() and cu_seqlens is None and group_rank_size(group)[1] == 1
+            and backend in (None, kernels.pick_backend(q.device))):
         check_local(q, k, v, g, method, None, 1)  # shapes and dtypes: decided while tracing
         return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra)
-    return _sp_gla_outside_graph(q, k, v, g, **kw)
+    return _sp_gla(q, k, v, g, **kw)
 
 
+@outside_graph
 def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, scan, bwd_intra):
     kernels.check_bwd_intra(bwd_intra)
     rank, P = group_rank_size(group)
@@ -75,10 +76,9 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
                              backend=name, scan_args=scan)
 
 
-# collectives, host-planned document tables and fla's autotuned stages stay out of compiled graphs
-_sp_gla_outside_graph = torch.compiler.disable(_sp_gla)
 
 
+@outside_graph  # fla's kernel or the exchange
 def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
                   backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
                   bwd_intra: str = "zeco"):
@@ -89,10 +89,6 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
     CUDA); P > 1 runs sp_gla on the broadcast gate (a [B, T, H, K] view; dg sums over K by autograd)."""
     if g.dim() != 3 or g.shape != q.shape[:3]:
         raise ValueError(f"sp_simple_gla: g must be [B, T_local, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
-    if torch.compiler.is_compiling():  # fla's kernel or the exchange: outside the graph
-        return _sp_simple_gla_outside_graph(q, k, v, g, group=group, method=method, scale=scale,
-                                            cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan,
-                                            bwd_intra=bwd_intra)
     rank, P = group_rank_size(group)
     if P == 1:
         packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
@@ -103,7 +99,5 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
     return sp_gla(q, k, v, g[..., None].expand_as(q), group=group, method=method, scale=scale,
                   cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
 
-
-_sp_simple_gla_outside_graph = torch.compiler.disable(sp_simple_gla)
 
 __all__ = ["METHODS", "Packing", "pack", "sp_gla", "sp_simple_gla"]

@@ -45,6 +45,7 @@ from lingua_zeco.kernels.delta import check_shapes, chunk_gated_delta, l2norm
 from .lasp1 import lasp1
 from .state_passing import ScanFn
 from .validate import check_across_ranks, check_local
+from .graph import outside_graph
 from .varlen import LocalSegments, as_packing, local_segments
 
 
@@ -69,6 +70,7 @@ def _widened_pass(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, *, scale, seg: LocalS
     return o_BTHW[..., :V], o_BTHW[..., V:], S_BHKW[..., :V], S_BHKW[..., V:]
 
 
+@outside_graph  # compiled blocks: the exchange and fla's kernels run outside the graph
 def sp_gated_delta(q, k, v, g, beta, *, group=None, method: str = "zeco", scale: float | None = None,
                    cu_seqlens=None, use_qk_l2norm: bool = False, backend: str | None = None,
                    scan: AllScanArgs | None = None, drop_transition: bool = False):

@@ -27,6 +27,7 @@ from lingua_zeco.comm import global_rank, group_rank_size, wait_all
 from lingua_zeco.kernels.common import acc_dtype, doc_ids, doc_of
 from lingua_zeco.kernels.softmax import attention, check_backend, explicit_backward, explicit_forward
 
+from .graph import outside_graph
 from .varlen import Packing, as_packing
 
 METHODS = ("allgather", "ring")
@@ -53,6 +54,7 @@ def check_inputs(q_BTHD, k_BTHD, v_BTHD, method, backend, window, cu_seqlens) ->
         raise ValueError(f"{where}: cu_seqlens (packed documents) requires B = 1, got B = {q_BTHD.shape[0]}")
 
 
+@outside_graph  # compiled blocks: the exchange and fla's kernels run outside the graph
 def sp_softmax_attention(q_BTHD, k_BTHD, v_BTHD, *, group=None, method: str = "allgather",
                          scale: float | None = None, window: int | None = None, cu_seqlens=None,
                          backend: str = "auto") -> torch.Tensor:
