@@ -5,6 +5,7 @@ finalise."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import time
@@ -210,3 +211,40 @@ def test_stager_keeps_its_buffers_and_copy_table_across_saves():
     assert second["w"].untyped_storage().data_ptr() == first["w"].untyped_storage().data_ptr(), "buffers not reused"
     assert second["w"].data_ptr() != state["w"].data_ptr(), "a staged copy must not alias the live tensor"
     stager.release()
+
+
+def test_prepared_host_buffers_are_the_ones_every_save_copies_into(tmp_path):
+    """prepare() allocates (on CUDA pins) the host buffers once, before the first save: the first save then
+    only copies, like the later ones (issue 39, item 8: the first save stalled for the allocation)."""
+    m = _model(0)
+    o = _opt(m)
+    _train(m, o, 1)
+    mgr = _mgr(tmp_path)
+    mgr.prepare(m, o)
+    prepared = dict(mgr._async._stager.buffers)
+    state_bytes = sum(t.numel() * t.element_size() for t in m.state_dict().values())
+    assert sum(prepared.values()) >= 3 * state_bytes  # weights and AdamW's two moments
+    assert mgr.take_stall() > 0 and mgr.take_stall() == 0
+    for step in (1, 2):
+        _train(m, o, 1, seed=step)
+        mgr.save(step, m, o, extra={"step": step}, per_rank={})
+        assert mgr._async._stager.buffers == prepared, "a save allocated new host buffers"
+        mgr.wait()
+    mgr.close()
+
+
+def test_a_save_waiting_for_the_previous_write_is_logged_and_counted(tmp_path, monkeypatch, caplog):
+    """A save that starts while the previous background write still runs blocks the loop: say so, with
+    the cause, and count the seconds (issue 39, item 8)."""
+    monkeypatch.setenv(WRITE_DELAY_ENV, "0.4")
+    m = _model(0)
+    o = _opt(m)
+    _train(m, o, 1)
+    mgr = _mgr(tmp_path)
+    mgr.save(1, m, o, extra={"step": 1}, per_rank={})
+    mgr.take_stall()
+    with caplog.at_level(logging.INFO):
+        mgr.save(2, m, o, extra={"step": 2}, per_rank={})
+    assert "waited" in caplog.text and "background write of step 1" in caplog.text, caplog.text
+    assert mgr.take_stall() >= 0.5  # the held write (0.4 s before writing, 0.4 s before hashing)
+    mgr.close()
