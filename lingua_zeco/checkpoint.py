@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from lingua_zeco.reliability import NonFiniteError, StorageError, gather_all, is
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+RUN_ID = ".run_id"  # in dump_dir: {"run_id": ...}, made at the run's first save; markers record it
 _STEP_RE = re.compile(r"^step_(\d{10})$")
 
 
@@ -133,11 +135,16 @@ def _remove_checkpoint(path: str):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def checkpoint_dir(args: CheckpointArgs, dump_dir: str) -> str:
+    """Where a run's checkpoints go: checkpoint.path, by default <dump_dir>/checkpoints."""
+    return args.path or os.path.join(dump_dir, "checkpoints")
+
+
 class CheckpointManager:
     def __init__(self, args: CheckpointArgs, dump_dir: str, timeout_s: float | None = None):
         """timeout_s: of the CPU process groups of asynchronous saves (the trainer's distributed.timeout_s)."""
         self.args, self.dump_dir = args, dump_dir
-        self.path = args.path or os.path.join(dump_dir, "checkpoints")
+        self.path = checkpoint_dir(args, dump_dir)
         self.async_save = torch.cuda.is_available() if args.async_save is None else bool(args.async_save)
         self._async = AsyncWriter(timeout_s)
         self._stall = 0.0  # seconds save/poll/wait/prepare blocked the caller, since take_stall
@@ -272,7 +279,8 @@ class CheckpointManager:
                 os.replace(tmp, final)
                 integrity.fsync_dir(self.path)
                 marker = {"step": step, "world_size": world, "time": time.time(), "torch": torch.__version__,
-                          "finite": True, "dump_dir": os.path.realpath(self.dump_dir), "files": files}
+                          "finite": True, "dump_dir": os.path.realpath(self.dump_dir), "run_id": self._run_id(True),
+                          "files": files}
                 integrity.save_file(marker, os.path.join(final, MARKER), as_json=True)
                 integrity.fsync_dir(final)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised on every rank below
@@ -409,16 +417,37 @@ class CheckpointManager:
         log.info("initialized model weights from %s", path)
         return path
 
+    def _run_id(self, create: bool = False) -> str | None:
+        """This run's id (<dump_dir>/.run_id), made on request: it follows the folder when it is moved."""
+        path = os.path.join(self.dump_dir, RUN_ID)
+        try:
+            with open(path) as f:
+                return json.load(f)["run_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            if not create:
+                return None
+        run_id = uuid.uuid4().hex
+        os.makedirs(self.dump_dir, exist_ok=True)
+        integrity.save_file({"run_id": run_id}, path, as_json=True)
+        return run_id
+
     def _candidates(self) -> tuple[list[tuple[int, str]], str | None]:
         """(complete checkpoints, oldest first; an error when they belong to another run's dump_dir).
-        A checkpoint folder inside this dump_dir is this run's; one elsewhere records its owner."""
+        A checkpoint folder inside this dump_dir is this run's; one elsewhere is if its marker names this
+        dump_dir (the same path, or the same run id: a moved folder) or nothing (older code's)."""
         done = self.complete_checkpoints()
+        try:  # made now, while the disk has room: a later save must not need to write to dump_dir
+            my_id = self._run_id(create=True)
+        except OSError as e:
+            log.warning("could not record the run id in %s (%s)", self.dump_dir, e)
+            my_id = None
         mine = os.path.realpath(self.dump_dir)
         if os.path.realpath(self.path).startswith(mine + os.sep):
             return done, None
         for _, folder in done:
-            theirs = _marker(folder).get("dump_dir")
-            if theirs is not None and theirs != mine:
+            marker = _marker(folder)
+            theirs = marker.get("dump_dir")
+            if theirs is not None and theirs != mine and marker.get("run_id") != my_id:
                 return done, (f"checkpoint.path {self.path} holds the checkpoints of another run (dump_dir {theirs}); "
                               f"this run's dump_dir is {self.dump_dir}. Resume that run with dump_dir={theirs}, or start "
                               f"from its weights with checkpoint.init_ckpt_path={folder} and another checkpoint.path")
@@ -431,9 +460,15 @@ class CheckpointManager:
         agreed on it, and an older checkpoint of the same run would be refused alike."""
         # Rank 0 lists and every rank tries the same folders: on a shared file system a rank with a stale
         # listing would otherwise load another step without error.
-        done, owner = gather_all(self._candidates() if rank_world()[0] == 0 else None)[0]
-        if owner is not None:
-            raise ConfigError(owner)
+        listed = None
+        if rank_world()[0] == 0:
+            try:
+                listed = self._candidates()
+            except OSError as e:  # every rank must learn it, or the others wait in gather_all
+                listed = ([], f"cannot list the checkpoints in {self.path}: {e}")
+        done, refusal = gather_all(listed)[0]
+        if refusal is not None:
+            raise ConfigError(refusal)
         failures = []
         for step, folder in reversed(done):
             err = None
