@@ -368,7 +368,8 @@ class CheckpointManager:
         err, extra, src = None, None, None
         try:
             if "files" not in marker:
-                raise CheckpointLoadError(f"{path}: its {MARKER} marker is missing, unreadable or without its file list")
+                raise CheckpointLoadError(f"{path}: its {MARKER} marker is missing, unreadable or without its "
+                                          f"file list")
             problems = integrity.verify(path, marker["files"], rank, world)
             if problems:
                 raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
@@ -448,9 +449,10 @@ class CheckpointManager:
             marker = _marker(folder)
             theirs = marker.get("dump_dir")
             if theirs is not None and theirs != mine and marker.get("run_id") != my_id:
-                return done, (f"checkpoint.path {self.path} holds the checkpoints of another run (dump_dir {theirs}); "
-                              f"this run's dump_dir is {self.dump_dir}. Resume that run with dump_dir={theirs}, or start "
-                              f"from its weights with checkpoint.init_ckpt_path={folder} and another checkpoint.path")
+                return done, (f"checkpoint.path {self.path} holds the checkpoints of another run (dump_dir "
+                              f"{theirs}); this run's dump_dir is {self.dump_dir}. Resume that run with "
+                              f"dump_dir={theirs}, or start from its weights with checkpoint.init_ckpt_path={folder} "
+                              f"and another checkpoint.path")
         return done, None
 
     def maybe_resume(self, model, optimizer, source_rank=None) -> tuple[int, dict, dict] | None:

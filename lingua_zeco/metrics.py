@@ -132,8 +132,8 @@ class MetricLogger:
     resume_step: the step training starts from; records of later steps (left by a run that went past
     its last checkpoint) are removed, since this run logs those steps again."""
 
-    def __init__(self, dump_dir: str, args: LoggingArgs, *, active: bool, run_name: str = "", config: dict | None = None,
-                 resume_step: int | None = None):
+    def __init__(self, dump_dir: str, args: LoggingArgs, *, active: bool, run_name: str = "",
+                 config: dict | None = None, resume_step: int | None = None):
         self.active, self.args = active, args
         self.path = Path(dump_dir) / args.metrics_file
         self._file = self._wandb = None

@@ -64,7 +64,7 @@ def reapply(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, configured: l
     for each setting that changed."""
     names = {"initial_lr": "lr"}
     changes = {}
-    for group, want in zip(optimizer.param_groups, configured):
+    for group, want in zip(optimizer.param_groups, configured, strict=True):
         for k, v in want.items():
             if k == "lr":  # this step's scheduled value: recomputed from initial_lr below
                 continue
@@ -73,7 +73,7 @@ def reapply(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, configured: l
                 changes.setdefault(f"optim.{names.get(k, k)}", f"saved {old!r}, now {v!r}")
             group[k] = v
     scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
-    for g, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+    for g, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
         g["lr"] = base * factor(scheduler.last_epoch)
     return [f"{k}: {v}" for k, v in changes.items()]
 

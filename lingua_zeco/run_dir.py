@@ -55,7 +55,8 @@ class DumpDirLock:
             os.makedirs(self.dump_dir, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            return not_writable(f"{self.key} {self.dump_dir}", e, f"set {self.key} to a writable folder with free space")
+            return not_writable(f"{self.key} {self.dump_dir}", e,
+                                f"set {self.key} to a writable folder with free space")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -267,7 +267,7 @@ def test_the_trainer_logs_and_counts_checkpoint_stalls(tmp_path, monkeypatch, ca
         train(parse_args(TrainArgs, argv))
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[0]["ckpt_stall_s"] == 0
-    waits = re.findall(r"checkpoint of step (\d): the loop waited ([\d.]+)s for the background write of step", caplog.text)
+    waits = re.findall(r"checkpoint of step (\d): the loop waited ([\d.]+)s for the background write", caplog.text)
     reported = [float(w) for s, w in waits if int(s) < 4]  # save 4's stall comes after the last record
     assert reported and max(r["ckpt_stall_s"] for r in rows[2:]) >= max(reported) - 0.05, (waits, rows)  # %.1f
     assert caplog.text.count("host buffers allocated") == 1

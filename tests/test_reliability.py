@@ -391,16 +391,21 @@ def test_second_run_on_the_same_dump_dir_is_refused_while_the_first_lives(tmp_pa
     trainer.main(_argv(tmp_path, "steps=2", "checkpoint.dump.every=100000"))
 
 
-def _in_mount_namespace(mount_opts: str, mnt: Path, dump_dir: Path, *extra) -> tuple[int, str, str]:
-    """The trainer CLI with a fresh tmpfs (mount_opts: ro, or a tiny size) at mnt for its checkpoints,
-    in a private mount namespace: a real read-only or full disk, visible to this process only."""
+def _need_private_tmpfs(mnt: Path) -> None:
+    """Create mnt; skip the test where a tmpfs cannot be mounted in a private mount namespace."""
     if sys.platform != "linux" or shutil.which("unshare") is None:
         pytest.skip("needs Linux unshare")
     mnt.mkdir()
     probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt}"],
-                           capture_output=True, text=True)
+                           capture_output=True, text=True, check=False)
     if probe.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
+
+
+def _in_mount_namespace(mount_opts: str, mnt: Path, dump_dir: Path, *extra) -> tuple[int, str, str]:
+    """The trainer CLI with a fresh tmpfs (mount_opts: ro, or a tiny size) at mnt for its checkpoints,
+    in a private mount namespace: a real read-only or full disk, visible to this process only."""
+    _need_private_tmpfs(mnt)
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "apps.gla.train",
                                             *_argv(dump_dir, f"checkpoint.path={mnt / 'ckpt'}", *extra)])
     script = f"mount -t tmpfs -o {mount_opts} tmpfs {mnt} && exec {cmd}"
@@ -476,14 +481,8 @@ def test_a_shared_checkpoint_path_is_locked_and_never_resumed_by_another_run(tmp
 def _dump_dir_on_tmpfs(tmp_path: Path, size: str, fill: bool, *extra) -> tuple[int, str, str, Path]:
     """The trainer CLI with dump_dir on a tmpfs of `size` (full at start with `fill`) in a private mount
     namespace, its checkpoints on tmp_path/ckpt (room); the dump_dir is copied to tmp_path/run after."""
-    if sys.platform != "linux" or shutil.which("unshare") is None:
-        pytest.skip("needs Linux unshare")
     mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {mnt}"],
-                           capture_output=True, text=True)
-    if probe.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs in a mount namespace here: {probe.stderr.strip()}")
+    _need_private_tmpfs(mnt)
     cmd = " ".join(shlex.quote(a) for a in [sys.executable, "-m", "apps.gla.train",
                                             *_argv(mnt / "run", f"checkpoint.path={tmp_path / 'ckpt'}", *extra)])
     filler = f"head -c 10M /dev/zero > {mnt}/fill 2>/dev/null;" if fill else ""
@@ -491,14 +490,14 @@ def _dump_dir_on_tmpfs(tmp_path: Path, size: str, fill: bool, *extra) -> tuple[i
               f"cp -a {mnt}/run {tmp_path}/run 2>/dev/null; exit $rc")
     env = {**{k: v for k, v in os.environ.items() if k != "LINGUA_ZECO_FAULT"}, "OMP_NUM_THREADS": "1"}
     res = subprocess.run(["unshare", "-m", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=180)
+                         text=True, timeout=180, check=False)
     return res.returncode, res.stdout, res.stderr, tmp_path / "run"
 
 
 def test_full_disk_at_start_is_one_error_line(tmp_path):
     """dump_dir on a full disk (item 3): the lock file is created but cannot be written: the documented
     `error:` line and exit 2, not a traceback."""
-    rc, out, err, _ = _dump_dir_on_tmpfs(tmp_path, "64k", True, "steps=2")
+    rc, _, err, _ = _dump_dir_on_tmpfs(tmp_path, "64k", True, "steps=2")
     lines = err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (rc, err[-3000:])
     assert "no space left on device" in lines[0].lower() and "dump_dir" in lines[0], lines
@@ -510,7 +509,7 @@ def test_full_disk_for_the_metrics_saves_a_checkpoint_and_loses_nothing(tmp_path
     space is freed, the same run resumes from that step and metrics.jsonl holds every step once."""
     common = ["steps=60", "checkpoint.dump.every=1000"]
     # 4 pages: .lock, .run_id, config.yaml, and one of metrics (about 10 records)
-    rc, out, err, run = _dump_dir_on_tmpfs(tmp_path, "16k", False, *common)
+    rc, _, err, run = _dump_dir_on_tmpfs(tmp_path, "16k", False, *common)
     lines = err.strip().splitlines()
     assert rc == 1 and lines and lines[-1].startswith("error: ") and "Traceback" not in err, err[-3000:]
     assert "metrics" in lines[-1] and "no space left on device" in lines[-1].lower(), lines[-1]

@@ -130,7 +130,8 @@ def measure(a: BenchCheckpointArgs, device) -> tuple[str, dict, str]:
     rows = [r for name in a.models for r in bench_model(name, a, root)]
     table = [dict(r, blocked_s=" / ".join(f"{x:.3f}" for x in r["blocked_s"]),
                   complete_s=" / ".join(f"{x:.2f}" for x in r["complete_s"])) for r in rows]
-    md = markdown_table(table, ["model", "mode", "params_M", "state_GB_per_rank", "prepare_s", "blocked_s", "complete_s",
+    md = markdown_table(table, ["model", "mode", "params_M", "state_GB_per_rank", "prepare_s", "blocked_s",
+                                "complete_s",
                                 "steps_during_write", "step_ms", "idle_step_ms"])
     if not a.path and dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
