@@ -175,8 +175,9 @@ class CheckpointManager:
         return out
 
     def latest_complete(self, warn: bool = True) -> str | None:
-        done = self.complete_checkpoints(warn=warn)
-        return done[-1][1] if done else None
+        """The newest complete checkpoint, one that failed to load in this run left out."""
+        done = [folder for _, folder in self.complete_checkpoints(warn=warn) if folder not in self._unloadable]
+        return done[-1] if done else None
 
     def take_stall(self) -> float:
         """Seconds the caller was blocked in save/poll/wait/prepare since the last call (then reset)."""
