@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import time
+import uuid
 import warnings
 from dataclasses import dataclass, field
 
@@ -38,6 +39,7 @@ from lingua_zeco.reliability import NonFiniteError, StorageError, gather_all, is
 log = logging.getLogger(__name__)
 
 MARKER = "COMPLETE"
+RUN_ID = ".run_id"  # in dump_dir: {"run_id": ...}, made at the run's first save; markers record it
 _STEP_RE = re.compile(r"^step_(\d{10})$")
 
 
@@ -99,11 +101,17 @@ def _dcp(fn, state: dict, path: str):
 
 
 def _marker(path: str) -> dict:
+    """The folder's COMPLETE marker, {} when missing or unreadable; one without a valid file list has
+    its "files" removed (see `integrity.marker_files`), so it never passes for a verified checkpoint."""
     try:
         with open(os.path.join(path, MARKER)) as f:
-            return json.load(f)
+            marker = json.load(f)
     except (OSError, ValueError):
         return {}
+    if not isinstance(marker, dict):
+        return {}
+    files = integrity.marker_files(marker)
+    return {**marker, "files": files} if files else {k: v for k, v in marker.items() if k != "files"}
 
 
 def _check_tensors(path: str, state: dict) -> None:
@@ -127,20 +135,28 @@ def _remove_checkpoint(path: str):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def checkpoint_dir(args: CheckpointArgs, dump_dir: str) -> str:
+    """Where a run's checkpoints go: checkpoint.path, by default <dump_dir>/checkpoints."""
+    return args.path or os.path.join(dump_dir, "checkpoints")
+
+
 class CheckpointManager:
     def __init__(self, args: CheckpointArgs, dump_dir: str, timeout_s: float | None = None):
         """timeout_s: of the CPU process groups of asynchronous saves (the trainer's distributed.timeout_s)."""
-        self.args = args
-        self.path = args.path or os.path.join(dump_dir, "checkpoints")
+        self.args, self.dump_dir = args, dump_dir
+        self.path = checkpoint_dir(args, dump_dir)
         self.async_save = torch.cuda.is_available() if args.async_save is None else bool(args.async_save)
         self._async = AsyncWriter(timeout_s)
+        self._stall = 0.0  # seconds save/poll/wait/prepare blocked the caller, since take_stall
+        self._unloadable: set[str] = set()  # folders that failed to load in this process: never "newest"
 
     def should_save(self, step: int) -> bool:
         return self.args.dump.every > 0 and step % self.args.dump.every == 0
 
     # -- discovery ---------------------------------------------------------------------------
     def complete_checkpoints(self, root: str | None = None, warn: bool = True) -> list[tuple[int, str]]:
-        """(step, folder) of every complete checkpoint under root, oldest first; torn ones warned about."""
+        """(step, folder) of every complete checkpoint under root, oldest first; torn ones warned about.
+        Complete: a COMPLETE marker holding the file list (an empty, garbage or file-less marker is torn)."""
         root = root or self.path
         if not os.path.isdir(root):
             return []
@@ -150,15 +166,37 @@ class CheckpointManager:
             if not m:
                 continue  # .tmp_step_* (an unfinished save) and anything else
             folder = os.path.join(root, name)
-            if os.path.isfile(os.path.join(folder, MARKER)):
+            if "files" in _marker(folder):
                 out.append((int(m.group(1)), folder))
             elif warn:
-                log.warning("ignoring torn checkpoint %s (no %s marker)", folder, MARKER)
+                has = os.path.isfile(os.path.join(folder, MARKER))
+                log.warning("ignoring torn checkpoint %s (%s)", folder, f"its {MARKER} marker is empty, unreadable or "
+                            f"without its file list" if has else f"no {MARKER} marker")
         return out
 
     def latest_complete(self, warn: bool = True) -> str | None:
-        done = self.complete_checkpoints(warn=warn)
-        return done[-1][1] if done else None
+        """The newest complete checkpoint, one that failed to load in this run left out."""
+        done = [folder for _, folder in self.complete_checkpoints(warn=warn) if folder not in self._unloadable]
+        return done[-1] if done else None
+
+    def take_stall(self) -> float:
+        """Seconds the caller was blocked in save/poll/wait/prepare since the last call (then reset)."""
+        stall, self._stall = self._stall, 0.0
+        return stall
+
+    def prepare(self, model, optimizer) -> None:
+        """Asynchronous saves: allocate (on CUDA: pin) the host buffers now, once, by copying the state
+        into them, so no save pays for it; later saves copy into the same buffers. Call it once the
+        optimizer holds its state (after a resume or the first step): the buffers follow the tensors'
+        storages, and creating optimizer state here would change a fresh run."""
+        if not self.async_save or self._async.prepared or (optimizer is not None and not optimizer.state):
+            return
+        t0 = time.perf_counter()
+        nbytes = self._async.prepare(_state(model, optimizer))
+        dt = time.perf_counter() - t0
+        self._stall += dt
+        log.info("asynchronous checkpoints: %.2f GB of host buffers allocated%s in %.2fs (once; saves reuse them)",
+                 nbytes / 1e9, " and pinned" if torch.cuda.is_available() else "", dt)
 
     # -- save --------------------------------------------------------------------------------
     def save(self, step: int, model, optimizer, extra: dict, per_rank: dict) -> str:
@@ -166,7 +204,24 @@ class CheckpointManager:
         (nothing written) for a NaN/inf state, StorageError when the files cannot be written.
         Asynchronous (args.async_save): returns once the state is copied to host memory; the folder
         is complete only after `poll`/`wait`/`close` (or the next save) has finalised it."""
+        t_enter = time.perf_counter()
+        previous = self._async.writing()  # the step of a background write still running, else None
         self.wait()  # a pending asynchronous save first: its host buffers are reused below
+        waited = time.perf_counter() - t_enter
+        if previous is not None:
+            log.warning("checkpoint of step %d: the loop waited %.1fs for the background write of step %d "
+                        "to finish (saves come faster than the disk writes them: raise checkpoint.dump.every)",
+                        step, waited, previous)
+        try:
+            return self._save(step, model, optimizer, extra, per_rank)
+        finally:
+            blocked = time.perf_counter() - t_enter
+            self._stall += blocked - waited  # wait() counted its own share
+            if self.async_save:
+                log.info("checkpoint of step %d: the loop was blocked %.2fs (%.2fs waiting for the previous write, "
+                         "%.2fs checks and copy to host memory)", step, blocked, waited, blocked - waited)
+
+    def _save(self, step: int, model, optimizer, extra: dict, per_rank: dict) -> str:
         rank, world = rank_world()
         name = f"step_{step:010d}"
         tmp, final = os.path.join(self.path, f".tmp_{name}"), os.path.join(self.path, name)
@@ -225,14 +280,16 @@ class CheckpointManager:
                 os.replace(tmp, final)
                 integrity.fsync_dir(self.path)
                 marker = {"step": step, "world_size": world, "time": time.time(), "torch": torch.__version__,
-                          "finite": True, "files": files}
+                          "finite": True, "dump_dir": os.path.realpath(self.dump_dir), "run_id": self._run_id(True),
+                          "files": files}
                 integrity.save_file(marker, os.path.join(final, MARKER), as_json=True)
                 integrity.fsync_dir(final)
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - re-raised on every rank below
                 err = e
             if err is None:
                 try:
-                    self._retain()
+                    self._unloadable.discard(final)  # the same step written anew
+                    self._retain(final)
                 except OSError as e:  # the new checkpoint is complete: a failed cleanup is not a failed save
                     log.warning("retention failed (%s); older checkpoints left in place", e)
         self._raise_if_failed(step, final, err)
@@ -249,9 +306,13 @@ class CheckpointManager:
         """Collective: block until the pending asynchronous save is written, then finalise it."""
         if not self._async.pending:
             return None
-        step, tmp, final, t0, mine, err = self._async.result()
-        self._raise_if_failed(step, tmp, err)
-        return self._finalise(step, tmp, final, mine, t0)
+        t0 = time.perf_counter()
+        try:
+            step, tmp, final, t_save, mine, err = self._async.result()
+            self._raise_if_failed(step, tmp, err)
+            return self._finalise(step, tmp, final, mine, t_save)
+        finally:
+            self._stall += time.perf_counter() - t0
 
     def close(self) -> str | None:
         """Collective, at the end of training: finalise a pending save and free the host buffers."""
@@ -277,20 +338,21 @@ class CheckpointManager:
             f"{problem or integrity.root_cause(err)}. Nothing of it is kept; {kept}. Free space or set "
             f"checkpoint.path, then rerun the same command{' to resume' if newest else ''}") from err
 
-    def _retain(self):
+    def _retain(self, written: str):
+        """Keep the newest `keep` complete checkpoints, `written` (the one just saved) whatever its step, and
+        the newest one known to hold finite values. One that failed to load in this run is not among the
+        newest (after a fallback a save has a lower step than it) and is left in place for a person."""
         keep = self.args.dump.keep
         if keep <= 0:
             return
-        done = self.complete_checkpoints(warn=False)
-        # Never delete the newest checkpoint known to hold finite values (saves check this), even if
-        # newer ones (older code's, which did not) crowd it out of the newest `keep`.
-        finite = [folder for _, folder in done if _marker(folder).get("finite") is True]
-        for _, folder in done[:-keep]:  # keep >= 1 so the newest is never in this slice
-            if finite and folder == finite[-1]:
-                log.info("retention: keeping %s, the newest checkpoint known to be finite", folder)
-                continue
-            log.info("retention: removing %s", folder)
-            _remove_checkpoint(folder)
+        done = [folder for _, folder in self.complete_checkpoints(warn=False) if folder not in self._unloadable]
+        # saves check finiteness; older code's checkpoints did not, and must not crowd out the last good one
+        finite = [folder for folder in done if _marker(folder).get("finite") is True]
+        kept = set(done[-keep:]) | {written} | set(finite[-1:])
+        for folder in done:
+            if folder not in kept:
+                log.info("retention: removing %s", folder)
+                _remove_checkpoint(folder)
 
     # -- load --------------------------------------------------------------------------------
     def load(self, path: str, model, optimizer, source_rank=None) -> tuple[dict, dict]:
@@ -306,7 +368,10 @@ class CheckpointManager:
         state = _state(model, optimizer)
         err, extra, src = None, None, None
         try:
-            problems = integrity.verify(path, marker["files"], rank, world) if "files" in marker else []
+            if "files" not in marker:
+                raise CheckpointLoadError(f"{path}: its {MARKER} marker is missing, unreadable or without its "
+                                          f"file list")
+            problems = integrity.verify(path, marker["files"], rank, world)
             if problems:
                 raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
             extra = integrity.load_file(os.path.join(path, "extra.pt"))
@@ -342,6 +407,9 @@ class CheckpointManager:
                                         f"nor a folder of complete step_* checkpoints")
             path = done[-1][1]
         files = _marker(path).get("files")
+        if files is None and os.path.exists(os.path.join(path, MARKER)):  # no marker at all: another tool's DCP folder
+            raise CheckpointLoadError(f"init checkpoint {path}: its {MARKER} marker is empty, unreadable or without "
+                                      f"its file list: the folder is torn")
         problems = sum(gather_all(integrity.verify(path, files, *rank_world()) if files else []), [])
         if problems:
             raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
@@ -351,12 +419,59 @@ class CheckpointManager:
         log.info("initialized model weights from %s", path)
         return path
 
+    def _run_id(self, create: bool = False) -> str | None:
+        """This run's id (<dump_dir>/.run_id), made on request: it follows the folder when it is moved."""
+        path = os.path.join(self.dump_dir, RUN_ID)
+        try:
+            with open(path) as f:
+                return json.load(f)["run_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            if not create:
+                return None
+        run_id = uuid.uuid4().hex
+        os.makedirs(self.dump_dir, exist_ok=True)
+        integrity.save_file({"run_id": run_id}, path, as_json=True)
+        return run_id
+
+    def _candidates(self) -> tuple[list[tuple[int, str]], str | None]:
+        """(complete checkpoints, oldest first; an error when they belong to another run's dump_dir).
+        A checkpoint folder inside this dump_dir is this run's; one elsewhere is if its marker names this
+        dump_dir (the same path, or the same run id: a moved folder) or nothing (older code's)."""
+        done = self.complete_checkpoints()
+        try:  # made now, while the disk has room: a later save must not need to write to dump_dir
+            my_id = self._run_id(create=True)
+        except OSError as e:
+            log.warning("could not record the run id in %s (%s)", self.dump_dir, e)
+            my_id = None
+        mine = os.path.realpath(self.dump_dir)
+        if os.path.realpath(self.path).startswith(mine + os.sep):
+            return done, None
+        for _, folder in done:
+            marker = _marker(folder)
+            theirs = marker.get("dump_dir")
+            if theirs is not None and theirs != mine and marker.get("run_id") != my_id:
+                return done, (f"checkpoint.path {self.path} holds the checkpoints of another run (dump_dir "
+                              f"{theirs}); this run's dump_dir is {self.dump_dir}. Resume that run with "
+                              f"dump_dir={theirs}, or start from its weights with checkpoint.init_ckpt_path={folder} "
+                              f"and another checkpoint.path")
+        return done, None
+
     def maybe_resume(self, model, optimizer, source_rank=None) -> tuple[int, dict, dict] | None:
         """Resume from the newest complete checkpoint that loads on every rank, falling back to older
         ones. With none at all: load init_ckpt_path's weights if set, and return None (fresh start).
         A ConfigError (another model, a refused layout: see `load`) is raised at once: every rank
         agreed on it, and an older checkpoint of the same run would be refused alike."""
-        done = self.complete_checkpoints()
+        # Rank 0 lists and every rank tries the same folders: on a shared file system a rank with a stale
+        # listing would otherwise load another step without error.
+        listed = None
+        if rank_world()[0] == 0:
+            try:
+                listed = self._candidates()
+            except OSError as e:  # every rank must learn it, or the others wait in gather_all
+                listed = ([], f"cannot list the checkpoints in {self.path}: {e}")
+        done, refusal = gather_all(listed)[0]
+        if refusal is not None:
+            raise ConfigError(refusal)
         failures = []
         for step, folder in reversed(done):
             err = None
@@ -372,6 +487,7 @@ class CheckpointManager:
             log.warning("checkpoint %s failed to load (%s); falling back to the previous complete one",
                         folder, err if err is not None else "on another rank")
             failures.append(folder)
+            self._unloadable.add(folder)
         if failures:
             # Silently restarting from scratch would overwrite a run: stop and let a person look.
             raise RuntimeError(f"no complete checkpoint under {self.path} could be loaded: {failures}")

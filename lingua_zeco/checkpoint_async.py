@@ -56,12 +56,14 @@ class _KeptStager(AsyncStager):
 
     def __init__(self, cuda: bool):
         self._cuda = cuda
+        self.buffers: dict[int, int] = {}  # address -> bytes of the host storages of the last stage
         self._copier = StateDictStager(pin_memory=cuda, share_memory=False)
 
     def stage(self, state_dict):
         staged = self._copier.stage(state_dict, non_blocking=self._cuda)
         if self._cuda:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
+        self.buffers = _storages(staged)
         return staged
 
     def synchronize_staging(self) -> None:
@@ -72,6 +74,21 @@ class _KeptStager(AsyncStager):
 
     def release(self) -> None:
         self._copier.close()
+
+
+def _storages(obj, out: dict | None = None) -> dict[int, int]:
+    """{address: bytes} of the storages of the tensors in a (nested) state dict."""
+    out = {} if out is None else out
+    if isinstance(obj, dict):
+        for v in obj.values():
+            _storages(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _storages(v, out)
+    elif isinstance(obj, torch.Tensor):
+        t = obj.to_local() if hasattr(obj, "to_local") else obj
+        out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return out
 
 
 class _HeldWriter(FileSystemWriter):
@@ -100,15 +117,32 @@ class AsyncWriter:
         self._stager: _KeptStager | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._groups: tuple | None = None  # (DCP's, the done flag's)
+        self.prepared = False  # host buffers allocated ahead of the first save
 
-    def start(self, step: int, state: dict, tmp: str, final: str, t0: float) -> None:
-        """Collective: copy `state` to host memory, start writing it into `tmp`, return."""
-        assert self.pending is None, "finalise the previous save first: its host buffers get reused"
+    def _stager_once(self) -> _KeptStager:
         if self._stager is None:
             # The stager keeps its host copies keyed by the source storages, so later saves copy into
             # the same (pinned) buffers instead of allocating and pinning again.
             self._stager = _KeptStager(torch.cuda.is_available())
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash")
+        return self._stager
+
+    def prepare(self, state: dict) -> int:
+        """Allocate (pin) the host buffers for `state` now by staging it once; returns their bytes.
+        Local: no collective. The first save then only copies, like every later one."""
+        stager = self._stager_once()
+        stager.stage(state)
+        self.prepared = True
+        return sum(stager.buffers.values())
+
+    def writing(self) -> int | None:
+        """The step of the pending save while its background write is still running on this rank."""
+        return self.pending[0] if self.pending is not None and not self.pending[4].done() else None
+
+    def start(self, step: int, state: dict, tmp: str, final: str, t0: float) -> None:
+        """Collective: copy `state` to host memory, start writing it into `tmp`, return."""
+        assert self.pending is None, "finalise the previous save first: its host buffers get reused"
+        self._stager_once()
         if is_distributed() and self._groups is None:
             self._groups = tuple(dist.new_group(backend="gloo", timeout=self.timeout) for _ in range(2))
         where = dict(process_group=self._groups[0]) if self._groups else dict(no_dist=True)
@@ -154,3 +188,4 @@ class AsyncWriter:
             self._stager.release()
             self._pool.shutdown(wait=True)
             self._stager = self._pool = None
+            self.prepared = False

@@ -86,6 +86,18 @@ def checksums(folder: str, rank: int, world: int) -> dict[str, dict]:
     return out
 
 
+def marker_files(marker: dict) -> dict[str, dict] | None:
+    """The marker's file list, {name: {size, sha256}}, or None when it is missing, empty or malformed:
+    such a marker (cut short, scribbled over, written by hand) proves nothing, so its folder is torn."""
+    files = marker.get("files")
+    if not isinstance(files, dict) or not files:
+        return None
+    for want in files.values():
+        if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("sha256"), str)):
+            return None
+    return files
+
+
 def verify(folder: str, files: dict[str, dict], rank: int, world: int) -> list[str]:
     """Problems with this rank's share of `files` (every world-th file, by name): missing, size, hash."""
     problems = []

@@ -1,5 +1,9 @@
-"""Training metrics: a jsonl file (appended, never overwritten, so a resumed run continues it),
-optional wandb, and the throughput numbers the paper reports.
+"""Training metrics: a jsonl file (appended, so a resumed run continues it), optional wandb, and the
+throughput numbers the paper reports.
+
+The file is strict JSON (NaN/inf are written as null) and holds each step once: a resumed run first
+removes the records after its checkpoint's step (the steps it is about to redo). A write that fails
+(a full disk) is undone, so no half line stays, and raises MetricsWriteError.
 
 tokens/s/GPU = tokens this GPU processed in the step / step time, where the step time is the
 slowest rank's (a step ends for everybody when the slowest rank finishes). MFU uses the honest GLA
@@ -7,14 +11,20 @@ FLOP count from the model (no quadratic attention term).
 """
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from lingua_zeco.reliability import StorageError
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak per GPU (vendor datasheets, no sparsity), matched on the device name.
 PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12}
@@ -102,10 +112,28 @@ class StepTimer:
         return dt / max(self.last_n, 1)
 
 
-class MetricLogger:
-    """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no `if`."""
+class MetricsWriteError(StorageError):
+    """metrics.jsonl could not be appended to (full disk...); nothing of the record was left in it."""
 
-    def __init__(self, dump_dir: str, args: LoggingArgs, *, active: bool, run_name: str = "", config: dict | None = None):
+
+def _strict(v):
+    """JSON has no NaN/inf: such floats become null (strict parsers reject Python's bare NaN)."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _strict(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict(x) for x in v]
+    return v
+
+
+class MetricLogger:
+    """Rank 0 writes; other ranks hold a logger that does nothing, so call sites need no `if`.
+    resume_step: the step training starts from; records of later steps (left by a run that went past
+    its last checkpoint) are removed, since this run logs those steps again."""
+
+    def __init__(self, dump_dir: str, args: LoggingArgs, *, active: bool, run_name: str = "",
+                 config: dict | None = None, resume_step: int | None = None):
         self.active, self.args = active, args
         self.path = Path(dump_dir) / args.metrics_file
         self._file = self._wandb = None
@@ -118,6 +146,8 @@ class MetricLogger:
         # a crash mid-line: end that fragment so our first line stays whole
         if size and os.pread(self._file, 1, size - 1) != b"\n":
             _write_all(self._file, b"\n")
+        if resume_step is not None:
+            self._drop_after(resume_step)
         if args.wandb not in ("disabled", "online", "offline"):
             raise ValueError(f"logging.wandb={args.wandb!r}; use disabled, online or offline")
         if args.wandb != "disabled":
@@ -126,13 +156,42 @@ class MetricLogger:
             self._wandb = wandb.init(project=args.wandb_project, name=args.wandb_run or run_name or None,
                                      mode=args.wandb, dir=str(self.path.parent), config=config, resume="allow")
 
+    def _drop_after(self, step: int) -> None:
+        """Cut the file before the first record of a step after `step` (what follows is redone now)."""
+        data = os.pread(self._file, os.fstat(self._file).st_size, 0)
+        offset, cut, dropped = 0, None, 0
+        for line in data.splitlines(keepends=True):
+            try:
+                s = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                s = None
+            if cut is None and isinstance(s, (int, float)) and s > step:
+                cut = offset
+            dropped += cut is not None and bool(line.strip())
+            offset += len(line)
+        if cut is not None:
+            os.ftruncate(self._file, cut)
+            log.warning("%s: %d record(s) after step %d removed: this run resumes from step %d and logs those "
+                        "steps again", self.path, dropped, step, step)
+
     def log(self, metrics: dict) -> None:
         if not self.active:
             return
         plain = {k: v.item() if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
-        record = {"time": time.time(), **plain}
-        # one write of one whole line (no buffering in this process): a crash loses at most this line
-        _write_all(self._file, (json.dumps(record) + "\n").encode())
+        record = _strict({"time": time.time(), **plain})
+        line = (json.dumps(record, allow_nan=False) + "\n").encode()
+        # one write of one whole line (no buffering in this process): a crash loses at most this line;
+        # a failed write (full disk) is cut back, never left as half a line
+        size = os.fstat(self._file).st_size
+        try:
+            _write_all(self._file, line)
+        except OSError as e:
+            try:
+                os.ftruncate(self._file, size)
+            except OSError:
+                pass  # the next start ends a cut line before appending (see __init__)
+            why = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+            raise MetricsWriteError(f"the metrics file {self.path} could not be written: {why}") from e
         if self._wandb is not None:
             self._wandb.log(record, step=record.get("step"))
 

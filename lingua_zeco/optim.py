@@ -52,6 +52,32 @@ def build_optimizer(model: torch.nn.Module, args: OptimArgs, total_steps: int):
     return opt, LambdaLR(opt, lambda step: lr_factor(step, args, horizon))
 
 
+def hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's settings (all but its params): what the config asked for, taken before a
+    checkpoint's load replaces them with the saved ones."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def reapply(optimizer: torch.optim.Optimizer, scheduler: LambdaLR, configured: list[dict]) -> list[str]:
+    """After a resume: the config's settings (`hyperparameters` before the load) replace the saved ones,
+    the lr through the schedule's base (this step's lr recomputed). Returns 'optim.KEY: saved X, now Y'
+    for each setting that changed."""
+    names = {"initial_lr": "lr"}
+    changes = {}
+    for group, want in zip(optimizer.param_groups, configured, strict=True):
+        for k, v in want.items():
+            if k == "lr":  # this step's scheduled value: recomputed from initial_lr below
+                continue
+            old = group.get(k)
+            if (tuple(old) if isinstance(old, list) else old) != v:
+                changes.setdefault(f"optim.{names.get(k, k)}", f"saved {old!r}, now {v!r}")
+            group[k] = v
+    scheduler.base_lrs = [g["initial_lr"] for g in optimizer.param_groups]
+    for g, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        g["lr"] = base * factor(scheduler.last_epoch)
+    return [f"{k}: {v}" for k, v in changes.items()]
+
+
 def clip_grad_norm(model: torch.nn.Module, max_norm: float, optimizer=None) -> torch.Tensor:
     """Global gradient norm before clipping, as a tensor (no host sync; works on FSDP2 DTensors).
 

@@ -1,8 +1,10 @@
 """The run's folder (dump_dir): one run at a time, writable before training, its saved config.
 
-* Lock: rank 0 holds an exclusive `flock` on <dump_dir>/.lock for the run's lifetime. Two runs on one
-  folder (orphaned workers of a killed torchrun and a rerun) would interleave metrics and checkpoints;
-  the second one stops at once instead. The kernel drops the lock when the holder dies, even by kill -9.
+* Lock: rank 0 holds an exclusive `flock` on <dump_dir>/.lock, and on <checkpoint folder>/.lock, for the
+  run's lifetime. Two runs on one folder (orphaned workers of a killed torchrun and a rerun; two
+  dump_dirs sharing one checkpoint.path) would interleave metrics and checkpoints, and one save would
+  remove the other's unfinished folder; the second run stops at once instead. The kernel drops the lock
+  when the holder dies, even by kill -9.
 * Writability: every rank writes, fsyncs and removes a probe file in the checkpoint folder before
   training, so a read-only or full disk is an error at start, not at the first save hours later.
 * Saved config: `config_changes` lists the keys where this run differs from <dump_dir>/config.yaml.
@@ -34,16 +36,18 @@ def _agree(msg: str | None) -> str | None:
     return next((m for m in gather_all(msg) if m is not None), None)
 
 
-def _oserror(what: str, e: OSError, fix: str) -> str:
+def not_writable(what: str, e: OSError, fix: str) -> str:
+    """One line: `what` could not be written, the OS's reason with its errno name, and what to do."""
     code = errno.errorcode.get(e.errno, str(e.errno)) if e.errno else ""
     return f"{what} is not writable: {e.strerror or e} ({code}); {fix}"
 
 
 class DumpDirLock:
-    """Exclusive, non-blocking flock on <dump_dir>/.lock; holder's pid/host written into it."""
+    """Exclusive, non-blocking flock on <folder>/.lock; holder's pid/host written into it. `key`: the
+    config key that names the folder (dump_dir, checkpoint.path), for the messages."""
 
-    def __init__(self, dump_dir: str):
-        self.dump_dir, self.path, self.fd = dump_dir, os.path.join(dump_dir, LOCK_NAME), None
+    def __init__(self, dump_dir: str, key: str = "dump_dir"):
+        self.dump_dir, self.path, self.fd, self.key = dump_dir, os.path.join(dump_dir, LOCK_NAME), None, key
 
     def acquire(self) -> str | None:
         """None when taken, else the error message (in use, or not writable)."""
@@ -51,7 +55,8 @@ class DumpDirLock:
             os.makedirs(self.dump_dir, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            return _oserror(f"dump_dir {self.dump_dir}", e, "set dump_dir to a writable folder")
+            return not_writable(f"{self.key} {self.dump_dir}", e,
+                                f"set {self.key} to a writable folder with free space")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -59,19 +64,23 @@ class DumpDirLock:
             os.close(fd)
             if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 # e.g. a network filesystem mounted without lock support: do not forbid every run there
-                log.warning("dump_dir %s: cannot lock %s (%s); running without the one-run-per-folder guard",
-                            self.dump_dir, self.path, e)
+                log.warning("%s %s: cannot lock %s (%s); running without the one-run-per-folder guard",
+                            self.key, self.dump_dir, self.path, e)
                 return None
             try:
                 h = json.loads(holder)
                 who = f"pid {h['pid']} on {h['host']}, started {h['started']}"
             except (ValueError, KeyError, TypeError):
                 who = "holder unknown"
-            return (f"dump_dir {self.dump_dir} is in use by another run ({who}; it holds {self.path} until it "
-                    f"exits). Stop that run (orphaned workers of a killed torchrun count) or use another dump_dir")
+            return (f"{self.key} {self.dump_dir} is in use by another run ({who}; it holds {self.path} until it "
+                    f"exits). Stop that run (orphaned workers of a killed torchrun count) or use another {self.key}")
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(info).encode(), 0)
+        try:  # a full disk lets the file be created and fails here
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(info).encode(), 0)
+        except OSError as e:
+            os.close(fd)
+            return not_writable(f"{self.key} {self.dump_dir}", e, f"free space or set {self.key} to a writable folder")
         self.fd = fd
         return None
 
@@ -81,9 +90,10 @@ class DumpDirLock:
             self.fd = None
 
 
-def lock_dump_dir(dump_dir: str, is_master: bool) -> DumpDirLock | None:
-    """Collective: rank 0 takes the lock (returned; release it at the end); every rank raises alike."""
-    lock = DumpDirLock(dump_dir) if is_master else None
+def lock_dump_dir(dump_dir: str, is_master: bool, key: str = "dump_dir") -> DumpDirLock | None:
+    """Collective: rank 0 takes the lock of the folder (returned; release it at the end); every rank raises
+    alike. `key`: the config key naming the folder (dump_dir, or checkpoint.path for the checkpoints)."""
+    lock = DumpDirLock(dump_dir, key) if is_master else None
     if (err := _agree(lock.acquire() if lock else None)) is not None:
         if lock:
             lock.release()
@@ -98,7 +108,7 @@ def check_writable(folder: str) -> None:
         probe_writable(folder)
     except OSError as e:
         rank = rank_world()[0]
-        msg = _oserror(f"checkpoint folder {folder}{f' (rank {rank})' if rank else ''}", e,
+        msg = not_writable(f"checkpoint folder {folder}{f' (rank {rank})' if rank else ''}", e,
                        "set checkpoint.path (or dump_dir) to a writable folder with free space")
     if (err := _agree(msg)) is not None:
         raise ConfigError(err)

@@ -105,6 +105,55 @@ def test_retention_keeps_newest_complete(tmp_path):
     assert [s for s, _ in keep_all.complete_checkpoints()] == [1, 2, 3, 4]
 
 
+def test_retention_keeps_the_save_made_after_falling_back_from_a_damaged_newest(tmp_path, caplog):
+    """keep=1, the newest checkpoint (20) damaged: the rerun falls back to 10 and saves 12 (a SIGTERM save).
+    Retention must keep 12, the one it just wrote, though 20 has a higher step (issue 39, item 1); the
+    damaged one does not count among the newest and is left in place for inspection."""
+    m = _model(0)
+    o = _opt(m)
+    mgr = _mgr(tmp_path, keep=0)
+    for step in (10, 20):
+        _train(m, o, 1, seed=step)
+        mgr.save(step, m, o, extra={"step": step}, per_rank={})
+    damaged = os.path.join(mgr.path, "step_0000000020")
+    _scribble(damaged, m[2].weight, flip_low_bit=True)
+    rerun = _mgr(tmp_path, keep=1)
+    m2 = _model(5)
+    o2 = _opt(m2)
+    assert rerun.maybe_resume(m2, o2)[0] == 10
+    _train(m2, o2, 2, seed=11)
+    rerun.save(12, m2, o2, extra={"step": 12}, per_rank={})
+    assert [s for s, _ in rerun.complete_checkpoints()] == [12, 20] and os.path.isdir(damaged)
+    m3 = _model(6)
+    o3 = _opt(m3)
+    with caplog.at_level(logging.WARNING):
+        step, extra, _ = _mgr(tmp_path, keep=1).maybe_resume(m3, o3)
+    assert (step, extra) == (12, {"step": 12}) and _same_params(m2, m3) and "step_0000000020" in caplog.text
+
+
+def _stale_listing(rank, world, root):
+    """Rank 1's view of the folder is stale (a shared file system's cache): it does not list step 2."""
+    mgr = CheckpointManager(CheckpointArgs(dump=SaveEvery(keep=0)), root)
+    m = _model(0)
+    o = _opt(m)
+    for step in (1, 2):
+        _train(m, o, 1, seed=step)
+        mgr.save(step, m, o, extra={"step": step}, per_rank={"rank": rank})
+    if rank == 1:
+        real = os.listdir
+        os.listdir = lambda path=".": [n for n in real(path) if n != "step_0000000002"]
+    m2 = _model(4)
+    step, extra, per_rank = mgr.maybe_resume(m2, _opt(m2))
+    return step, extra, per_rank, {k: v.tolist() for k, v in m2.state_dict().items()}
+
+
+def test_every_rank_resumes_the_step_rank_0_lists(tmp_path):
+    """Rank 0 lists the candidates and every rank loads the same step (issue 39, item 13)."""
+    res = run_on_ranks(_stale_listing, 2, str(tmp_path), timeout_s=120)
+    assert [r[:3] for r in res] == [(2, {"step": 2}, {"rank": 0}), (2, {"step": 2}, {"rank": 1})]
+    assert res[0][3] == res[1][3]
+
+
 def test_init_ckpt_path_loads_weights_only(tmp_path):
     src = _model(0)
     _mgr(tmp_path / "a").save(7, src, _opt(src), extra={}, per_rank={})
@@ -183,9 +232,10 @@ def test_two_gloo_ranks_plain_and_fsdp2(tmp_path):
 
 
 # -- integrity: checksums, non-finite state (issue 17, item 8) -------------------------------------------
-def _scribble(folder: str, values: torch.Tensor):
-    """Overwrite a tensor's bytes inside its .distcp shard with 0xFF (a NaN pattern), keeping the file
-    size: what a bad disk or a stray write does, invisible to the file format."""
+def _scribble(folder: str, values: torch.Tensor, flip_low_bit: bool = False):
+    """Overwrite a tensor's bytes inside its .distcp shard with 0xFF (a NaN pattern), or flip the lowest
+    mantissa bit of one value (still finite, just wrong), keeping the file size: what a bad disk or a
+    stray write does, invisible to the file format."""
     raw = values.detach().contiguous().numpy().tobytes()
     for name in os.listdir(folder):
         if name.endswith(".distcp"):
@@ -194,15 +244,16 @@ def _scribble(folder: str, values: torch.Tensor):
                 at = blob.find(raw)
                 if at >= 0:
                     f.seek(at + 8)
-                    f.write(b"\xff" * 8)
+                    f.write(bytes([blob[at + 8] ^ 1]) if flip_low_bit else b"\xff" * 8)
                     return
     raise AssertionError("tensor bytes not found in any shard")
 
 
-@pytest.mark.parametrize("checksums", [True, False])
-def test_garbage_inside_a_shard_fails_its_checksum_and_falls_back(tmp_path, caplog, checksums):
-    """checksums=False: a marker without them (written before they existed): the NaNs must still not
-    be resumed from."""
+@pytest.mark.parametrize("marker", ["intact", "empty", "garbage", "without files", "files empty"])
+def test_garbage_inside_a_shard_fails_its_checksum_and_falls_back(tmp_path, caplog, marker):
+    """A byte flipped inside a shard (a finite, wrong weight): the checksum in COMPLETE catches it. A
+    marker that is empty, garbage or without its file list proves nothing: that folder is torn, not a
+    complete checkpoint whose check is off (issue 39, item 4)."""
     import json
 
     m = _model(0)
@@ -214,22 +265,28 @@ def test_garbage_inside_a_shard_fails_its_checksum_and_falls_back(tmp_path, capl
         if step == 1:
             good = {k: v.clone() for k, v in m.state_dict().items()}
     folder = os.path.join(mgr.path, "step_0000000002")
-    _scribble(folder, m[2].weight)
-    if not checksums:
-        marker = os.path.join(folder, "COMPLETE")
-        with open(marker) as f:
-            info = json.load(f)
-        info.pop("files", None)
-        with open(marker, "w") as f:
-            json.dump(info, f)
+    _scribble(folder, m[2].weight, flip_low_bit=True)
+    path = os.path.join(folder, "COMPLETE")
+    with open(path) as f:
+        info = json.load(f)
+    text = {"intact": json.dumps(info), "empty": "", "garbage": "\x00\x17{not json",
+            "without files": json.dumps({k: v for k, v in info.items() if k != "files"}),
+            "files empty": json.dumps({**info, "files": {}})}[marker]
+    with open(path, "w") as f:
+        f.write(text)
     m2 = _model(5)
     o2 = _opt(m2)
     with caplog.at_level(logging.WARNING):
         step, extra, _ = mgr.maybe_resume(m2, o2)
     assert step == 1 and extra == {"step": 1}, "the damaged checkpoint was loaded"
-    assert ("checksum" if checksums else "non-finite") in caplog.text
-    assert "step_0000000002" in caplog.text and "falling back" in caplog.text
+    assert "step_0000000002" in caplog.text
+    if marker == "intact":
+        assert "checksum" in caplog.text and "falling back" in caplog.text
+    else:
+        assert "torn" in caplog.text
     assert all(torch.equal(v, good[k]) for k, v in m2.state_dict().items())
+    with pytest.raises(Exception, match="COMPLETE marker" if marker != "intact" else "checksum"):
+        mgr.load_model_only(folder, _model(6))
 
 
 @pytest.mark.parametrize("where, async_save", [("param", False), ("optim", False), ("param", True)])

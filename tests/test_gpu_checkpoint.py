@@ -30,11 +30,15 @@ def test_consecutive_async_saves_load_the_state_of_their_step(tmp_path):
     m = _model(0)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
     mgr = CheckpointManager(CheckpointArgs(dump=SaveEvery(every=1, keep=0), async_save=True), str(tmp_path))
+    _train(m, opt, 1, seed=0)
+    mgr.prepare(m, opt)  # pinned buffers allocated once, before the first save (as the trainer does)
+    prepared = dict(mgr._async._stager.buffers)
     saved = {}
     for step in (1, 2, 3):
         _train(m, opt, 2, seed=step)
         saved[step] = _snapshot(m, opt)
         mgr.save(step, m, opt, extra={"step": step}, per_rank={})
+        assert mgr._async._stager.buffers == prepared, "a save allocated new host buffers"
         _train(m, opt, 1, seed=10 + step)  # training goes on during the background write
     mgr.close()
     done = mgr.complete_checkpoints()

@@ -24,6 +24,29 @@ def test_plain_files_mode(tmp_path):
         MetricLogger(str(tmp_path / "x"), LoggingArgs(wandb="cloud"), active=True)
 
 
+def test_metrics_are_strict_json_and_a_resume_drops_the_steps_it_redoes(tmp_path):
+    """NaN/inf are written as null (a strict parser reads every line); a logger opened at resume_step
+    removes the records after that step, which the resumed run logs again (issue 39, item 7)."""
+    m = MetricLogger(str(tmp_path), LoggingArgs(), active=True)
+    for step, loss in ((1, 2.5), (2, float("nan")), (3, float("inf")), (4, 1.5)):
+        m.log({"step": step, "loss": loss, "nested": {"x": float("-inf")}})
+    m.close()
+    path = tmp_path / "metrics.jsonl"
+
+    def strict(line):
+        return json.loads(line, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+    rows = [strict(line) for line in path.read_text().splitlines()]
+    assert [(r["step"], r["loss"], r["nested"]) for r in rows] == [
+        (1, 2.5, {"x": None}), (2, None, {"x": None}), (3, None, {"x": None}), (4, 1.5, {"x": None})]
+    with open(path, "a") as f:
+        f.write('{"step": 5, "lo')  # and a line cut short by the kill
+    again = MetricLogger(str(tmp_path), LoggingArgs(), active=True, resume_step=2)
+    again.log({"step": 3, "loss": 2.0})
+    again.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(path)] == [(1, 2.5), (2, None), (3, 2.0)]
+
+
 def test_wandb_offline_without_network(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

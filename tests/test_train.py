@@ -142,6 +142,44 @@ def test_resume_continues_exactly(tmp_path, async_save):
     assert done == {"losses": {}, "step": 6}
 
 
+def test_changed_optimizer_settings_apply_from_the_resumed_step(tmp_path, caplog):
+    """optim.lr / optim.weight_decay changed on resume (issue 39, item 5): applied from the resumed step
+    on (the saved values used to win silently while config.yaml showed the new ones), and said so."""
+    from test_reliability import _state
+
+    common = ["data.seq_len=32", "checkpoint.dump.every=3", "optim.decay_steps=6"]
+    train(_args(tmp_path, *common, "steps=3"))
+    with caplog.at_level("WARNING"):
+        train(_args(tmp_path, *common, "steps=6", "optim.lr=1e-3", "optim.weight_decay=0.05"))
+    assert "optim.lr: saved 0.01, now 0.001" in caplog.text and "optim.weight_decay" in caplog.text
+    now = OptimArgs(lr=1e-3, warmup=2, decay_steps=6)
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path / "metrics.jsonl")}
+    for s in (4, 5, 6):
+        assert lrs[s] == pytest.approx(1e-3 * lr_factor(s, now, 6), rel=1e-12)
+    groups = _state(tmp_path / "checkpoints" / "step_0000000006", tmp_path)["optim"]["param_groups"]
+    assert {g["initial_lr"] for g in groups} == {1e-3} and max(g["weight_decay"] for g in groups) == 0.05
+    assert "lr: 0.001" in (tmp_path / "config.yaml").read_text()
+
+
+@pytest.mark.parametrize("steps", [4, 2])
+def test_nothing_to_do_leaves_the_run_record_alone(tmp_path, caplog, steps):
+    """A rerun with steps at (a finished run) or below the checkpoint's step (issue 39, item 6): one line
+    saying there is nothing to do and where the outputs are; config.yaml, metrics.jsonl and the
+    checkpoints stay exactly as they were."""
+    common = ["data.seq_len=32", "checkpoint.dump.every=2"]
+    train(_args(tmp_path, *common, "steps=4"))
+    files = [tmp_path / "config.yaml", tmp_path / "metrics.jsonl"]
+    before = [f.read_bytes() for f in files]
+    ckpts = sorted(os.listdir(tmp_path / "checkpoints"))
+    with caplog.at_level("INFO", logger="train"):
+        res = train(_args(tmp_path, *common, f"steps={steps}", "optim.lr=1e-3"))
+    assert res == {"losses": {}, "step": 4}
+    said = [r.getMessage() for r in caplog.records if "nothing to do" in r.getMessage()]
+    assert len(said) == 1 and str(tmp_path / "metrics.jsonl") in said[0], said
+    assert ("already finished at step 4" if steps == 4 else "past steps=2") in said[0]
+    assert [f.read_bytes() for f in files] == before and sorted(os.listdir(tmp_path / "checkpoints")) == ckpts
+
+
 # -- issue 17: resume and checkpoints --------------------------------------------------------------------
 def _main_error(capsys, argv) -> str:
     """Run the CLI in-process; it must stop with exit 2 and exactly one `error:` line: return it."""

@@ -30,11 +30,13 @@ from lingua_zeco import reliability
 from lingua_zeco import resume_layout
 from lingua_zeco import run_dir
 from lingua_zeco.args import ConfigError, dump_config, parse_args, to_dict
-from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError
+from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError, checkpoint_dir
 from lingua_zeco.data import DataArgs, build_data_loader
 from lingua_zeco.data.mqar import IGNORE_INDEX
-from lingua_zeco.metrics import LoggingArgs, MetricLogger, StepTimer, memory_stats, peak_flops, throughput
-from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm
+from lingua_zeco.metrics import (
+    LoggingArgs, MetricLogger, MetricsWriteError, StepTimer, memory_stats, peak_flops, throughput,
+)
+from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm, hyperparameters, reapply
 from lingua_zeco.profiling import ProfilerArgs, maybe_profile
 from lingua_zeco.tokenizer import build_tokenizer
 
@@ -153,17 +155,22 @@ def _model_changed(args: TrainArgs, dump_dir: str, ckpt_path: str, e: ModelMisma
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
     env = distributed.setup(args.distributed)
-    lock = None
+    locks = []
     try:
-        lock = run_dir.lock_dump_dir(_dump_dir(args), env.is_master)  # one run per dump_dir, before any write
+        dump_dir = _dump_dir(args)
+        locks.append(run_dir.lock_dump_dir(dump_dir, env.is_master))  # one run per dump_dir, before any write
+        ckpt_dir = checkpoint_dir(args.checkpoint, dump_dir)
+        if os.path.realpath(ckpt_dir) != os.path.realpath(dump_dir):  # one run per checkpoint folder too
+            locks.append(run_dir.lock_dump_dir(ckpt_dir, env.is_master, key="checkpoint.path"))
         return _train(args, env)
     except RuntimeError as e:
         if reliability.is_collective_failure(e):  # a peer died or hangs: name this rank, do not wait on the group
             raise reliability.collective_error(e, env.rank, env.dims.world, args.distributed.timeout_s) from e
         raise
     finally:
-        if lock is not None:
-            lock.release()
+        for lock in reversed(locks):
+            if lock is not None:
+                lock.release()
         distributed.teardown(env)
 
 
@@ -194,6 +201,7 @@ def _checked(args: TrainArgs) -> TrainArgs:
 def _resume(args: TrainArgs, env: distributed.DistEnv, ckpt, model, optimizer, scheduler, data) -> tuple[int, int]:
     """(step, skipped steps) of the latest complete checkpoint, its state loaded; (0, 0) without one."""
     source = resume_layout.RankStateSource(_layout(args, env), env.dp_rank, env.sp_rank, env.rank)  # another world size
+    configured = hyperparameters(optimizer)  # the config's optim settings, before a load replaces them
     try:
         resumed = ckpt.maybe_resume(model, optimizer, source_rank=source)
     except ModelMismatchError as e:
@@ -203,6 +211,10 @@ def _resume(args: TrainArgs, env: distributed.DistEnv, ckpt, model, optimizer, s
     step, extra, per_rank = resumed
     per_rank = source.adapt(per_rank)
     scheduler.load_state_dict(extra["scheduler"])
+    changed = reapply(optimizer, scheduler, configured)  # config.yaml states what the run does
+    if changed and env.is_master:
+        logger.warning("optimizer settings changed since the checkpoint of step %d, applied from here on: %s",
+                       step, "; ".join(changed))
     data.load_state_dict(per_rank["data"])
     rng = per_rank["rng"]  # as _rng_state saved it
     torch.set_rng_state(rng["torch"])
@@ -231,12 +243,20 @@ class _Run:
                                       dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
                                       sp_size=env.dims.sp, seed=args.seed)
         self.step, skipped = _resume(args, env, self.ckpt, self.model, self.optimizer, self.scheduler, self.data)
-        if env.is_master:  # only once started from a compatible state: a failed start keeps the run's config
-            dump_config(args, dump_dir)
+        self.finished = self.step >= args.steps  # nothing to train: config.yaml and metrics.jsonl stay as they are
+        if self.finished:
+            return
+        self.ckpt.prepare(self.model, self.optimizer)  # resumed: the host buffers of async saves, once
+        try:
+            if env.is_master:  # only once started from a compatible state: a failed start keeps the run's config
+                dump_config(args, dump_dir)
+            self.metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name,
+                                        config=to_dict(args), resume_step=self.step)
+        except OSError as e:  # e.g. a full disk: the documented error line, not a traceback
+            raise ConfigError(run_dir.not_writable(f"dump_dir {dump_dir}", e, "free space or set dump_dir")) from e
+        self.metrics_error = None  # rank 0: why the metrics file could not be written
         self.guard = reliability.StepGuard(args.reliability, skipped=skipped)
         self.fault = reliability.FaultInjection(env.rank)
-        self.metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name,
-                                    config=to_dict(args))
         if env.is_master:
             logger.info("world %d = dp_replicate %d x dp_shard %d x sp %d (%s); %.1fM params; start at step %d",
                         env.dims.world, env.dims.dp_replicate, env.dims.dp_shard, env.dims.sp, env.sp_method,
@@ -263,38 +283,72 @@ class _Run:
         record = dict(step=step, loss=loss, lr=self.scheduler.get_last_lr()[0], grad_norm=float(grad_norm),
                       step_time_s=slowest, data_wait_share=wait / max(slowest, 1e-9), tokens_global=int(n_sum),
                       skipped_steps=self.guard.skipped, bad_lines=getattr(self.data, "stats", {}).get("bad_lines", 0),
+                      ckpt_stall_s=distributed.all_reduce_scalar(self.ckpt.take_stall(), op=dist.ReduceOp.MAX,
+                                                                 device=env.device),
                       **throughput(tokens, slowest, self.fpt, self.peak), **memory_stats(env.device))
         if self.recall is not None:
             record.update(self.recall.reduce(env.device))
             if env.is_master:
                 logger.info("step %d recall accuracy %.3f", step, record["recall_acc"])
-        self.metrics.log(record)
+        self.write_metrics(record)
         if env.is_master:
             eta = (time.perf_counter() - self.t_loop) / max(step - self.start_step, 1) * (args.steps - step)
             mfu = f" mfu {100 * record['mfu']:.1f}%" if "mfu" in record else ""  # unknown peak: none
-            logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu%s eta %s",
+            stall = f" ckpt stall {record['ckpt_stall_s']:.1f}s" if record["ckpt_stall_s"] >= 0.05 else ""
+            logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu%s%s eta %s",
                         step, args.steps, loss, record["lr"], record["grad_norm"],
-                        record["tok_per_s_per_gpu"], mfu, time.strftime("%H:%M:%S", time.gmtime(eta)))
+                        record["tok_per_s_per_gpu"], mfu, stall, time.strftime("%H:%M:%S", time.gmtime(eta)))
 
-    def evaluate_and_save(self, stop: bool) -> None:
-        """The validation loss when due, then a checkpoint when due, at the last step or on a stop."""
+    def write_metrics(self, record: dict) -> None:
+        """Append to metrics.jsonl (rank 0); a failed write is kept for `metrics_failure`, not raised here."""
+        try:
+            self.metrics.log(record)
+        except MetricsWriteError as e:
+            self.metrics_error = self.metrics_error or str(e)
+
+    def evaluate_and_save(self, stop: bool, logged: bool) -> None:
+        """The validation loss when due, then a checkpoint when due, at the last step or on a stop. A
+        metrics file that could not be written (`logged`: this step wrote one) stops the run with one
+        error, after a checkpoint of this step, so no step is lost."""
         args, env, step = self.args, self.env, self.step
-        if evaluation.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, val_ppl, val_tokens}
-            self.metrics.log({"step": step, **evaluation.evaluate(
+        if evaluated := evaluation.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, ...}
+            self.write_metrics({"step": step, **evaluation.evaluate(
                 self.model, args.data, args.eval, device=env.device, autocast=self.autocast, dp_rank=env.dp_rank,
                 dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
+        failed = self.metrics_failure() if logged or evaluated else None
+        self.ckpt.prepare(self.model, self.optimizer)  # once the optimizer has its state: after the first step
         self.ckpt.poll()  # a background save written on every rank is marked complete now
-        if self.ckpt.should_save(step) or step == args.steps or stop:
+        if self.ckpt.should_save(step) or step == args.steps or stop or failed:
             self.guard.settle()  # a stop found one step late: read this step's verdict before saving
-            self.ckpt.save(step, self.model, self.optimizer,
-                           extra={"step": step, "scheduler": self.scheduler.state_dict(),
-                                  "skipped_steps": self.guard.skipped, "layout": _layout(args, env)},
-                           per_rank={"data": self.data.state_dict(), "rng": _rng_state()})
+            try:
+                folder = self.ckpt.save(step, self.model, self.optimizer,
+                                        extra={"step": step, "scheduler": self.scheduler.state_dict(),
+                                               "skipped_steps": self.guard.skipped, "layout": _layout(args, env)},
+                                        per_rank={"data": self.data.state_dict(), "rng": _rng_state()})
+                if failed:
+                    self.ckpt.wait()  # complete before we leave
+            except reliability.StorageError as e:
+                if not failed:
+                    raise
+                raise reliability.StorageError(f"{failed}; the checkpoint of step {step} could not be written "
+                                               f"either: {e}") from e
+        if failed:
+            raise reliability.StorageError(f"{failed}. Checkpoint of step {step} saved ({folder}): free space, then "
+                                           f"rerun the same command to resume")
+
+    def metrics_failure(self) -> str | None:
+        """Collective: rank 0's metrics write error, on every rank (None when the write went fine)."""
+        return reliability.gather_all(self.metrics_error)[0]
 
 
 def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
     run = _Run(args, env)
     args = run.args
+    if run.finished:
+        run.data.close()
+        if env.is_master:
+            _nothing_to_do(args, run.step, run.ckpt.path)
+        return {"losses": {}, "step": run.step}
     try:
         with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
                 reliability.StopSignals(args.reliability.handle_signals) as signals:
@@ -312,7 +366,7 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
                 run.timer.pause()  # logging, evaluation and checkpoints are not step time
                 if log_now:
                     run.log(loss_sum, n_sum, grad_norm)
-                run.evaluate_and_save(verdict.stop)
+                run.evaluate_and_save(verdict.stop, log_now)
                 run.timer.resume()
                 run.fault.after_step(run.step)
                 if verdict.stop:  # SIGTERM/SIGUSR2 on some rank: all ranks saved this step, now leave
@@ -324,6 +378,18 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
         run.data.close()
         run.metrics.close()
     return {"losses": run.losses, "step": run.step}
+
+
+def _nothing_to_do(args: TrainArgs, step: int, ckpt_path: str) -> None:
+    """One line: the run resumed at or past `steps`; nothing was trained or written."""
+    dump_dir = _dump_dir(args)
+    where = (f"outputs: {os.path.join(dump_dir, 'config.yaml')}, {os.path.join(dump_dir, args.logging.metrics_file)}, "
+             f"checkpoints in {ckpt_path}")
+    if step == args.steps:
+        logger.info("nothing to do: the run in %s already finished at step %d; %s", dump_dir, step, where)
+    else:
+        logger.info("nothing to do: the newest checkpoint is at step %d, past steps=%d (raise steps to train on); "
+                    "the run's record is left as it was; %s", step, args.steps, where)
 
 
 def main(argv: list[str] | None = None) -> None:

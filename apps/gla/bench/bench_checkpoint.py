@@ -5,8 +5,10 @@
 
 The trainer's model, FSDP2 layout, optimizer and step (apps.gla.train), random tokens. For each model and
 mode, `saves` saves of the same run, each followed by training steps until it is complete:
-  blocked_s    what `save` costs the loop (asynchronous: the non-finite check and the copy to host memory;
-               the first asynchronous save also allocates, on CUDA pins, the host buffers)
+  prepare_s    asynchronous: allocating (on CUDA pinning) the host buffers once, before the first save, as
+               the trainer does after its first step or at a resume (`CheckpointManager.prepare`)
+  blocked_s    what `save` costs the loop (asynchronous: the non-finite check and the copy to host memory,
+               into the prepared buffers from the first save on)
   complete_s   save start to COMPLETE (asynchronous: finalised by the first `poll` after the write)
   step_ms      mean step time while the write runs in the background, beside `idle_step_ms` (no save
                pending): the write shares CPU cores, memory bandwidth and, on GPU, nothing else
@@ -95,7 +97,12 @@ def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
     for mode in a.modes:
         ckpt = CheckpointManager(CheckpointArgs(dump=SaveEvery(every=1, keep=1), path=os.path.join(root, name, mode),
                                                 async_save=mode == "async"), root, timeout_s=args.distributed.timeout_s)
-        blocked, complete, during = [], [], []
+        blocked, complete, during, prepare_s = [], [], [], None
+        if ckpt.async_save:
+            dist.barrier()
+            t0 = time.perf_counter()
+            ckpt.prepare(model, optimizer)
+            prepare_s = slowest([time.perf_counter() - t0], env.device)[0]
         for i in range(a.saves):
             dist.barrier()
             t0 = time.perf_counter()
@@ -111,7 +118,7 @@ def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
         ckpt.close()
         rows.append(dict(model=name, mode=mode, params_M=n_params / 1e6,
                          state_GB_per_rank=_state_bytes(model, optimizer) / 1e9,
-                         blocked_s=blocked, complete_s=complete, steps_during_write=len(during),
+                         prepare_s=prepare_s, blocked_s=blocked, complete_s=complete, steps_during_write=len(during),
                          step_ms=1e3 * slowest([statistics.fmean(during)], env.device)[0] if during else None,
                          idle_step_ms=1e3 * idle))
         print(rows[-1], flush=True)
@@ -123,7 +130,8 @@ def measure(a: BenchCheckpointArgs, device) -> tuple[str, dict, str]:
     rows = [r for name in a.models for r in bench_model(name, a, root)]
     table = [dict(r, blocked_s=" / ".join(f"{x:.3f}" for x in r["blocked_s"]),
                   complete_s=" / ".join(f"{x:.2f}" for x in r["complete_s"])) for r in rows]
-    md = markdown_table(table, ["model", "mode", "params_M", "state_GB_per_rank", "blocked_s", "complete_s",
+    md = markdown_table(table, ["model", "mode", "params_M", "state_GB_per_rank", "prepare_s", "blocked_s",
+                                "complete_s",
                                 "steps_during_write", "step_ms", "idle_step_ms"])
     if not a.path and dist.get_rank() == 0:
         shutil.rmtree(root, ignore_errors=True)
