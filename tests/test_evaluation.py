@@ -355,8 +355,7 @@ def test_eval_help_examples_run_after_the_quickstart(tmp_path, monkeypatch, capl
     no warning (no overlap refusal, no repeated documents)."""
     torch.set_num_threads(2)
     monkeypatch.chdir(tmp_path)
-    train(parse_args(TrainArgs, ["config=debug.yaml", "model.dim=32", "model.n_heads=2", "model.ffn_hidden=64",
-                                 "data.prefetch=0", "steps=50"]))
+    train(parse_args(TrainArgs, [*TINY[:-2], "steps=50", "logging.freq=50"]))  # dump_dir: debug.yaml's
     examples = [line.split("#")[0].split()[3:] for line in gla_eval.__doc__.splitlines()
                 if line.strip().startswith("python -m apps.gla.eval ") and "..." not in line]
     assert len(examples) >= 2, gla_eval.__doc__
