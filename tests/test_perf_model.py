@@ -380,3 +380,23 @@ def test_a_partial_benchmark_file_is_named_when_loaded(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_raw(str(tmp_path))
+
+
+def test_calibration_closes_the_files_it_reads(tmp_path):
+    """Every raw file read by the calibration is closed when read (no ResourceWarning in the test run)."""
+    import gc
+
+    from lingua_zeco.perf_model.calibrate import load_raw, single_gpu_runs, symm_hop_fit
+    (tmp_path / "bench_fused.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "metrics_x.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    (tmp_path / "one.json").write_text(json.dumps({"env": {"world_size": 1}, "rows": []}))
+    for P in (2, 4):
+        (tmp_path / f"comm_loopback_P{P}.json").write_text(json.dumps(dict(results=[dict(
+            method="loopback_symm_chain1", P=P, state_bytes=b, median_us=P + b * 1e-6) for b in (1 << 20, 2 << 20)])))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        assert load_raw(str(tmp_path))["metrics"]["x"] == [{"step": 1}]
+        single_gpu_runs(str(tmp_path))
+        symm_hop_fit(str(tmp_path))
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
