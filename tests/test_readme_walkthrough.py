@@ -158,3 +158,14 @@ def test_documented_train_commands_sharing_a_dump_dir_are_the_same_run():
         assert first[2] == to_dict(args), (
             f"{where}: `{' '.join(keys)}` writes {dump_dir_of(args)}, as `{' '.join(first[1])}` ({first[0]}) "
             f"does, with another config: run after it, it would resume or be refused; give it its own dump_dir")
+
+
+def test_quickstart_time_is_stated_once_as_measured():
+    """How long the quickstart takes is said in one place, README's quickstart, as a measurement (seconds, on
+    what, when); the config's header points there instead of giving a second, different estimate."""
+    header = "\n".join(line for line in (ROOT / "configs" / "debug.yaml").read_text().splitlines()
+                       if line.startswith("#"))
+    assert not re.search(r"\b(minutes?|seconds?|\d+ ?s)\b", header) and "README" in header, header
+    intro = " ".join((ROOT / "README.md").read_text().split("## ")[0].split())  # lines joined
+    measured = re.search(r"Measured \(([^)]*)\): (\d+) s with the cores idle, (\d+) s with other jobs", intro)
+    assert measured and "2 cores" in measured.group(1) and re.search(r"\d{4}-\d{2}-\d{2}", measured.group(1)), intro
