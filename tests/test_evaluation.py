@@ -124,7 +124,8 @@ def test_eval_cli_refuses_a_run_that_trained_on_the_validation_split(tmp_path, c
     checkpoint's 'validation loss' on that split is refused (one error line, exit 2); with the opt-in
     flag the number is reported, labelled train_set_loss."""
     torch.set_num_threads(2)
-    train(parse_args(TrainArgs, [*TINY, f"dump_dir={tmp_path}", "eval.every=0", "steps=1", "data.sources={builtin: 1.0}"]))
+    train(parse_args(TrainArgs, [*TINY, f"dump_dir={tmp_path}", "eval.every=0", "steps=1",
+                                 "data.sources={builtin: 1.0}"]))
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         gla_eval.main([f"dump_dir={tmp_path}", "eval.steps=1"])

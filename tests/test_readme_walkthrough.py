@@ -109,7 +109,8 @@ def test_readme_commands_run_in_order(tmp_path):
     assert any(c[0] == "torchrun" for c in cmds), cmds
     for needed in ("apps.gla.eval", "apps.gla.generate", "apps.gla.export_hf", "apps.gla.plot_metrics"):
         assert needed in modules, (needed, cmds)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    path = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]  # this checkout's code first
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
     for cmd in cmds:
         res = subprocess.run(runnable(cmd), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         shown = shlex.join(cmd)
@@ -167,5 +168,6 @@ def test_quickstart_time_is_stated_once_as_measured():
                        if line.startswith("#"))
     assert not re.search(r"\b(minutes?|seconds?|\d+ ?s)\b", header) and "README" in header, header
     intro = " ".join((ROOT / "README.md").read_text().split("## ")[0].split())  # lines joined
-    measured = re.search(r"Measured \(([^)]*)\): (\d+) s with the cores idle, (\d+) s( to \d+ s)? with other jobs", intro)
+    measured = re.search(r"Measured \(([^)]*)\): (\d+) s with the cores idle, (\d+) s( to \d+ s)? with other jobs",
+                         intro)
     assert measured and "2 cores" in measured.group(1) and re.search(r"\d{4}-\d{2}-\d{2}", measured.group(1)), intro

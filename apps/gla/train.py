@@ -1,7 +1,8 @@
 """One training loop for every sequence-parallel method (the method is a config value).
 
     python -m apps.gla.train config=debug.yaml
-    torchrun --nproc_per_node=2 -m apps.gla.train config=debug.yaml distributed.sp_size=2 data.seq_len=128 dump_dir=dumps/debug_sp2
+    torchrun --nproc_per_node=2 -m apps.gla.train config=debug.yaml distributed.sp_size=2 data.seq_len=128 \\
+        dump_dir=dumps/debug_sp2
 
 Resumes by itself from the latest complete checkpoint in dump_dir. Loss = mean over every token
 of every global sequence of the step (all DP ranks, all SP ranks, all micro-batches).
