@@ -6,6 +6,8 @@
   a dataclass with its own `config` field takes `config=` as that key instead (eval, generate: the
   run's config.yaml).
 * A list key takes `key=[a,b]` or `key=a,b` (one value: a one-element list).
+* A text key declared with `raw_text()` (generate's prompt) takes the characters after `key=` as they
+  are: no YAML parsing, so `prompt="Question: what is"`, `prompt="[1, 2]"` or `prompt=true` stay text.
 * `--help` (or `-h`) prints the keys with their types, defaults and descriptions, and exits 0. A
   key's description is the comment on its line, else the comment lines right above it.
 * A key that the dataclass does not have is an error that lists the valid keys at that level
@@ -38,6 +40,15 @@ HELP_FLAGS = ("-h", "--help")
 
 class ConfigError(ValueError):
     pass
+
+
+RAW_TEXT = "raw_text"  # field metadata key: the command-line value is the text as written
+
+
+def raw_text(default: str = "") -> Any:
+    """A str field whose command-line value is taken as written, never parsed as YAML (a prompt is text:
+    `a: b` would become a mapping, `[1, 2]` a list, `true` a bool, `# x` nothing)."""
+    return dataclasses.field(default=default, metadata={RAW_TEXT: True})
 
 
 def resolve_config_path(name: str) -> Path:
@@ -111,6 +122,22 @@ def _hint(cls: type, dotted: str) -> Any:
     return tp
 
 
+def _is_raw_text(cls: type, dotted: str) -> bool:
+    """Whether a dotted key names a field declared with raw_text()."""
+    *parents, name = dotted.split(".")
+    owner = _dataclass_of(_hint(cls, ".".join(parents))) if parents else cls
+    if owner is None:
+        return False
+    return any(f.name == name and f.metadata.get(RAW_TEXT) for f in dataclasses.fields(owner))
+
+
+def _set_dotted(obj: Any, dotted: str, value: str) -> None:
+    *parents, name = dotted.split(".")
+    for part in parents:
+        obj = getattr(obj, part)
+    setattr(obj, name, value)
+
+
 def _is_list(tp: Any) -> bool:
     return any(typing.get_origin(t) in (list, tuple) or t in (list, tuple) for t in (tp, *typing.get_args(tp)))
 
@@ -136,7 +163,8 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     if any(a in HELP_FLAGS for a in argv):
         exit_with_help(cls)
     config, overrides = split_cli(argv, yaml_key=_yaml_key(cls))
-    overrides = _bracket_lists(cls, overrides)
+    raw = [a.split("=", 1) for a in overrides if _is_raw_text(cls, a.split("=", 1)[0])]
+    overrides = _bracket_lists(cls, [a for a in overrides if not _is_raw_text(cls, a.split("=", 1)[0])])
     layers = [_load_yaml(resolve_config_path(config))] if config is not None else []
     for arg in overrides:  # one at a time, so that a bad one is named
         try:
@@ -144,7 +172,10 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
         except Exception as e:  # yaml's parser errors: the value is not valid YAML (an unclosed bracket...)
             what = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise ConfigError(f"command-line argument {arg!r}: its value is not valid YAML ({what})") from e
-    return build(cls, *layers)  # which checks every layer's keys, the YAML's first
+    args = build(cls, *layers)  # which checks every layer's keys, the YAML's first
+    for key, value in raw:  # text as written, after the YAML layers (the command line wins)
+        _set_dotted(args, key, value)
+    return args
 
 
 def _load_yaml(path: Path) -> DictConfig:
@@ -241,7 +272,8 @@ def _help_rows(cls: type, obj: Any, prefix: str):
             yield from _help_rows(sub, value if value is not None else _instance(sub), key + ".")
             continue
         shown = "(required)" if value is dataclasses.MISSING else repr(value)
-        yield f"{key}: {_type_name(f.type)} = {shown}", notes.get(f.name, "")
+        note = notes.get(f.name, "") + (" (taken as written: no YAML parsing)" if f.metadata.get(RAW_TEXT) else "")
+        yield f"{key}: {_type_name(f.type)} = {shown}", note.strip()
 
 
 def _type_name(tp: Any) -> str:

@@ -4,8 +4,9 @@ Where the validation documents come from (`eval.root_dir`):
 * set: every data file under that folder;
 * unset, with `data.root_dir`: `<data.root_dir>/valid` (what setup/prepare_data.py writes); the
   training sources must then not include it (refused: train and valid would overlap);
-* unset, built-in corpus: its held-out split (every 20th pydoc topic); training then reads the
-  complementary `builtin:train` split, so the two never share a document.
+* unset, built-in corpus: its held-out split (every 10th pydoc topic). Training on the built-in
+  corpus reads the complementary `builtin:train` split whether it evaluates or not (unless
+  data.sources names `builtin`, all of it), so a checkpoint can be evaluated later on unseen documents.
 
 Whatever the source, validation data that the training stream also reads (the same file by any
 path, a byte-identical copy, shared built-in documents: lingua_zeco/data/overlap.py) is refused,
@@ -77,8 +78,8 @@ def check_eval_args(ev: EvalArgs) -> None:
 
 
 def training_data_args(data: DataArgs, ev: EvalArgs) -> DataArgs:
-    """The training stream: with evaluation on the built-in corpus, its train split only."""
-    if ev.every > 0 and data.root_dir is None and not data.sources and ev.root_dir is None:
+    """The training stream: on the built-in corpus (no data.sources), its train split only."""
+    if data.root_dir is None and not data.sources and ev.root_dir is None:
         return dataclasses.replace(data, sources={"builtin:train": 1.0})
     return data
 

@@ -32,7 +32,7 @@ PEAK_BF16_FLOPS = {"H200": 989e12, "H100": 989e12, "H800": 989e12, "A100": 312e1
 
 @dataclass
 class LoggingArgs:
-    freq: int = 10  # log every `freq` steps (and the last step)
+    freq: int = 10  # log every `freq` steps (and steps 1 and the last)
     metrics_file: str = "metrics.jsonl"  # relative to dump_dir
     wandb: str = "disabled"  # disabled | online | offline
     wandb_project: str = "lingua-zeco"

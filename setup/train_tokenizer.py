@@ -5,6 +5,10 @@
 Writes OUT/tokenizer.model (+ .vocab); use it with `data.tokenizer.name=sp
 data.tokenizer.path=OUT/tokenizer.model`. BPE with byte fallback (no unknown characters), ids
 unk=0, bos=1, eos=2 (the packer needs bos/eos), no pad. max_docs caps the documents read.
+
+vocab_size is an upper bound: text too small to learn that many pieces gives fewer, and then a
+`warning:` line on stderr names both numbers and the text read (the tokenizer is still written;
+model.vocab_size=0 takes its actual size).
 """
 from __future__ import annotations
 
@@ -23,7 +27,7 @@ MODEL_TYPES = ("bpe", "unigram")
 class TokenizerTrainArgs:
     data: list[str] = field(default_factory=list)  # jsonl files or folders of them (prepare_data.py's train/)
     out: str = ""  # output folder: tokenizer.model + tokenizer.vocab
-    vocab_size: int = 32000  # pieces (a soft limit: fewer when the data is small)
+    vocab_size: int = 32000  # pieces at most (fewer when the data is too small: said in a warning line)
     model_type: str = "bpe"  # bpe | unigram
     text_key: str = "text"  # jsonl field holding the text
     max_docs: int = 0  # read at most this many documents (0 = all)
@@ -51,13 +55,24 @@ def iter_texts(paths: list[str], text_key: str, max_docs: int):
 
 
 def train(paths: list[str], out: str, *, vocab_size: int, model_type: str = "bpe", text_key: str = "text",
-          max_docs: int = 0, threads: int = 4) -> Path:
+          max_docs: int = 0, threads: int = 4, read: dict | None = None) -> Path:
+    """Train and write OUT/tokenizer.model; `read` (when given) receives the documents and characters read."""
     import sentencepiece as spm
 
     out_p = Path(out)
     out_p.mkdir(parents=True, exist_ok=True)
     # SentencePiece reads "sentences"; a document's lines are fed one by one.
-    lines = (line for doc in iter_texts(paths, text_key, max_docs) for line in doc.splitlines() if line.strip())
+    read = {} if read is None else read
+    read.update(documents=0, characters=0)
+
+    def counted(docs):
+        for doc in docs:
+            read["documents"] += 1
+            read["characters"] += len(doc)
+            yield doc
+
+    docs = counted(iter_texts(paths, text_key, max_docs))
+    lines = (line for doc in docs for line in doc.splitlines() if line.strip())
     spm.SentencePieceTrainer.train(
         sentence_iterator=lines, model_prefix=str(out_p / "tokenizer"), vocab_size=vocab_size,
         model_type=model_type, byte_fallback=True, character_coverage=0.9995, split_digits=True,
@@ -73,11 +88,17 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("give data=<jsonl files or folders> and out=<folder>")
     if a.model_type not in MODEL_TYPES:
         raise ConfigError(f"model_type={a.model_type!r}; choose from {', '.join(MODEL_TYPES)}")
+    read: dict = {}
     path = train(a.data, a.out, vocab_size=a.vocab_size, model_type=a.model_type, text_key=a.text_key,
-                 max_docs=a.max_docs, threads=a.threads)
+                 max_docs=a.max_docs, threads=a.threads, read=read)
     import sentencepiece as spm
 
-    print(f"wrote {path} ({spm.SentencePieceProcessor(model_file=str(path)).vocab_size()} pieces)", file=sys.stderr)
+    pieces = spm.SentencePieceProcessor(model_file=str(path)).vocab_size()
+    if pieces < a.vocab_size:
+        print(f"warning: vocab_size={a.vocab_size} asked, but {read['documents']} documents "
+              f"({read['characters']:,} characters) hold only enough text for {pieces} pieces: {path} has {pieces} "
+              f"(model.vocab_size=0 takes that); give more data for {a.vocab_size}", file=sys.stderr)
+    print(f"wrote {path} ({pieces} pieces)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from apps.gla.train import TrainArgs
-from lingua_zeco.args import CONFIG_DIR, ConfigError, build, dump_config, help_text, parse_args, resolve_config_path
+from lingua_zeco.args import (CONFIG_DIR, ConfigError, build, dump_config, help_text, parse_args, raw_text,
+                              resolve_config_path)
 
 
 @dataclass
@@ -135,3 +136,29 @@ def test_list_keys_take_commas_and_own_config_key():
         steps: int = 1
 
     assert parse_args(WithConfig, ["config=run/config.yaml", "steps=2"]) == WithConfig("run/config.yaml", 2)
+
+
+@dataclass
+class _Texts:
+    label: str = "x"
+    note: str = raw_text("n")
+
+
+@dataclass
+class _WithTexts:
+    texts: _Texts = field(default_factory=_Texts)
+    prompt: str = raw_text()
+
+
+def test_raw_text_keys_take_the_value_as_written(tmp_path):
+    """A raw_text() key (top level or nested) gets the characters after `key=` verbatim, after the YAML
+    layer; the other str keys keep YAML parsing (`label=[1, 2]` stays a type error)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("prompt: from yaml\ntexts:\n  note: yaml note\n")
+    got = parse_args(_WithTexts, [f"config={cfg}", "prompt=Question: what is", "texts.note=[1, 2]"])
+    assert got.prompt == "Question: what is" and got.texts.note == "[1, 2]"
+    assert parse_args(_WithTexts, [f"config={cfg}"]).prompt == "from yaml"
+    assert parse_args(_WithTexts, ["prompt=true", "prompt=# h"]).prompt == "# h"  # the last one wins
+    assert parse_args(_WithTexts, ["prompt="]).prompt == ""
+    with pytest.raises(ConfigError):
+        parse_args(_WithTexts, ["texts.label=[1, 2]"])

@@ -128,3 +128,33 @@ def test_export_bf16_and_refusals(tmp_path):
     # simple_gla rides on GLA's rank-16 gate: at most 16 heads
     with pytest.raises(ValueError, match="simple_gla.*n_heads=32.*apps.gla.generate"):
         export_hf.fla_config(dataclasses.replace(TINY, dim=128, n_heads=32, attn_variant="simple_gla"))
+
+
+def test_export_is_quiet_and_its_files_share_one_mode(tmp_path):
+    """python -m apps.gla.export_hf as a user runs it: no warning of ours on stderr (transformers' torch_dtype
+    deprecation, fla's "Triton is not supported" on CPU), and model.safetensors readable like its neighbours
+    (safetensors writes 0600)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, dump = _run_folder(tmp_path)
+    out = tmp_path / "hf"
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-m", "apps.gla.export_hf", f"dump_dir={dump}", f"out={out}"], cwd=tmp_path,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=300)
+    assert res.returncode == 0, res.stderr
+    for noise in ("torch_dtype", "Triton is not supported"):
+        assert noise not in res.stderr, res.stderr
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] & 0o044 == 0o044 & ~_umask(), modes
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def _umask() -> int:
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

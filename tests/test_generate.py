@@ -93,3 +93,37 @@ def test_sampling_filters():
     assert sample_next(logits[:1], 0.0).tolist() == [0]
     freq = (sample_next(logits, 1.0, generator=g) == 0).float().mean().item()
     assert abs(freq - torch.softmax(logits[0], -1)[0].item()) < 0.05
+
+
+PROMPTS = ["Question: what is", "def main():", "[1, 2]", "# heading", "true", "a=b: c", "${x}", "  two  spaces "]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_prompt_is_the_text_after_prompt_equals(tmp_path, capsys, prompt):
+    """The prompt is text, not YAML: a colon, brackets, a leading '#', 'true' or '${...}' reach the tokenizer
+    as typed, and the printed continuation starts with exactly that text (a YAML value would have become a
+    mapping, a list, nothing, True or an interpolation)."""
+    from apps.gla import generate as gen_cli
+    from apps.gla.train import TrainArgs
+    from lingua_zeco.args import dump_config, parse_args
+    from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
+
+    assert parse_args(gen_cli.GenerateArgs, [f"prompt={prompt}"]).prompt == prompt
+    args = dataclasses.replace(TINY, vocab_size=258)
+    m = GLAForCausalLM(args)
+    m.init_weights(0)
+    dump = tmp_path / "run"
+    dump_config(TrainArgs(model=args, dump_dir=str(dump)), dump)
+    ckpt = CheckpointManager(CheckpointArgs(), str(dump))
+    ckpt.save(1, m, None, extra={"step": 1}, per_rank={})
+    ckpt.close()
+    gen_cli.main([f"dump_dir={dump}", f"prompt={prompt}", "max_tokens=3", "temperature=0"])
+    assert capsys.readouterr().out.startswith(prompt)
+
+
+def test_prompt_help_says_it_is_taken_as_written():
+    from apps.gla.generate import GenerateArgs
+    from lingua_zeco.args import help_text
+
+    line = next(ln for ln in help_text(GenerateArgs).splitlines() if ln.strip().startswith("prompt:"))
+    assert "as written" in line and "text to continue" in line

@@ -64,3 +64,20 @@ def test_fp64_sp2_loss_curve_equals_sp1(tmp_path):
     assert gaps["zeco"][0] < FP64_ATOL and gaps["zeco"][1] < FP64_ATOL, gaps
     # Sensitivity: without the state from rank 0 the curves part far above the fp64 bound.
     assert gaps["local"][0] > 1e4 * FP64_ATOL, gaps
+
+
+def test_parity_writes_under_dumps_named_by_its_sizes(tmp_path, monkeypatch):
+    """The default output folder is dumps/parity where the command runs (never the committed docs/), and
+    the figure is named by the SP sizes actually run."""
+    from pathlib import Path
+
+    from apps.gla import parity
+
+    committed = {p: p.read_bytes() for p in (Path(parity.ROOT) / "docs").rglob("parity*") if p.is_file()}
+    monkeypatch.chdir(tmp_path)
+    result = parity.main(["steps=2", "sizes=1", "overrides=model.dim=32,model.n_heads=2,model.ffn_hidden=64"])
+    assert list(result["losses"]) == ["1"] and len(result["losses"]["1"]) == 2
+    assert (tmp_path / "dumps" / "parity" / "results" / "parity.json").is_file()
+    assert sorted(p.name for p in (tmp_path / "dumps" / "parity" / "figures").iterdir()) == ["parity_sp1.png"]
+    assert {p: p.read_bytes() for p in committed} == committed
+    assert parity.size_name([1, 2, 4]) == "sp124" and parity.size_name([1, 2, 16]) == "sp1-2-16"

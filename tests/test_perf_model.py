@@ -460,3 +460,24 @@ def test_fused_extra_comes_from_the_newest_bench_fused(tmp_path):
     # the in-operator scan cost is fitted with the extra of the operator raw's zeco row ran, whatever raw_fused says
     _, _, op_old, _, _ = calibrate(str(ROOT / RAW), raw_fused=None)
     assert op.scan_op_overhead_s == op_old.scan_op_overhead_s and op_old.zeco_extra_by_T[16384] == pytest.approx(0.1547)
+
+
+def test_calibration_closes_the_files_it_reads(tmp_path):
+    """Every raw file read by the calibration is closed when read (no ResourceWarning in the test run)."""
+    import gc
+
+    from lingua_zeco.perf_model.calibrate import load_raw, single_gpu_runs, symm_hop_fit
+    (tmp_path / "bench_fused.json").write_text(json.dumps({"rows": []}))
+    (tmp_path / "metrics_x.jsonl").write_text(json.dumps({"step": 1}) + "\n")
+    (tmp_path / "one.json").write_text(json.dumps({"env": {"world_size": 1}, "args": {}, "rows": [
+        {"variant": "ours", "seq_len": 16384, "tok_per_s": 1.0, "peak_gib": 1.0}]}))
+    for P in (2, 4):
+        (tmp_path / f"comm_loopback_P{P}.json").write_text(json.dumps(dict(results=[dict(
+            method="loopback_symm_chain1", P=P, state_bytes=b, median_us=P + b * 1e-6) for b in (1 << 20, 2 << 20)])))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        assert load_raw(str(tmp_path))["metrics"]["x"] == [{"step": 1}]
+        single_gpu_runs(str(tmp_path))
+        symm_hop_fit(str(tmp_path))
+        gc.collect()
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]

@@ -122,3 +122,24 @@ def test_setup_scripts_parse():
     for script in ("create_env.sh", "download_wheels.sh", "install_offline.sh"):
         subprocess.run(["bash", "-n", str(ROOT / "setup" / script)], check=True)
     assert (ROOT / "setup/gpu/triton_autotune_h200.tgz").is_file()
+
+
+def test_train_tokenizer_says_when_the_data_gives_fewer_pieces(tmp_path, capsys):
+    """vocab_size is an upper bound: a corpus too small for it gives fewer pieces, said in one warning line
+    with both numbers and the text read; enough text for the asked size says nothing."""
+    _corpus(tmp_path / "raw")
+    prepare_data.main([f"input={tmp_path / 'raw'}", f"out={tmp_path / 'p'}", "shards=2"])
+    capsys.readouterr()
+    train_tokenizer.main([f"data={tmp_path / 'p' / 'train'}", "vocab_size=32000", f"out={tmp_path / 'big'}",
+                          "threads=1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    warn = [line for line in err if line.startswith("warning:")]
+    from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
+
+    n = build_tokenizer(TokenizerArgs(name="sp", path=str(tmp_path / "big" / "tokenizer.model"))).n_words
+    assert n < 32000 and len(warn) == 1 and "vocab_size=32000" in warn[0], err
+    assert f"only enough text for {n} pieces" in warn[0], warn
+    assert " documents (" in warn[0] and " characters)" in warn[0], warn
+    train_tokenizer.main([f"data={tmp_path / 'p' / 'train'}", "vocab_size=280", f"out={tmp_path / 'small'}",
+                          "threads=1"])
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]

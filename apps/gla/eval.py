@@ -1,7 +1,7 @@
 """Validation loss / perplexity of a saved checkpoint.
 
     python -m apps.gla.eval dump_dir=dumps/debug                       # newest complete checkpoint
-    python -m apps.gla.eval ckpt=dumps/debug/checkpoints/step_0000000050 eval.steps=50
+    python -m apps.gla.eval dump_dir=dumps/debug ckpt=dumps/debug/checkpoints/step_0000000050 eval.steps=5
     torchrun --nproc_per_node=8 -m apps.gla.eval dump_dir=...         # the run's SP size, DP over the rest
     torchrun --nproc_per_node=2 -m apps.gla.eval dump_dir=... sp_size=2   # any SP size: same context
 
@@ -135,8 +135,8 @@ def check_cli_args(args: EvalCLIArgs) -> torch.device | None:
 def run(args: EvalCLIArgs) -> dict:
     device = check_cli_args(args)
     cfg = load_run_config(args.dump_dir, args.config)
-    # What the run trained on follows from its own eval settings (eval.every=0 on the built-in corpus
-    # reads all of it, held-out split included); refused here, before any checkpoint is loaded.
+    # What the run trained on follows from its own config (data.sources={builtin: 1.0} reads all of the
+    # built-in corpus, held-out split included); refused here, before any checkpoint is loaded.
     trained_on = training_data_args(cfg.data, cfg.eval)
     validation_data_args(cfg.data, args.eval, trained_on)
     try:

@@ -34,6 +34,7 @@ import logging
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -61,6 +62,22 @@ class ExportArgs:
     dtype: str = "bf16"  # bf16 | fp16 | fp32: dtype of the written weights
 
 
+def fla_models():
+    """fla.models (its configs register with transformers), imported without fla's warning that Triton is not
+    supported on this platform: on CPU an export needs only the config classes, never a Triton kernel."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
+        import fla.models
+    return fla.models
+
+
+def readable_by_all(path: str) -> None:
+    """The umask's mode for a file a library wrote private (safetensors writes 0600), like its 0644 neighbours."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
+
+
 def fla_config(args: GLAArgs, tokenizer=None):
     """fla's config for our GLAArgs (GLAConfig or GatedDeltaNetConfig); refuses what fla cannot express."""
     common = dict(hidden_size=args.dim, intermediate_size=args.ffn_dim, num_hidden_layers=args.n_layers,
@@ -74,7 +91,7 @@ def fla_config(args: GLAArgs, tokenizer=None):
         common["attn"] = dict(layers=layers, num_heads=args.n_heads, num_kv_heads=args.n_heads, qkv_bias=False,
                               window_size=args.softmax_window, rope_theta=float(args.rope_theta))
     if args.attn_variant == "gated_deltanet":
-        from fla.models import GatedDeltaNetConfig
+        GatedDeltaNetConfig = fla_models().GatedDeltaNetConfig
 
         head_k, head_v = args.key_dim // args.n_heads, args.value_dim // args.n_heads
         if int(head_k * (head_v / head_k)) != head_v:  # fla derives its value head dim that way
@@ -83,8 +100,7 @@ def fla_config(args: GLAArgs, tokenizer=None):
         return GatedDeltaNetConfig(head_dim=head_k, expand_v=head_v / head_k, use_gate=True,
                                    allow_neg_eigval=False, architectures=["GatedDeltaNetForCausalLM"],
                                    **common)
-    from fla.models import GLAConfig
-
+    GLAConfig = fla_models().GLAConfig
     for key, want in FLA_FIXED.items():
         if getattr(args, key) != want:
             raise ValueError(f"model.{key}={getattr(args, key)}: fla's GLA layer fixes it to {want}; cannot export")
@@ -148,12 +164,13 @@ def export(model: GLAForCausalLM, out: str, *, dtype: str = "bf16", tokenizer_ar
     except OSError as e:
         raise ConfigError(f"out={out!r}: cannot create a folder in {parent!r} ({e}); give a writable path") from e
     try:
-        cfg.torch_dtype = str(DTYPES[dtype]).replace("torch.", "")
+        cfg.dtype = str(DTYPES[dtype]).replace("torch.", "")  # transformers 5 reads `dtype` (torch_dtype: deprecated)
         cfg.save_pretrained(tmp)
         state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in state.items()}
         if args.tie_embeddings:
             state.pop("lm_head.weight")  # shared with the embeddings; transformers re-ties it
         save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        readable_by_all(os.path.join(tmp, "model.safetensors"))
         tok_file = TOKENIZER_FILES.get(tokenizer_args.name)
         if tok_file is not None:
             shutil.copyfile(tokenizer_args.path, os.path.join(tmp, tok_file))

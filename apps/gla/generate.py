@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from apps.gla.model import GLAForCausalLM
-from lingua_zeco.args import ConfigError, parse_args
+from lingua_zeco.args import ConfigError, parse_args, raw_text
 from lingua_zeco.reliability import clean_exit
 from lingua_zeco.tokenizer import build_tokenizer
 
@@ -29,7 +29,7 @@ class GenerateArgs:
     ckpt: str = ""  # step_* folder or checkpoints root; empty = <dump_dir>/checkpoints
     config: str = ""  # the run's config; empty = <dump_dir>/config.yaml
     export: str = ""  # instead of a run: a folder written by apps.gla.export_hf (model + tokenizer)
-    prompt: str = ""  # text to continue (the tokenizer's bos is put before it)
+    prompt: str = raw_text()  # text to continue (the tokenizer's bos is put before it)
     max_tokens: int = 128  # new tokens at most (generation also stops at eos); 0 = the prompt only
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # sample among the k likeliest tokens; 0 = off

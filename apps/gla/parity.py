@@ -3,12 +3,14 @@ global sequences (sp_size x seq_len = 256 tokens), every step logged; writes the
 difference (JSON) and a plot.
 
     python -m apps.gla.parity                        # 200 steps, SP 1 2 4, zeco
-    python -m apps.gla.parity steps=20 sizes=1,2 out=/tmp/parity
+    python -m apps.gla.parity steps=20 sizes=1,2 out=dumps/parity_short
     python -m apps.gla.parity dtype=fp64 tag=fp64 control=true  # float64 model (model.dtype), plus a control:
         # SP=1 again with the batch as 2 micro-batches (the same maths, another summation order)
     python -m apps.gla.parity overrides=optim.lr=3e-4 tag=lr3e-4  # trainer keys for every run
 
-Writes <out>/results/parity[_<tag>].json and <out>/figures/parity_sp124[_<tag>].png (out: docs/).
+Writes <out>/results/parity[_<tag>].json and <out>/figures/parity_sp<sizes>[_<tag>].png (sizes=1,2,4:
+parity_sp124.png); out defaults to dumps/parity, relative to where you run. The committed results in
+docs/ were written with out=docs (docs/long_context.md gives the commands).
 
 SP > 1 runs go through `torchrun --nproc_per_node=P` (gloo); on a 2-core machine SP = 4 is
 oversubscribed but only slower.
@@ -40,10 +42,15 @@ class ParityArgs:
     sizes: list[int] = field(default_factory=lambda: [1, 2, 4])  # SP sizes; the first is the reference
     method: str = "zeco"  # distributed.sp_method of the runs
     dtype: str = "fp32"  # model.dtype: fp64 makes rounding ~1e-16 instead of ~1e-7
-    tag: str = ""  # output names parity_<tag>.json, parity_sp124_<tag>.png
-    out: str = ""  # folder of results/ and figures/; empty: docs/
+    tag: str = ""  # output names parity_<tag>.json, parity_sp<sizes>_<tag>.png
+    out: str = "dumps/parity"  # folder of results/ and figures/ (out=docs replaces the committed ones)
     control: bool = False  # also SP=1 with the batch as 2 micro-batches (rounding alone)
     overrides: list[str] = field(default_factory=list)  # trainer keys for every run, e.g. optim.lr=3e-4
+
+
+def size_name(sizes: list[int]) -> str:
+    """sp124 for SP sizes 1, 2, 4; sp1-2-16 when a size has two digits."""
+    return "sp" + ("".join if max(sizes) < 10 else "-".join)(str(P) for P in sizes)
 
 
 def run(P: int, args: ParityArgs, dump: Path, extra: list[str]) -> list[float]:
@@ -65,11 +72,12 @@ def main(argv: list[str] | None = None) -> dict:
     batch = parse_args(TrainArgs, ["config=debug.yaml", *args.overrides]).data.batch_size  # checks the keys
     sizes, method, dtype, extra = args.sizes, args.method, args.dtype, args.overrides
     suffix = f"_{args.tag}" if args.tag else ""
-    out = Path(args.out or ROOT / "docs")
-    curves = {str(P): run(P, args, Path("dumps") / f"parity{suffix}_sp{P}", extra) for P in sizes}
+    out = Path(args.out or "dumps/parity")
+    dumps = Path("dumps").resolve()  # the runs start in ROOT (so apps/ imports): give them absolute folders
+    curves = {str(P): run(P, args, dumps / f"parity{suffix}_sp{P}", extra) for P in sizes}
     if args.control:  # rounding alone: SP=1, the same global batch summed as 2 micro-batches
         acc = [*extra, "grad_acc_steps=2", f"data.batch_size={batch // 2}"]
-        curves[CONTROL] = run(1, args, Path("dumps") / f"parity{suffix}_control", acc)
+        curves[CONTROL] = run(1, args, dumps / f"parity{suffix}_control", acc)
     ref = curves[str(sizes[0])]
     gaps = {P: [abs(a - b) for a, b in zip(c, ref)] for P, c in curves.items()}
     diffs = {P: max(g) for P, g in gaps.items()}
@@ -82,7 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
               "final_loss": {P: c[-1] for P, c in curves.items()}, "losses": curves}
     (out / "results").mkdir(parents=True, exist_ok=True)
     (out / "results" / f"parity{suffix}.json").write_text(json.dumps(result, indent=1))
-    plot(curves, diffs, out / "figures" / f"parity_sp124{suffix}.png", method, dtype, extra)
+    plot(curves, diffs, out / "figures" / f"parity_{size_name(sizes)}{suffix}.png", method, dtype, extra)
     print(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=1))
     return result
 
@@ -101,7 +109,8 @@ def plot(curves: dict, diffs: dict, path: Path, method: str, dtype: str, extra: 
     bx.axhline(1e-3, color="gray", lw=0.8)
     bx.set(xlabel="step", ylabel="absolute loss difference", title="difference to SP=1 (line: 1e-3)")
     ax.legend()
-    bx.legend()
+    if len(curves) > 1:  # one size alone: nothing to compare
+        bx.legend()
     save_figure(fig, str(path), dpi=120)
 
 

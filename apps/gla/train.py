@@ -1,7 +1,8 @@
 """One training loop for every sequence-parallel method (the method is a config value).
 
     python -m apps.gla.train config=debug.yaml
-    torchrun --nproc_per_node=2 -m apps.gla.train config=debug.yaml distributed.sp_size=2
+    torchrun --nproc_per_node=2 -m apps.gla.train config=debug.yaml distributed.sp_size=2 data.seq_len=128 \\
+        dump_dir=dumps/debug_sp2
 
 Resumes by itself from the latest complete checkpoint in dump_dir. Loss = mean over every token
 of every global sequence of the step (all DP ranks, all SP ranks, all micro-batches).
@@ -29,7 +30,7 @@ from lingua_zeco import evaluation
 from lingua_zeco import reliability
 from lingua_zeco import resume_layout
 from lingua_zeco import run_dir
-from lingua_zeco.args import ConfigError, dump_config, parse_args, to_dict
+from lingua_zeco.args import CONFIG_NAME, ConfigError, dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError, checkpoint_dir
 from lingua_zeco.data import DataArgs, build_data_loader
 from lingua_zeco.data.mqar import IGNORE_INDEX
@@ -266,6 +267,7 @@ class _Run:
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"
                          else contextlib.nullcontext())
         self.losses, self.data_wait_window = {}, 0.0  # loss by logged step; data wait since the last log
+        self.last_eval = None  # (prefix, loss) of the latest evaluation, for the closing line
         self.timer, self.start_step, self.t_loop = StepTimer(env.device), self.step, time.perf_counter()  # t_loop: ETA
 
     def log(self, loss_sum, n_sum, grad_norm) -> None:
@@ -299,6 +301,22 @@ class _Run:
                         step, args.steps, loss, record["lr"], record["grad_norm"],
                         record["tok_per_s_per_gpu"], mfu, stall, time.strftime("%H:%M:%S", time.gmtime(eta)))
 
+    def summary(self) -> str:
+        """The closing line: how far the run got, its last losses, throughput and time, and where its files are."""
+        args, dump_dir = self.args, _dump_dir(self.args)
+        elapsed = time.perf_counter() - self.t_loop
+        tokens = args.data.batch_size * args.data.seq_len * args.grad_acc_steps * (self.step - self.start_step)
+        state = "done" if self.step >= args.steps else "stopped"
+        parts = [f"{state} at step {self.step}/{args.steps} after {elapsed:.1f} s"]
+        if self.losses:
+            last = max(self.losses)
+            parts.append(f"loss {self.losses[last]:.4f}" + ("" if last == self.step else f" (step {last})"))
+        if self.last_eval is not None:
+            parts.append(f"{self.last_eval[0]}_loss {self.last_eval[1]:.4f}")
+        parts.append(f"{tokens / max(elapsed, 1e-9):.0f} tok/s/gpu (wall clock: evaluation and checkpoints included)")
+        outputs = [os.path.join(dump_dir, CONFIG_NAME), str(self.metrics.path), os.path.join(self.ckpt.path, "")]
+        return ", ".join(parts) + f"; outputs: {', '.join(outputs)}"
+
     def write_metrics(self, record: dict) -> None:
         """Append to metrics.jsonl (rank 0); a failed write is kept for `metrics_failure`, not raised here."""
         try:
@@ -312,9 +330,15 @@ class _Run:
         error, after a checkpoint of this step, so no step is lost."""
         args, env, step = self.args, self.env, self.step
         if evaluated := evaluation.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, ...}
-            self.write_metrics({"step": step, **evaluation.evaluate(
+            result = evaluation.evaluate(
                 self.model, args.data, args.eval, device=env.device, autocast=self.autocast, dp_rank=env.dp_rank,
-                dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)})
+                dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)
+            self.write_metrics({"step": step, **result})
+            if env.is_master:
+                prefix = "val" if "val_loss" in result else "train_set"  # train_set_*: eval.allow_train_overlap
+                self.last_eval = (prefix, result[f"{prefix}_loss"])
+                logger.info("step %d/%d %s_loss %.4f %s_ppl %.2f (%d tokens)", step, args.steps, prefix,
+                            result[f"{prefix}_loss"], prefix, result[f"{prefix}_ppl"], result[f"{prefix}_tokens"])
         failed = self.metrics_failure() if logged or evaluated else None
         self.ckpt.prepare(self.model, self.optimizer)  # once the optimizer has its state: after the first step
         self.ckpt.poll()  # a background save written on every rank is marked complete now
@@ -354,7 +378,7 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
                 reliability.StopSignals(args.reliability.handle_signals) as signals:
             while run.step < args.steps:
                 nxt = run.step + 1
-                log_now = nxt % args.logging.freq == 0 or nxt == args.steps
+                log_now = nxt % args.logging.freq == 0 or nxt == args.steps or nxt == 1  # step 1: the starting loss
                 sync = log_now or run.ckpt.should_save(nxt) or evaluation.due(args.eval, nxt, args.steps)
                 loss_sum, n_sum, data_wait, grad_norm, verdict = train_step(
                     run.model, run.optimizer, run.scheduler, run.data, env, args, run.autocast, run.guard, run.step,
@@ -374,6 +398,8 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
                                    "resume", signals.name or "none", run.step)
                     break
             run.ckpt.close()  # the last save (end of run, stop signal) is complete before we leave
+        if env.is_master and run.step > run.start_step:
+            logger.info("%s", run.summary())
     finally:  # stop the prefetch thread and flush the metrics file even when a step fails
         run.data.close()
         run.metrics.close()

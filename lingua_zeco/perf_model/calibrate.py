@@ -69,6 +69,11 @@ def shown(path: str) -> str:
         return str(path)
 
 
+def read_json(path: str):
+    with open(path) as f:  # closed here, not whenever the garbage collector gets to it
+        return json.load(f)
+
+
 def load_raw(raw: str) -> dict:
     """The folder's files, parsed; out["files"] names the file behind each key."""
     raw = find(raw)
@@ -78,14 +83,15 @@ def load_raw(raw: str) -> dict:
     for key, pat in (("comm", "comm_P*.json"), ("op", "op_P*.json"), ("fused", "bench_fused.json")):
         found = sorted(glob.glob(os.path.join(raw, pat)))
         if found:
-            out[key] = json.load(open(found[0]))
+            out[key] = read_json(found[0])
             out["files"][key] = shown(found[0])
             if out[key].get("partial"):  # bench_main's mark of a run cut short
                 warnings.warn(f"{shown(found[0])} is partial (its benchmark was cut short): the model is "
                               "calibrated from the measurements it holds", stacklevel=2)
     for f in sorted(glob.glob(os.path.join(raw, "metrics_*.jsonl"))):
         name = os.path.basename(f)[len("metrics_"):-len(".jsonl")]
-        out["metrics"][name] = [json.loads(line) for line in open(f) if line.strip()]
+        with open(f) as lines:
+            out["metrics"][name] = [json.loads(line) for line in lines if line.strip()]
         out["files"][f"metrics_{name}"] = shown(f)
     return out
 
@@ -191,7 +197,7 @@ def symm_hop_fit(folder: str) -> tuple[float, str]:
     time = fixed + (P - 1)·(alpha + bytes·slope), over every P and state size. The loopback has no NVLink
     wire time; the model's bytes/beta per hop stands for it."""
     files = sorted(glob.glob(os.path.join(find(folder), "comm_loopback_P*.json")))
-    rows = [r for f in files for r in json.load(open(f))["results"] if r["method"] == "loopback_symm_chain1"]
+    rows = [r for f in files for r in read_json(f)["results"] if r["method"] == "loopback_symm_chain1"]
     if len({r["P"] for r in rows}) < 2:
         raise FileNotFoundError(f"symm={folder}: needs comm_loopback_P*.json files (bench_comm loopback=P) "
                                 f"with loopback_symm_chain1 rows at two P or more; found {len(files)} files")
