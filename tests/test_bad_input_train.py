@@ -41,6 +41,10 @@ def _cases(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
     run = [*TINY, f"dump_dir={tmp}/run", "steps=2"]
     (tmp / "empty.yaml").write_text("")
     (tmp / "comments.yaml").write_text("# nothing but a comment\n")
+    (tmp / "two").mkdir()  # two real sources, so that only their weights can be wrong
+    for name in ("a", "b"):
+        (tmp / "two" / name).mkdir()
+        (tmp / "two" / name / "docs.jsonl").write_text('{"text": "some words to read"}\n' * 50)
     (tmp / "pq" / "web").mkdir(parents=True)
     (tmp / "pq" / "web" / "broken.parquet").write_bytes(b"PAR1" + os.urandom(2000))
     # a complete checkpoint whose shard no longer matches its checksum: the only one, so nothing loads
@@ -61,8 +65,8 @@ def _cases(tmp: Path, ckpt: Path) -> dict[str, tuple[list[str], str]]:
         "empty-config": ([f"config={tmp}/empty.yaml", f"dump_dir={tmp}/run"], "is empty"),
         "comments-only-config": ([f"config={tmp}/comments.yaml", f"dump_dir={tmp}/run"], "is empty"),
         "model-too-large": ([*run, "model.n_layers=100000", "model.dim=4096"], "GiB per rank"),
-        "source-weight-nan": ([*run, "data.sources={a: .nan, b: 1.0}"], "data.sources"),
-        "source-weight-inf": ([*run, "data.sources={a: .inf, b: 1.0}"], "data.sources"),
+        "source-weight-nan": ([*run, f"data.root_dir={tmp}/two", "data.sources={a: .nan, b: 1.0}"], "positive finite"),
+        "source-weight-inf": ([*run, f"data.root_dir={tmp}/two", "data.sources={a: .inf, b: 1.0}"], "positive finite"),
         "warmup-negative": ([*run, "optim.warmup=-1"], "optim.warmup=-1"),
         "lr-zero": ([*run, "optim.lr=0"], "optim.lr=0"),
         "lr-nan": ([*run, "optim.lr=.nan"], "optim.lr=nan"),
