@@ -110,7 +110,7 @@ class TorchSymmetricMemory:
 
 
 def agreed_setup(make, group, device: torch.device):
-    """make() on every rank of `group`, then one all_reduce (MIN) of a success flag: its result where it
+    """make() on every rank of `group`, then one all_reduce of per-rank failure flags: its result where it
     worked everywhere, else SymmSetupError on every rank, naming the ranks that failed and this one's cause."""
     err, out = None, None
     try:
