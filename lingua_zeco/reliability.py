@@ -12,10 +12,12 @@
 * A collective that fails (a peer died) or times out (`distributed.timeout_s`, a peer hangs) becomes
   a CollectiveError naming this rank; the process exits without waiting on the broken group.
 * Bad input (unknown config key, impossible layout, missing files, a corrupt record with
-  data.on_bad_line=error, ranks started with different configs) is one line on stderr.
+  data.on_bad_line=error, ranks started with different configs) is one line on stderr, printed once
+  under torchrun when every rank found it (BadInputOnce).
 
 Exit codes of `python -m apps.gla.train` (each rank under torchrun):
-    0  finished, or stopped by SIGTERM/SIGUSR2/SIGINT after saving a checkpoint (run the same command again)
+    0  finished, or stopped by SIGTERM/SIGUSR2/SIGINT after saving a checkpoint (run the same command again),
+       or by Ctrl-C before the first step (nothing written yet)
     1  training failed: non-finite loss/gradients beyond the policy, non-finite weights at a save, a
        collective failed or timed out, a checkpoint could not be written (e.g. no space left), or an
        unexpected error (with its traceback)
