@@ -279,7 +279,8 @@ def clean_exit():
         rank = os.environ.get("RANK")
         once = BadInputOnce() if code == EXIT_BAD_INPUT else None
         if once is None or once.should_print(str(e)):
-            print(f"error{f' (rank {rank})' if rank and once is None else ''}: {e}", file=sys.stderr, flush=True)
+            shared = once is not None and once.store is not None and once.rank == 0  # every rank's message
+            print(f"error{f' (rank {rank})' if rank and not shared else ''}: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
         if once is not None:
             once.leave()
