@@ -190,6 +190,9 @@ def _load_yaml(path: Path) -> DictConfig:
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {str(path)!r} must be a mapping of keys (key: value lines), "
                           f"not a {type(loaded).__name__}")
+    if not loaded:  # an empty file would silently mean every default (for train: a 1.2B model)
+        raise ConfigError(f"config file {str(path)!r} is empty: name a config with keys (e.g. config=debug.yaml); "
+                          f"--help lists the keys")
     return loaded
 
 

@@ -411,11 +411,21 @@ class CheckpointManager:
             raise CheckpointLoadError(f"init checkpoint {path}: its {MARKER} marker is empty, unreadable or without "
                                       f"its file list: the folder is torn")
         problems = sum(gather_all(integrity.verify(path, files, *rank_world()) if files else []), [])
+        hint = "repair it, or point checkpoint.init_ckpt_path at another checkpoint of this model"
         if problems:
-            raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
-        state = _state(model, None)
-        _dcp(dcp.load, state, path)
-        set_model_state_dict(model, state["model"])
+            raise ConfigError(f"init checkpoint {path}: {'; '.join(problems)} (against the checksums in its "
+                              f"{MARKER}); {hint}")
+        err = None
+        try:  # DCP's failures are tracebacks of every rank: one line naming the folder instead
+            state = _state(model, None)
+            _dcp(dcp.load, state, path)
+            set_model_state_dict(model, state["model"])
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed, then raised on every rank
+            integrity.reraise_interrupt(e)
+            err = e
+        if (err := _agree(err, kind=ConfigError)) is not None:
+            raise ConfigError(f"init checkpoint {path} cannot be loaded into this model "
+                              f"({integrity.root_cause(err)}); {hint}") from err
         log.info("initialized model weights from %s", path)
         return path
 
@@ -480,6 +490,7 @@ class CheckpointManager:
             except ConfigError:
                 raise
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+                integrity.reraise_interrupt(e)
                 err = e
             if all(gather_all(err is None)):  # any rank failing means all fall back together
                 log.info("resumed from %s", folder)
@@ -490,7 +501,9 @@ class CheckpointManager:
             self._unloadable.add(folder)
         if failures:
             # Silently restarting from scratch would overwrite a run: stop and let a person look.
-            raise RuntimeError(f"no complete checkpoint under {self.path} could be loaded: {failures}")
+            raise ConfigError(f"no complete checkpoint under {self.path} could be loaded (the warnings above say "
+                              f"why): {failures}. Nothing was changed; move the damaged folders aside to start "
+                              f"from an older one, or use another dump_dir (or checkpoint.path) to start afresh")
         if self.args.init_ckpt_path:
             self.load_model_only(self.args.init_ckpt_path, model)
         return None

@@ -170,6 +170,13 @@ def _causes(e: BaseException):
         stack += [v[0] if isinstance(v, tuple) else v for v in (getattr(x, "failures", None) or {}).values()]
 
 
+def reraise_interrupt(e: BaseException) -> None:
+    """Ctrl-C inside a DCP call arrives wrapped in its CheckpointException: raise it as the
+    KeyboardInterrupt it is, not as a damaged checkpoint (which would start a fallback)."""
+    if any(isinstance(x, KeyboardInterrupt) for x in _causes(e)):
+        raise KeyboardInterrupt from e
+
+
 def root_cause(e: BaseException) -> str:
     """One line for a failure: the innermost exception's message (DCP's own message is a traceback dump)."""
     x = e

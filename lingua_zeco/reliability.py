@@ -12,10 +12,12 @@
 * A collective that fails (a peer died) or times out (`distributed.timeout_s`, a peer hangs) becomes
   a CollectiveError naming this rank; the process exits without waiting on the broken group.
 * Bad input (unknown config key, impossible layout, missing files, a corrupt record with
-  data.on_bad_line=error, ranks started with different configs) is one line on stderr.
+  data.on_bad_line=error, ranks started with different configs) is one line on stderr, printed once
+  under torchrun when every rank found it (BadInputOnce).
 
 Exit codes of `python -m apps.gla.train` (each rank under torchrun):
-    0  finished, or stopped by SIGTERM/SIGUSR2/SIGINT after saving a checkpoint (run the same command again)
+    0  finished, or stopped by SIGTERM/SIGUSR2/SIGINT after saving a checkpoint (run the same command again),
+       or by Ctrl-C before the first step (nothing written yet)
     1  training failed: non-finite loss/gradients beyond the policy, non-finite weights at a save, a
        collective failed or timed out, a checkpoint could not be written (e.g. no space left), or an
        unexpected error (with its traceback)
@@ -34,11 +36,13 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from lingua_zeco.args import ConfigError
+from lingua_zeco.optim import check_optim_args
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +213,10 @@ def check_config(args) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be >= 1")
+    if args.checkpoint.dump.every < 0:
+        raise ConfigError(f"checkpoint.dump.every={args.checkpoint.dump.every} must be >= 0 (0 = only at the end "
+                          f"and on a stop signal)")
+    check_optim_args(args.optim)
     if args.checkpoint.dump.keep < 0:
         raise ConfigError(f"checkpoint.dump.keep={args.checkpoint.dump.keep} must be >= 0 (0 = keep every checkpoint)")
     StepGuard(args.reliability)  # validates the non-finite policy
@@ -258,7 +266,10 @@ def collective_error(e: BaseException, rank: int, world: int, timeout_s: int) ->
 @contextlib.contextmanager
 def clean_exit():
     """Turn the failures above into one line on stderr and the documented exit code.
-    LINGUA_ZECO_DEBUG=1 prints the traceback as well."""
+    LINGUA_ZECO_DEBUG=1 prints the traceback as well. Bad input found by every rank alike (a typo under
+    torchrun) is printed once, by rank 0 (`BadInputOnce`). Ctrl-C outside the training loop (where
+    stop signals are not yet, or no longer, turned into a checkpoint) ends with one line and exit 0:
+    nothing is half-written, the newest complete checkpoint stays the one a rerun resumes from."""
     try:
         yield
     except (ConfigError, FileNotFoundError, ValueError, NonFiniteError, CollectiveError, StorageError) as e:
@@ -266,11 +277,64 @@ def clean_exit():
             log.exception("traceback")
         code = EXIT_FAILED if isinstance(e, (NonFiniteError, CollectiveError, StorageError)) else EXIT_BAD_INPUT
         rank = os.environ.get("RANK")
-        print(f"error{f' (rank {rank})' if rank else ''}: {e}", file=sys.stderr, flush=True)
+        once = BadInputOnce() if code == EXIT_BAD_INPUT else None
+        if once is None or once.should_print(str(e)):
+            shared = once is not None and once.store is not None and once.rank == 0  # every rank's message
+            print(f"error{f' (rank {rank})' if rank and not shared else ''}: {e}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        if once is not None:
+            once.leave()
         if isinstance(e, CollectiveError):
             os._exit(code)  # the broken group's threads may block or abort the normal interpreter exit
         sys.exit(code)
+    except KeyboardInterrupt:
+        print("stopped by SIGINT (Ctrl-C) outside the training loop: nothing was left half-written; rerun the "
+              "same command to start or resume", file=sys.stderr, flush=True)
+        sys.exit(0)
+
+
+class BadInputOnce:
+    """Under torchrun, every rank usually finds the same bad input (same argv, same files): print it once.
+
+    Through the launcher's key-value store (torchrun's agent store, reachable before any process group
+    exists): each rank posts its message; rank 0 prints its own; another rank prints only a message rank 0
+    did not post within a few seconds (bad input on that rank alone). The ranks then leave together, SIGTERM
+    ignored meanwhile: torchrun sends it to the others once one has exited, which would turn their exit 2
+    into a death by signal. Without the agent store (a plain run, another launcher) every rank prints."""
+
+    WAIT_S = 5.0
+
+    def __init__(self):
+        self.rank, self.world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        self.prefix = f"lingua_zeco/bad_input/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/msg"
+        self.store = None
+        if self.world > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            try:
+                self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                           is_master=False, timeout=timedelta(seconds=self.WAIT_S))
+            except (RuntimeError, KeyError, ValueError):  # no store to reach: every rank prints
+                self.store = None
+
+    def _posted(self, ranks) -> bool:
+        try:
+            self.store.wait([f"{self.prefix}{r}" for r in ranks], timedelta(seconds=self.WAIT_S))
+            return True
+        except RuntimeError:  # timed out: some rank is elsewhere (its input was fine)
+            return False
+
+    def should_print(self, message: str) -> bool:
+        if self.store is None:
+            return True
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self.store.set(f"{self.prefix}{self.rank}", message)
+        if self.rank == 0:
+            return True
+        return not (self._posted([0]) and self.store.get(f"{self.prefix}0").decode() == message)
+
+    def leave(self) -> None:
+        if self.store is not None:
+            self._posted(range(self.world))  # every rank is on its way to exit 2 (or WAIT_S passed)
 
 
 # -- test hook -----------------------------------------------------------------------------------

@@ -183,3 +183,38 @@ def test_dS_in_triton_kernel_under_the_interpreter(variant):
         assert worst < 3e-3, worst  # fp16 rounding of q·2^g before the product
     else:
         assert worst > 1e-2, worst
+
+
+_INTERPRETED_FWD_O = r"""
+import sys, torch, triton
+import torch.nn.functional as F
+from lingua_zeco.kernels import zeco_stages as zs
+B, T, H, K, V, BT = 2, 40, 2, 32, 32, 16
+NT = triton.cdiv(T, BT)
+gen = torch.Generator().manual_seed(1)
+q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+g_cs = zs.chunk_local_cumsum_torch(F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2), BT)
+Gx, _ = zs.chunk_decay_prefix_torch(g_cs, BT)
+A = 0.1 * torch.randn(B, T, H, BT, generator=gen)
+h = 0.1 * torch.randn(B, NT, H, K, V, generator=gen)  # the chunk states from a zero state
+S_in = torch.randn(B, H, K, V, generator=gen)
+ref = zs.zeco_fwd_o_torch(*(t.double() for t in (q, v, g_cs, A, h, S_in, Gx)), 0.5, BT)
+worst = 0.0
+for BK, BV in ((32, 32), (16, 16)):  # one and two K blocks, one and two V blocks per program
+    o = torch.zeros_like(v)
+    zs._fwd_o_kernel.fn[(triton.cdiv(V, BV), NT, B * H)](q, v, g_cs, A, h, S_in, Gx.contiguous(), o, 0.5, T, H=H,
+                                                        K=K, V=V, BT=BT, BK=BK, BV=BV)
+    worst = max(worst, ((o.double() - ref).abs().max() / ref.abs().max()).item())
+print(worst)
+"""
+
+
+def test_fwd_o_triton_kernel_under_the_interpreter():
+    """The Triton output stage itself (not its torch oracle) under Triton's CPU interpreter, against the
+    float64 oracle: S_in folded into every chunk's state (a kernel that drops it is off by the whole
+    incoming term), a partial last chunk, several K and V blocks."""
+    from lingua_zeco.testing import run_interpreted
+    pytest.importorskip("triton")
+    worst = run_interpreted(_INTERPRETED_FWD_O)
+    assert worst < 1e-4, worst  # fp32 accumulation
+

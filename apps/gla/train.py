@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from apps.gla.layers import check_model_args
 from apps.gla.compile import apply_speedups
+from apps.gla.memory_fit import check_fits
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
 from lingua_zeco import distributed
@@ -231,6 +232,8 @@ class _Run:
     def __init__(self, args: TrainArgs, env: distributed.DistEnv):
         dump_dir, self.args, self.env = _dump_dir(args), _checked(args), env
         args = self.args
+        shards = env.dims.dp_shard * env.dims.sp if args.distributed.fsdp else 1
+        check_fits(args.model, args.data.batch_size * args.data.seq_len, shards, env.device)  # before any allocation
         self.ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s)
         run_dir.check_writable(self.ckpt.path)  # a read-only or full disk fails now, not at the first save
         torch.manual_seed(args.seed)

@@ -28,6 +28,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from .buffers import buffer_key
 from .scan import ScanOrder
@@ -81,23 +82,51 @@ class TorchSymmetricMemory:
         self._pool: dict = {}
 
     def buffer(self, key: tuple, n: int, like: torch.Tensor, group) -> SymmBuffer:
-        """This rank's SymmBuffer of n elements for `key`, made on first use."""
+        """This rank's SymmBuffer of n elements for `key`, made on first use. Collective: every rank of
+        the group either gets its buffer or raises SymmSetupError (transport=auto then falls back on every
+        rank alike; ranks on different transports would wait on each other forever)."""
         hit = self._pool.get(key)
         if hit is not None:
             return hit
-        try:
-            import torch.distributed._symmetric_memory as symm
-            if hasattr(symm, "enable_symm_mem_for_group"):  # needed by older torch, deprecated (a no-op) later
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    symm.enable_symm_mem_for_group(group.group_name)
-            buf = symm.empty(n, dtype=like.dtype, device=like.device)
-            handle = symm.rendezvous(buf, group.group_name)
-        except Exception as e:  # e.g. no peer access between the GPUs, two ranks on one GPU
-            raise SymmSetupError(f"all_scan(transport='symm'): no symmetric memory on this group "
-                                 f"({type(e).__name__}: {e}); use all_scan.transport=nccl") from e
+        # agreed before the rendezvous (a rank that failed to allocate never joins it) and after it
+        buf = agreed_setup(lambda: self.allocate(n, like, group), group, like.device)
+        handle = agreed_setup(lambda: self.rendezvous(buf, group), group, like.device)
         hit = self._pool[key] = SymmBuffer(buf, handle)
         return hit
+
+    def allocate(self, n: int, like: torch.Tensor, group) -> torch.Tensor:
+        """This rank's part: n elements of symmetric memory (local, no communication)."""
+        import torch.distributed._symmetric_memory as symm
+        if hasattr(symm, "enable_symm_mem_for_group"):  # needed by older torch, deprecated (a no-op) later
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symm.enable_symm_mem_for_group(group.group_name)
+        return symm.empty(n, dtype=like.dtype, device=like.device)
+
+    def rendezvous(self, buf: torch.Tensor, group):
+        """Map every rank's buffer into this one's address space (collective); the handle."""
+        import torch.distributed._symmetric_memory as symm
+        return symm.rendezvous(buf, group.group_name)
+
+
+def agreed_setup(make, group, device: torch.device):
+    """make() on every rank of `group`, then one all_reduce of per-rank failure flags: its result where it
+    worked everywhere, else SymmSetupError on every rank, naming the ranks that failed and this one's cause."""
+    err, out = None, None
+    try:
+        out = make()
+    except Exception as e:  # e.g. no peer access between the GPUs, two ranks on one GPU
+        err = e
+    P, rank = dist.get_world_size(group), dist.get_rank(group)
+    failed = torch.zeros(P, dtype=torch.int32, device=device)
+    failed[rank] = int(err is not None)
+    dist.all_reduce(failed, group=group)  # SUM of one-hot flags: which ranks failed (one small collective)
+    bad = failed.nonzero().flatten().tolist()
+    if not bad:
+        return out
+    cause = f"{type(err).__name__}: {err}" if err is not None else "this rank's setup worked"
+    raise SymmSetupError(f"all_scan(transport='symm'): no symmetric memory on this group: setup failed on "
+                         f"group rank(s) {bad} ({cause}); use all_scan.transport=nccl") from err
 
 
 TORCH_SYMM = TorchSymmetricMemory()

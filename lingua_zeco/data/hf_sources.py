@@ -169,12 +169,18 @@ class StreamSource(FileSource):
 
         path, start = self._path(), self.state["row"]
         builder = "parquet" if path.endswith(".parquet") else "json"
-        with offline():
-            ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
-        if start:
-            ds = ds.skip(start)
-        for batch in ds.iter(batch_size=STREAM_BATCH):
-            n = len(next(iter(batch.values()))) if batch else 0
-            for value in batch.get(self.text_key, [None] * n):
-                start += 1
-                yield start, value
+        import pyarrow as pa
+
+        try:  # pyarrow's and datasets' messages do not name the file
+            with offline():
+                ds = datasets.load_dataset(builder, data_files=[path], split="train", streaming=True)
+            if start:
+                ds = ds.skip(start)
+            for batch in ds.iter(batch_size=STREAM_BATCH):
+                n = len(next(iter(batch.values()))) if batch else 0
+                for value in batch.get(self.text_key, [None] * n):
+                    start += 1
+                    yield start, value
+        except (pa.ArrowException, OSError, datasets.exceptions.DatasetGenerationError) as e:
+            raise ValueError(f"{path}: not a readable {builder} file after row {start} ({e}); "
+                             f"repair or remove it") from e

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 import queue
 import random
 import threading
@@ -169,8 +170,8 @@ class PackedDataLoader:
         if not (0 <= dp_rank < dp_size and 0 <= sp_rank < sp_size) or args.seq_len < 1 or args.batch_size < 1:
             raise ValueError(f"bad layout: dp_rank={dp_rank}/{dp_size} sp_rank={sp_rank}/{sp_size} "
                              f"seq_len={args.seq_len} batch_size={args.batch_size}")
-        if any(w <= 0 for w in args.sources.values()):
-            raise ValueError(f"data.sources weights must be positive: {args.sources}")
+        if not all(math.isfinite(w) and w > 0 for w in args.sources.values()):  # NaN > 0 is False too
+            raise ValueError(f"data.sources weights must be positive finite numbers: {args.sources}")
         self.args = args
         self._packer = _Packer(args, dp_rank, dp_size, sp_rank, sp_size, seed)
         self._thread = None

@@ -51,16 +51,23 @@ def _jsonl_records(path: str, offset: int, line_no: int):
 
 def _parquet_records(path: str, row: int, text_key: str):
     """Yield (row_after, row_after, text) from row index `row`, one row group in memory at a time."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pf = pq.ParquetFile(path)
+    try:  # pyarrow's messages do not name the file ("Parquet magic bytes not found in footer...")
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file ({e}); repair or remove it") from e
     if text_key not in pf.schema_arrow.names:
         raise ValueError(f"{path}: no column {text_key!r} (columns: {pf.schema_arrow.names}); set data.text_key")
     start = 0
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
         if start + n > row:
-            texts = pf.read_row_group(g, columns=[text_key]).column(0).to_pylist()
+            try:
+                texts = pf.read_row_group(g, columns=[text_key]).column(0).to_pylist()
+            except (pa.ArrowException, OSError) as e:
+                raise ValueError(f"{path}: row group {g} cannot be read ({e}); repair or remove the file") from e
             for i in range(max(row - start, 0), n):
                 yield start + i + 1, start + i + 1, texts[i]
         start += n

@@ -94,7 +94,7 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
         packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
         check_local(q, k, v, g[..., None].expand_as(q), method, packing, 1)
         scale = q.shape[-1] ** -0.5 if scale is None else scale
-        cu = None if packing is None else packing.cu_seqlens
+        cu = None if packing is None else packing.seg.cu_seqlens  # zero-length documents left out, as in sp_gla
         return kernels.chunk_simple_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=backend)[0]
     return sp_gla(q, k, v, g[..., None].expand_as(q), group=group, method=method, scale=scale,
                   cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)

@@ -1,6 +1,6 @@
 """ZeCO on fla's varlen stages for a slice of packed documents in which a document starts (CUDA, B = 1).
 
-Rules (DESIGN §3, packed documents): a document starting inside the slice resets the state, so the
+Rules (docs/sp.md, packed documents): a document starting inside the slice resets the state, so the
 slice's outgoing state is its last document's final state alone (b_end = 0, the scan pair is
 (0, S_last)), and the incoming state S_in reaches only the prefix [0, t0) that continues the previous
 rank's document (t0 = seg.first_end, 0 when a document starts at the slice's first token).

@@ -25,7 +25,7 @@ from lingua_zeco.perf_model.schedules import (DeviceArgs, StateArgs, allgather_s
 COLORS = dict(chain1="tab:gray", chain2="tab:olive", chain4="tab:green", chain8="tab:cyan", tree="tab:purple",
               allgather="tab:red", allreduce="tab:brown", none="black", fla="tab:gray", zeco="tab:green",
               lasp1="tab:orange", lasp2="tab:red", zeco_composed="tab:blue", hier="tab:pink")
-# paper (H100), operator fwd+bwd at 16K per GPU, DESIGN §7: only the end points it quotes
+# paper (arXiv 2507.01004, H100), operator fwd+bwd at 16K per GPU: only the end points it reports
 PAPER_OP_16K = dict(zeco={8: 7.3, 128: 9.9}, lasp2={8: 19.4, 128: 35.7}, lasp1={8: 22.6, 128: 113.7})
 
 
