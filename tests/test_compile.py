@@ -91,6 +91,25 @@ def test_compiled_model_equals_eager_fp64(ac):
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-10, atol=1e-12, msg=n)
 
 
+@pytest.mark.parametrize("kw", [dict(attn_variant="simple_gla"), dict(attn_variant="gated_deltanet"),
+                                dict(softmax_layers=[1])], ids=["simple_gla", "gated_deltanet", "hybrid"])
+def test_other_attention_variants_compile_around_their_sp_call(kw):
+    """The other variants and softmax blocks run their SP entry outside the graph: same loss and gradients."""
+    x = torch.randint(0, SMALL["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(3))
+    results = []
+    for compiled in (False, True):
+        m = _model(**kw)
+        if compiled:
+            compile_blocks(m.blocks, backend="aot_eager")
+        loss, _ = m(x, labels=x)
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    (l0, g0), (l1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
 TINY = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",
         "data.batch_size=2", "logging.freq=1", "optim.warmup=2", "optim.lr=1e-2", "data.prefetch=0", "steps=3",
         "checkpoint.dump.every=100", "model.compile_backend=aot_eager"]
