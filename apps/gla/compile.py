@@ -26,9 +26,11 @@ from apps.gla.model import GLABlock
 MIN_FLOAT8_DIM = 64  # smaller GEMMs (the gate's rank-16 projections) cost more in casts than float8 saves
 
 
-def compile_enabled(args: GLAArgs, device: torch.device) -> bool:
-    """model.compile: blocks | none | auto (blocks on CUDA; on a CPU compiling costs more than a short run)."""
-    return args.compile == "blocks" or (args.compile == "auto" and device.type == "cuda")
+def compile_enabled(args: GLAArgs, device: torch.device, sp_size: int = 1) -> bool:
+    """model.compile: blocks | none | auto: blocks on CUDA without sequence parallelism, where it was measured
+    faster (docs/results/performance.md); none on a CPU (compiling costs more than a short run saves) and
+    under SP (the exchange breaks each block's graph; not measured on GPUs yet: model.compile=blocks asks)."""
+    return args.compile == "blocks" or (args.compile == "auto" and device.type == "cuda" and sp_size == 1)
 
 
 @functools.cache
@@ -69,12 +71,13 @@ def convert_float8(model: nn.Module, recipe: str, head: bool, device: torch.devi
     return names
 
 
-def apply_speedups(model, args: GLAArgs, device: torch.device) -> dict:
-    """model.float8, then model.compile, on a built model before FSDP. Returns what was applied."""
+def apply_speedups(model, args: GLAArgs, device: torch.device, sp_size: int = 1) -> dict:
+    """model.float8, then model.compile, on a built model before FSDP (sp_size: the SP group's). Returns what
+    was applied."""
     done = dict(float8=[], compiled=False)
     if args.float8 != "none":
         done["float8"] = convert_float8(model, args.float8, args.float8_head, device)
-    if compile_enabled(args, device):
+    if compile_enabled(args, device, sp_size):
         compile_blocks(model.blocks, args.compile_backend)
         done["compiled"] = True
     return done

@@ -36,7 +36,7 @@ class GLAArgs:
     init_std: float = 0.02  # std of the normal init of every matrix
     fused_kernels: bool = True  # fla Triton norms / SwiGLU / linear cross-entropy when on CUDA
     compile_gates: bool = True  # CUDA: the forget gate's logsigmoid / normalizer as one torch.compile'd kernel
-    # torch.compile per block (apps/gla/compile.py): blocks | none | auto (blocks on CUDA, none elsewhere).
+    # torch.compile per block (apps/gla/compile.py): blocks | none | auto (blocks on CUDA without SP, else none).
     # Compiled, the norms, gates, SwiGLU and residuals are fused by Inductor and the GLA operator is one
     # opaque custom op (lingua_zeco.kernels.chunk_gla_op); fused_kernels then applies outside the blocks only.
     compile: str = "auto"

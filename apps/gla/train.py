@@ -75,7 +75,7 @@ def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
                            sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
     model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
     model.to(env.device)
-    apply_speedups(model, args.model, env.device)  # model.float8 / model.compile, before FSDP wraps the blocks
+    apply_speedups(model, args.model, env.device, env.dims.sp)  # model.float8 / model.compile, before FSDP
     if args.distributed.fsdp:
         distributed.apply_fsdp(model, env, args.distributed, model.blocks)
     else:
