@@ -74,28 +74,10 @@ def test_gla_op_matches_float64_oracle_and_catches_a_dropped_gradient():
     assert (got_grads[3] - torch.zeros_like(got_grads[3])).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("ac", ["none", "full", "selective"])
-def test_compiled_model_equals_eager_fp64(ac):
-    x = torch.randint(0, SMALL["vocab_size"], (1, 48), generator=torch.Generator().manual_seed(1))
-    results = []
-    for compiled in (False, True):
-        m = _model(activation_checkpointing=ac)
-        if compiled:
-            compile_blocks(m.blocks, backend="aot_eager")
-        loss, _ = m(x, labels=x)
-        loss.backward()
-        results.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
-    (l0, g0), (l1, g1) = results
-    torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
-    for n in g0:
-        torch.testing.assert_close(g1[n], g0[n], rtol=1e-10, atol=1e-12, msg=n)
-
-
-@pytest.mark.parametrize("kw", [dict(attn_variant="simple_gla"), dict(attn_variant="gated_deltanet"),
-                                dict(softmax_layers=[1])], ids=["simple_gla", "gated_deltanet", "hybrid"])
-def test_other_attention_variants_compile_around_their_sp_call(kw):
-    """The other variants and softmax blocks run their SP entry outside the graph: same loss and gradients."""
-    x = torch.randint(0, SMALL["vocab_size"], (1, 32), generator=torch.Generator().manual_seed(3))
+def _assert_compiled_equals_eager(T: int, seed: int, **kw) -> None:
+    """The fp64 model with model kwargs `kw`, eager and with compiled blocks (aot_eager): the same loss and
+    gradients to rounding."""
+    x = torch.randint(0, SMALL["vocab_size"], (1, T), generator=torch.Generator().manual_seed(seed))
     results = []
     for compiled in (False, True):
         m = _model(**kw)
@@ -108,6 +90,18 @@ def test_other_attention_variants_compile_around_their_sp_call(kw):
     torch.testing.assert_close(l1, l0, rtol=1e-12, atol=0)
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+@pytest.mark.parametrize("ac", ["none", "full", "selective"])
+def test_compiled_model_equals_eager_fp64(ac):
+    _assert_compiled_equals_eager(48, 1, activation_checkpointing=ac)
+
+
+@pytest.mark.parametrize("kw", [dict(attn_variant="simple_gla"), dict(attn_variant="gated_deltanet"),
+                                dict(softmax_layers=[1])], ids=["simple_gla", "gated_deltanet", "hybrid"])
+def test_other_attention_variants_compile_around_their_sp_call(kw):
+    """The other variants and softmax blocks run their SP entry outside the graph: same loss and gradients."""
+    _assert_compiled_equals_eager(32, 3, **kw)
 
 
 TINY = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",
