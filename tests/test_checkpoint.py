@@ -40,6 +40,20 @@ def _mgr(tmp_path, keep=3, **kw):
     return CheckpointManager(CheckpointArgs(dump=SaveEvery(every=2, keep=keep), **kw), str(tmp_path))
 
 
+def _saved_run(tmp_path, steps):
+    """A model trained one step before each save at `steps` (retention off): (model, optimizer, manager,
+    {step: the model's state saved at that step})."""
+    m = _model(0)
+    o = _opt(m)
+    mgr = _mgr(tmp_path, keep=0)
+    saved = {}
+    for step in steps:
+        _train(m, o, 1, seed=step)
+        mgr.save(step, m, o, extra={"step": step}, per_rank={})
+        saved[step] = {k: v.clone() for k, v in m.state_dict().items()}
+    return m, o, mgr, saved
+
+
 def test_round_trip_is_bitwise_and_training_continues_identically(tmp_path):
     m, o = _model(0), None
     o = _opt(m)
@@ -63,14 +77,7 @@ def test_round_trip_is_bitwise_and_training_continues_identically(tmp_path):
 
 
 def test_torn_and_truncated_checkpoints_fall_back(tmp_path, caplog):
-    m, o = _model(0), None
-    o = _opt(m)
-    mgr = _mgr(tmp_path, keep=0)
-    snapshots = {}
-    for step in (1, 2, 3):
-        _train(m, o, 1, seed=step)
-        mgr.save(step, m, o, extra={"step": step}, per_rank={})
-        snapshots[step] = {k: v.clone() for k, v in m.state_dict().items()}
+    m, o, mgr, snapshots = _saved_run(tmp_path, (1, 2, 3))
     os.remove(os.path.join(mgr.path, "step_0000000003", "COMPLETE"))  # crash before the marker
     os.makedirs(os.path.join(mgr.path, ".tmp_step_0000000004"))  # crash mid-save
     with caplog.at_level(logging.WARNING):
@@ -109,12 +116,7 @@ def test_retention_keeps_the_save_made_after_falling_back_from_a_damaged_newest(
     """keep=1, the newest checkpoint (20) damaged: the rerun falls back to 10 and saves 12 (a SIGTERM save).
     Retention must keep 12, the one it just wrote, though 20 has a higher step (issue 39, item 1); the
     damaged one does not count among the newest and is left in place for inspection."""
-    m = _model(0)
-    o = _opt(m)
-    mgr = _mgr(tmp_path, keep=0)
-    for step in (10, 20):
-        _train(m, o, 1, seed=step)
-        mgr.save(step, m, o, extra={"step": step}, per_rank={})
+    m, o, mgr, _ = _saved_run(tmp_path, (10, 20))
     damaged = os.path.join(mgr.path, "step_0000000020")
     _scribble(damaged, m[2].weight, flip_low_bit=True)
     rerun = _mgr(tmp_path, keep=1)
@@ -256,14 +258,8 @@ def test_garbage_inside_a_shard_fails_its_checksum_and_falls_back(tmp_path, capl
     complete checkpoint whose check is off (issue 39, item 4)."""
     import json
 
-    m = _model(0)
-    o = _opt(m)
-    mgr = _mgr(tmp_path, keep=0)
-    for step in (1, 2):
-        _train(m, o, 1, seed=step)
-        mgr.save(step, m, o, extra={"step": step}, per_rank={})
-        if step == 1:
-            good = {k: v.clone() for k, v in m.state_dict().items()}
+    m, o, mgr, saved = _saved_run(tmp_path, (1, 2))
+    good = saved[1]
     folder = os.path.join(mgr.path, "step_0000000002")
     _scribble(folder, m[2].weight, flip_low_bit=True)
     path = os.path.join(folder, "COMPLETE")
