@@ -306,7 +306,7 @@ class _Run:
 
     def summary(self) -> str:
         """The closing line: how far the run got, its last losses, throughput and time, and where its files are."""
-        args, dump_dir = self.args, _dump_dir(self.args)
+        args = self.args
         elapsed = time.perf_counter() - self.t_loop
         tokens = args.data.batch_size * args.data.seq_len * args.grad_acc_steps * (self.step - self.start_step)
         state = "done" if self.step >= args.steps else "stopped"
@@ -317,8 +317,7 @@ class _Run:
         if self.last_eval is not None:
             parts.append(f"{self.last_eval[0]}_loss {self.last_eval[1]:.4f}")
         parts.append(f"{tokens / max(elapsed, 1e-9):.0f} tok/s/gpu (wall clock: evaluation and checkpoints included)")
-        outputs = [os.path.join(dump_dir, CONFIG_NAME), str(self.metrics.path), os.path.join(self.ckpt.path, "")]
-        return ", ".join(parts) + f"; outputs: {', '.join(outputs)}"
+        return ", ".join(parts) + f"; {_outputs(args, self.ckpt.path)}"
 
     def write_metrics(self, record: dict) -> None:
         """Append to metrics.jsonl (rank 0); a failed write is kept for `metrics_failure`, not raised here."""
@@ -409,11 +408,16 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
     return {"losses": run.losses, "step": run.step}
 
 
+def _outputs(args: TrainArgs, ckpt_path: str) -> str:
+    """Where a run's record is: its config.yaml, metrics file and checkpoint folder."""
+    dump_dir = _dump_dir(args)
+    return (f"outputs: {os.path.join(dump_dir, CONFIG_NAME)}, {os.path.join(dump_dir, args.logging.metrics_file)}, "
+            f"{os.path.join(ckpt_path, '')}")
+
+
 def _nothing_to_do(args: TrainArgs, step: int, ckpt_path: str) -> None:
     """One line: the run resumed at or past `steps`; nothing was trained or written."""
-    dump_dir = _dump_dir(args)
-    where = (f"outputs: {os.path.join(dump_dir, 'config.yaml')}, {os.path.join(dump_dir, args.logging.metrics_file)}, "
-             f"checkpoints in {ckpt_path}")
+    dump_dir, where = _dump_dir(args), _outputs(args, ckpt_path)
     if step == args.steps:
         logger.info("nothing to do: the run in %s already finished at step %d; %s", dump_dir, step, where)
     else:

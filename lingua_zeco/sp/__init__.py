@@ -34,13 +34,12 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     rank and on the fused dense paths.
     Inside torch.compile: one dense sequence on one rank is the opaque custom op kernels.chunk_gla_op (no
     graph break); the exchange with other ranks and packed documents run outside the graph (one break)."""
-    kw = dict(group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend, fused=fused,
-              scan=scan, bwd_intra=bwd_intra)
     if (torch.compiler.is_compiling() and cu_seqlens is None and group_rank_size(group)[1] == 1
             and backend in (None, kernels.pick_backend(q.device))):
         check_local(q, k, v, g, method, None, 1)  # shapes and dtypes: decided while tracing
         return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra)
-    return _sp_gla(q, k, v, g, **kw)
+    return _sp_gla(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend,
+                   fused=fused, scan=scan, bwd_intra=bwd_intra)
 
 
 @outside_graph

@@ -17,6 +17,7 @@ weights, bf16 autocast, fused AdamW, clipping): the reference of issue 5.
 from __future__ import annotations
 
 import gc
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -192,7 +193,6 @@ def kernel_breakdown(step, steps: int = 3) -> tuple[list[dict], list[dict], dict
 
 def first_step_seconds(step, device) -> float:
     """Wall time of the first step, synchronised: torch.compile and Triton's autotuning happen here."""
-    import time
     t0 = time.perf_counter()
     step()
     if device.type == "cuda":
