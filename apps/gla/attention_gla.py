@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, log_forget_gate
 from lingua_zeco import kernels
-from lingua_zeco.sp import sp_gla, sp_simple_gla
+from lingua_zeco.sp import sp_gla, sp_gla_carry, sp_simple_gla
 
 
 class GatedLinearAttention(LinearAttention):
@@ -35,11 +35,17 @@ class GatedLinearAttention(LinearAttention):
                              self.gate_logit_normalizer, self.compile_gates)
         return q, k, v, gk
 
-    def forward(self, x, cu_seqlens=None):
+    def forward(self, x, cu_seqlens=None, carry=None):
+        """carry (lingua_zeco.sp.StateCarry): one segment of a longer sequence, from this layer's carried
+        state; its final state goes back into carry (model.segment_len, lingua_zeco/segments.py)."""
         q, k, v, gk = self._inputs(x)
-        attn = sp_simple_gla if self.variant == "simple_gla" else sp_gla
-        o = attn(q, k, v, gk, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
-                 scan=self.sp_scan, bwd_intra=self.bwd_intra)
+        sp = dict(group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens, scan=self.sp_scan,
+                  bwd_intra=self.bwd_intra)
+        if carry is not None:
+            o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), **sp)
+            carry.put(self.layer_idx, state)
+        else:
+            o = (sp_simple_gla if self.variant == "simple_gla" else sp_gla)(q, k, v, gk, **sp)
         return self._output(o, x)
 
     def _state_inputs(self, x):

@@ -18,6 +18,7 @@ from lingua_zeco.kernels import BWD_INTRA, acc_dtype
 COMPILE_MODES = ("auto", "blocks", "none")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
+SEGMENT_VARIANTS = ("gla", "simple_gla")  # attention variants that carry their state across segments
 
 
 @dataclass
@@ -48,6 +49,9 @@ class GLAArgs:
     # gla_bwd_intra.py) | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
     gla_bwd_intra: str = "zeco"
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
+    # tokens per GPU of one segment: the step trains the sequence segment by segment with exact gradients,
+    # carrying each layer's state (lingua_zeco/segments.py; docs/long_context.md). 0 = the whole sequence
+    segment_len: int = 0
     chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
     # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
     # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads);
@@ -98,6 +102,14 @@ def check_model_args(args: GLAArgs) -> None:
         raise ValueError(f"model.float8={args.float8!r}; choose from {FLOAT8_RECIPES}")
     if args.float8_head and args.float8 == "none":
         raise ValueError("model.float8_head=true needs model.float8=tensorwise or rowwise")
+    if args.segment_len < 0:
+        raise ValueError(f"model.segment_len={args.segment_len} must be >= 0 (0 = the whole sequence at once)")
+    if args.segment_len and (args.attn_variant not in SEGMENT_VARIANTS or args.softmax_layers):
+        what = (f"model.softmax_layers={list(args.softmax_layers)} (softmax attention carries no fixed-size state)"
+                if args.softmax_layers else f"model.attn_variant={args.attn_variant!r}")
+        raise ValueError(f"model.segment_len={args.segment_len} trains segment by segment, which needs every layer's "
+                         f"state carried across segments: {what} cannot; use attn_variant in {SEGMENT_VARIANTS} "
+                         f"without softmax layers, or model.segment_len=0")
     if args.gla_bwd_intra not in BWD_INTRA:
         raise ValueError(f"model.gla_bwd_intra={args.gla_bwd_intra!r}; choose from {BWD_INTRA}")
 
@@ -155,6 +167,7 @@ class LinearAttention(nn.Module):
             raise ValueError(f"key dim {kd} and value dim {vd} must be divisible by n_heads={H}")
         self.n_heads, self.head_k, self.head_v = H, kd // H, vd // H
         self.sp_group, self.sp_method, self.sp_scan = sp_group, sp_method, sp_scan  # sp_scan: AllScanArgs
+        self.layer_idx = 0  # the block's index (GLABlock sets it): this layer's slot in a StateCarry
         self.q_proj = nn.Linear(d, kd, bias=False)
         self.k_proj = nn.Linear(d, kd, bias=False)
         self.v_proj = nn.Linear(d, vd, bias=False)

@@ -67,6 +67,7 @@ class GLABlock(nn.Module):
             self.attn = SoftmaxAttention(args, sp_group, softmax_sp)
         else:
             self.attn = ATTENTION[args.attn_variant](args, sp_group, sp_method, sp_scan)
+        self.attn.layer_idx = layer_idx
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.mlp = SwiGLU(args.dim, args.ffn_dim, args.fused_kernels)
         if args.activation_checkpointing not in AC_MODES:
@@ -74,31 +75,34 @@ class GLABlock(nn.Module):
         self.ac = args.activation_checkpointing
         self.compiled = None  # apps/gla/compile.py: this block's forward as a torch.compile'd function
 
-    def _attn_half(self, x, cu_seqlens):
-        return x + self.attn(self.attn_norm(x), cu_seqlens)
+    def _attn_half(self, x, cu_seqlens, carry=None):
+        if carry is None:
+            return x + self.attn(self.attn_norm(x), cu_seqlens)
+        return x + self.attn(self.attn_norm(x), cu_seqlens, carry)
 
     def _mlp_half(self, x):
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward(self, x, cu_seqlens=None):
+    def forward(self, x, cu_seqlens=None, carry=None):
+        """carry: a segment's StateCarry (lingua_zeco.sp), which runs the block uncompiled."""
         # the compiled function is called from forward, so FSDP2's hooks on this module stay outside it
-        if self.compiled is not None:
+        if self.compiled is not None and carry is None:
             return self.compiled(self, x, cu_seqlens)
-        return self.run(x, cu_seqlens)
+        return self.run(x, cu_seqlens, carry)
 
-    def run(self, x, cu_seqlens=None):
+    def run(self, x, cu_seqlens=None, carry=None):
         """The block's computation (what model.compile=blocks compiles), activation checkpointing inside."""
         if self.ac == "full" and torch.is_grad_enabled():
             # Recomputing the attention re-runs its SP exchange in backward: the price of full AC.
-            return checkpoint(self._block, x, cu_seqlens, use_reentrant=False)
-        x = self._attn_half(x, cu_seqlens)
+            return checkpoint(self._block, x, cu_seqlens, carry, use_reentrant=False)
+        x = self._attn_half(x, cu_seqlens, carry)
         if self.ac == "selective" and torch.is_grad_enabled():
             # The MLP holds most activations (ffn ~2.75x dim) and recomputes without communication.
             return checkpoint(self._mlp_half, x, use_reentrant=False)
         return self._mlp_half(x)
 
-    def _block(self, x, cu_seqlens):
-        return self._mlp_half(self._attn_half(x, cu_seqlens))
+    def _block(self, x, cu_seqlens, carry=None):
+        return self._mlp_half(self._attn_half(x, cu_seqlens, carry))
 
 
 class GLAModel(nn.Module):
@@ -112,13 +116,13 @@ class GLAModel(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.sp_group = sp_group
 
-    def forward(self, input_ids, cu_seqlens=None):
+    def forward(self, input_ids, cu_seqlens=None, carry=None):
         # packed documents planned once for every layer (no host sync inside the layers)
         rank, P = group_rank_size(self.sp_group)
         packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=input_ids.shape[1], device=input_ids.device)
         h = self.embeddings(input_ids)
         for layer in self.layers:
-            h = layer(h, packing)
+            h = layer(h, packing) if carry is None else layer(h, packing, carry)
         return self.norm(h)
 
 
@@ -154,10 +158,14 @@ class GLAForCausalLM(nn.Module):
                 vals = torch.empty(p.shape).normal_(0.0, self.args.init_std, generator=gen)
             p.copy_(vals.to(device=p.device, dtype=p.dtype))
 
-    def forward(self, input_ids, labels=None, cu_seqlens=None):
+    def forward(self, input_ids, labels=None, cu_seqlens=None, carry=None, head: bool = True):
         """labels None: logits [B, T, V]. Otherwise (sum of token losses, number of counted tokens):
-        the caller divides by the *global* count, which keeps the mean exact across dp x sp ranks."""
-        h = self.model(input_ids, cu_seqlens)
+        the caller divides by the *global* count, which keeps the mean exact across dp x sp ranks.
+        carry: one segment of a longer sequence (lingua_zeco.sp.StateCarry: the layers' states in and out);
+        head=False: the layers only (returns None), for the states a segment hands on."""
+        h = self.model(input_ids, cu_seqlens, carry)
+        if not head:
+            return None
         if labels is None:
             return self.lm_head(h)
         n_tokens = (labels != -100).sum()

@@ -8,6 +8,7 @@ concatenation of the group's slices in rank order. Methods:
   none   a group of one rank (plain GLA)
   local  diagnostic only: each rank runs its slice alone, dropping the state from before it
 sp_simple_gla: the scalar-decay variant (one decay per head and token) through the same machinery.
+sp_gla_carry: either, from a carried incoming state and returning the final state (segments, carry.py).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs, group_rank_size
 
+from .carry import StateCarry, add_carried, one_rank_carry
 from .delta import sp_gated_delta  # noqa: F401  (Gated DeltaNet: lingua_zeco/sp/delta.py)
 from .graph import outside_graph
 from .lasp1 import lasp1
@@ -99,4 +101,22 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
                   cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
 
 
-__all__ = ["METHODS", "Packing", "pack", "sp_gla", "sp_simple_gla"]
+def sp_gla_carry(q, k, v, g, S0, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
+                 backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
+                 bwd_intra: str = "zeco"):
+    """sp_gla (g [B, T_local, H, K]) or sp_simple_gla (g [B, T_local, H]) from the incoming state S0
+    [B, H, K, V] (None: zeros) of the whole group's segment. Returns (o, S_end): S_end [B, H, K, V] (fp32 at
+    least) the state after the segment's last token, on every rank. Packed documents (B = 1): S0 enters the
+    first document, S_end is the last one's (lingua_zeco/sp/carry.py)."""
+    rank, P = group_rank_size(group)
+    packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    if P == 1:
+        return one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra)
+    simple = g.dim() == 3
+    o = (sp_simple_gla if simple else sp_gla)(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=packing,
+                                              backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
+    return add_carried(q, k, v, g[..., None].expand_as(q) if simple else g, S0, o, packing, scale, group, rank, P)
+
+
+__all__ = ["METHODS", "Packing", "StateCarry", "pack", "sp_gla", "sp_gla_carry", "sp_simple_gla"]

@@ -1,0 +1,132 @@
+"""Segment-recurrent training (model.segment_len, lingua_zeco/segments.py) is exact: the loss and every
+gradient equal whole-sequence training in float64, on one rank and spread over an SP group, dense and with
+packed documents; the variant that hands no gradient between segments is caught."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apps.gla.model import GLAArgs, GLAForCausalLM
+from lingua_zeco import segments
+from lingua_zeco.comm import AllScanArgs
+from lingua_zeco.segments import plan, sp_pieces
+from lingua_zeco.testing import run_on_ranks
+
+TOL = 1e-10
+ARGS = dict(dim=32, n_layers=2, n_heads=2, ffn_hidden=64, vocab_size=61, dtype="fp64", fused_kernels=False,
+            init_std=0.1, gate_logit_normalizer=4, compile="none")
+
+
+def _model(group=None, method="none", **over):
+    model = GLAForCausalLM(GLAArgs(**{**ARGS, **over}), sp_group=group, sp_method=method,
+                           sp_scan=AllScanArgs(algorithm="chain"))
+    model.init_weights(3)
+    return model
+
+
+def _data(L: int, B: int = 1, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, ARGS["vocab_size"], (B, L + 1), generator=gen)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _whole(model, ids, labels, cu=None):
+    model.zero_grad(set_to_none=True)
+    loss, _ = model(ids, labels=labels, cu_seqlens=cu)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _segmented(model, ids, labels, seg_len, cu=None, P=1, detach=False):
+    model.zero_grad(set_to_none=True)
+    loss = segments.forward_backward(model, ids, labels, cu, seg_len, P, torch.ones((), dtype=torch.float64),
+                                     detach=detach)
+    return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _worst(a: dict, b: dict) -> float:
+    return max(((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-300)).item() for n in b)
+
+
+def test_plan_and_pieces():
+    assert [(s.start, s.end) for s in plan(10, 4)] == [(0, 4), (4, 8), (8, 10)]
+    assert [(s.start, s.end) for s in plan(8, 0)] == [(0, 8)] == [(s.start, s.end) for s in plan(8, 8)]
+    # two ranks, 10 tokens each, segments of 4 per rank: the group's 20 tokens in segment-major order
+    assert sp_pieces(0, 2, 10, 4) == [(0, 4), (8, 12), (16, 18)]
+    assert sp_pieces(1, 2, 10, 4) == [(4, 8), (12, 16), (18, 20)]
+    assert sp_pieces(1, 2, 10, 0) == [(10, 20)] and sp_pieces(0, 1, 10, 4) == [(0, 10)]
+
+
+@pytest.mark.parametrize("variant", ["gla", "simple_gla"])
+@pytest.mark.parametrize("seg_len", [24, 17])  # L / 4, and an uneven split (5 × 17 + 11)
+def test_segments_equal_whole_sequence(variant, seg_len):
+    model = _model(attn_variant=variant)
+    ids, labels = _data(96, B=2)
+    want_loss, want = _whole(model, ids, labels)
+    loss, got = _segmented(model, ids, labels, seg_len)
+    assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
+    assert _worst(got, want) <= TOL, _worst(got, want)
+
+
+@pytest.mark.parametrize("ac", ["full", "selective"])
+def test_segments_with_activation_checkpointing(ac):
+    model = _model(activation_checkpointing=ac)
+    ids, labels = _data(64)
+    _, want = _whole(model, ids, labels)
+    _, got = _segmented(model, ids, labels, 16)
+    assert _worst(got, want) <= TOL
+
+
+def test_detached_states_are_caught():
+    model = _model()
+    ids, labels = _data(64)
+    _, want = _whole(model, ids, labels)
+    _, got = _segmented(model, ids, labels, 16, detach=True)
+    assert _worst(got, want) > 1e-3  # the gradient through the carried states is not small
+
+
+# documents: one runs across two segment boundaries, one starts exactly at a segment's first token (reset),
+# an empty one, one ends at the sequence's end
+DOCS = [0, 5, 40, 40, 48, 70, 96]
+
+
+def test_packed_documents():
+    model = _model()
+    ids, labels = _data(96)
+    cu = torch.tensor(DOCS)
+    want_loss, want = _whole(model, ids, labels, cu)
+    loss, got = _segmented(model, ids, labels, 24, cu)
+    assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
+    assert _worst(got, want) <= TOL
+
+
+def _sp_worker(rank, P, seg_len, detach, cu):
+    import torch.distributed as dist
+    model = _model(group=dist.group.WORLD, method="zeco")
+    ids, labels = _data(P * 30)
+    ids, labels = ids[0], labels[0]
+    pieces = sp_pieces(rank, P, 30, seg_len)  # the loaders' segment-major layout
+    mine = [torch.cat([t[a:b] for a, b in pieces])[None] for t in (ids, labels)]
+    loss, grads = _segmented(model, *mine, seg_len, cu, P=P, detach=detach)
+    for g in grads.values():
+        dist.all_reduce(g)  # parameters are replicated: the gradient is the sum over ranks
+    dist.all_reduce(loss)
+    return loss, grads
+
+
+@pytest.mark.parametrize("cu", [None, [0, 13, 20, 37, 60]], ids=["dense", "packed"])
+def test_sp2_three_segments_equal_one_device(cu):
+    model = _model()
+    ids, labels = _data(60)
+    want_loss, want = _whole(model, ids, labels, None if cu is None else torch.tensor(cu))
+    (loss, got), _ = run_on_ranks(_sp_worker, 2, 10, False, cu)
+    assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
+    assert _worst(got, want) <= TOL, _worst(got, want)
+    (_, broken), _ = run_on_ranks(_sp_worker, 2, 10, True, cu)
+    assert _worst(broken, want) > 1e-3
+
+
+def test_refused_where_no_state_is_carried():
+    for over in (dict(attn_variant="gated_deltanet"), dict(softmax_layers=[1])):
+        with pytest.raises(ValueError, match="segment_len"):
+            _model(segment_len=16, **over)
