@@ -45,6 +45,7 @@ from lingua_zeco.data.mqar import across_ranks
 from lingua_zeco.data.overlap import shared_data
 from lingua_zeco.data.sources import BUILTIN_SPLITS, resolve_sources
 from lingua_zeco.position_loss import PositionLoss, position_offset
+from lingua_zeco.segments import forward_segments, plan
 from lingua_zeco.reliability import is_distributed, rank_world
 from lingua_zeco.token_loss import TokenLosses
 
@@ -143,19 +144,21 @@ def _validation_source(data: DataArgs, ev: EvalArgs) -> DataArgs:
 
 @torch.no_grad()
 def evaluate(model, data: DataArgs, ev: EvalArgs, *, device, dp_rank: int = 0, dp_size: int = 1,
-             sp_rank: int = 0, sp_size: int = 1, autocast=None, trained_on: DataArgs | None = None) -> dict:
+             sp_rank: int = 0, sp_size: int = 1, autocast=None, trained_on: DataArgs | None = None,
+             segment_len: int = 0) -> dict:
     """Collective over the process group when one exists: every rank calls it with its (dp, sp) place
     in the training mesh and `model` built on that mesh's SP group. Returns {val_loss, val_ppl,
     val_tokens} and, with ev.by_position, the per-position buckets (and val_recall_acc on MQAR);
-    train_set_* when ev.allow_train_overlap let trained-on data through (see validation_data_args)."""
+    train_set_* when ev.allow_train_overlap let trained-on data through (see validation_data_args).
+    segment_len (model.segment_len): each sequence forwarded segment by segment, the states carried, so the
+    loss and its positions are over the whole sequence as in training (lingua_zeco/segments.py)."""
     valid, shared = _validation(data, ev, trained_on)
     loader = build_data_loader(valid, dp_rank=dp_rank, dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size,
-                               seed=ev.seed)
+                               seed=ev.seed, segment_len=segment_len)
     was_training = model.training
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, token count
     by_pos = PositionLoss(sp_size * valid.seq_len, device) if ev.by_position else None
-    offset = position_offset(sp_rank, valid.seq_len)
     unique = ev.steps  # batches read before any document came round again
     try:
         with TokenLosses(model) if by_pos else contextlib.nullcontext() as tokens:
@@ -164,12 +167,15 @@ def evaluate(model, data: DataArgs, ev: EvalArgs, *, device, dp_rank: int = 0, d
                 if unique == ev.steps and getattr(loader, "epoch", 0) > 0:
                     unique = i
                 cu = batch.get("cu_seqlens")
-                with autocast or contextlib.nullcontext():
-                    loss, n = model(batch["input_ids"].to(device), labels=batch["labels"].to(device),
-                                    cu_seqlens=cu)  # host boundaries: the model plans them once
-                totals += torch.stack([loss.detach().double(), n.double()])
-                if by_pos:
-                    by_pos.add(*tokens.take(), offset=offset, cu_seqlens=cu)
+                ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
+                # host boundaries: the model plans them once; without segment_len one segment, the whole slice
+                parts = forward_segments(model, ids, labels, cu, plan(ids.shape[1], segment_len, sp_size),
+                                         autocast=autocast, carry=segment_len > 0)
+                for seg, _, (loss, n) in parts:
+                    totals += torch.stack([loss.detach().double(), n.double()])
+                    if by_pos:  # this rank's piece of the segment, at its global position
+                        offset = seg.global_start + position_offset(sp_rank, seg.end - seg.start)
+                        by_pos.add(*tokens.take(), offset=offset, cu_seqlens=cu)
     finally:
         loader.close()
         model.train(was_training)

@@ -15,6 +15,7 @@ The layers' part is lingua_zeco.sp.sp_gla_carry; the model takes `carry=` and `h
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -63,30 +64,35 @@ def _piece(t: torch.Tensor | None, seg: Segment):
     return None if t is None else t[:, seg.start:seg.end]
 
 
-def forward_segments(model, input_ids, labels, cu_seqlens, segments: list[Segment], head: bool = True):
+def forward_segments(model, input_ids, labels, cu_seqlens, segments: list[Segment], head: bool = True,
+                     autocast=None, carry: bool = True):
     """Forward the segments in order without autograd, each from the states the previous one handed on.
     Yields (segment, its StateCarry: states_in and, after the forward, states_out, the model's output: (loss
-    sum, tokens) with labels, None with head=False)."""
+    sum, tokens) with labels, None with head=False). carry=False: one segment, the whole sequence, through
+    the model's plain call (any model; compiled blocks stay compiled)."""
     states = {}
     for seg in segments:
         cu, continues = _boundaries(cu_seqlens, seg)
-        carry = StateCarry(states, continues)
-        with torch.no_grad():
-            out = model(_piece(input_ids, seg), labels=_piece(labels, seg), cu_seqlens=cu, carry=carry, head=head)
-        yield seg, carry, out
-        states = carry.states_out
+        state = StateCarry(states, continues) if carry else None
+        ids, lab = _piece(input_ids, seg), _piece(labels, seg)
+        with torch.no_grad(), autocast or contextlib.nullcontext():
+            out = (model(ids, labels=lab, cu_seqlens=cu, carry=state, head=head) if carry
+                   else model(ids, labels=lab, cu_seqlens=cu))
+        yield seg, state, out
+        states = state.states_out if carry else {}
 
 
 def forward_backward(model, input_ids, labels, cu_seqlens, segment_len: int, P: int, loss_scale,
-                     set_sync=None, detach: bool = False) -> torch.Tensor:
+                     set_sync=None, autocast=None, detach: bool = False) -> torch.Tensor:
     """One micro-batch segment by segment (module doc). The gradient is that of loss_scale × (sum of token
     losses), as one backward over the whole sequence would give. set_sync(flag) (FSDP2's
     set_requires_gradient_sync): called with True before the last backward only, so gradients are reduced
-    once. detach: hand no gradient between segments (wrong on purpose: what a test must catch).
+    once. autocast: the context the forwards run in (the trainer's bf16 autocast on CUDA). detach: hand no gradient between segments (wrong on purpose: what a test must catch).
     Returns the sum of token losses (detached)."""
     segments = plan(input_ids.shape[1], segment_len, P)
     stored, handed = [], {}  # the incoming states of every segment; what the last forward handed on
-    for _, carry, _ in forward_segments(model, input_ids, None, cu_seqlens, segments[:-1], head=False):
+    for _, carry, _ in forward_segments(model, input_ids, None, cu_seqlens, segments[:-1], head=False,
+                                        autocast=autocast):
         stored.append(carry.states_in)
         handed = carry.states_out
     stored.append(handed)
@@ -98,7 +104,8 @@ def forward_backward(model, input_ids, labels, cu_seqlens, segment_len: int, P: 
         carry = StateCarry(leaves, continues)
         if set_sync is not None:
             set_sync(seg.index == 0)
-        tok_loss, _ = model(_piece(input_ids, seg), labels=_piece(labels, seg), cu_seqlens=cu, carry=carry)
+        with autocast or contextlib.nullcontext():
+            tok_loss, _ = model(_piece(input_ids, seg), labels=_piece(labels, seg), cu_seqlens=cu, carry=carry)
         outs, outs_grad = [tok_loss * loss_scale.to(tok_loss.dtype)], [None]
         for i, g in grads.items():
             if not detach and i in carry.states_out:

@@ -153,7 +153,8 @@ def run(args: EvalCLIArgs) -> dict:
         data = dataclasses.replace(cfg.data, seq_len=context // env.dims.sp)  # this rank's slice of each sequence
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
         result = evaluate(model, data, args.eval, device=device, dp_rank=env.dp_rank, dp_size=env.dims.dp,
-                          sp_rank=env.sp_rank, sp_size=env.dims.sp, autocast=autocast, trained_on=trained_on)
+                          sp_rank=env.sp_rank, sp_size=env.dims.sp, autocast=autocast, trained_on=trained_on,
+                          segment_len=cfg.model.segment_len)  # the run's segments: any context fits as in training
     finally:
         distributed.teardown(env)
     step = int(os.path.basename(path).split("_")[-1]) if os.path.basename(path).startswith("step_") else None

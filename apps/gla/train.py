@@ -31,6 +31,7 @@ from lingua_zeco import evaluation
 from lingua_zeco import reliability
 from lingua_zeco import resume_layout
 from lingua_zeco import run_dir
+from lingua_zeco import segments
 from lingua_zeco.args import CONFIG_NAME, ConfigError, dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError, checkpoint_dir
 from lingua_zeco.data import DataArgs, build_data_loader
@@ -111,8 +112,16 @@ def forward_backward(model, data, env: distributed.DistEnv, args: TrainArgs, aut
     scale = env.dims.world / n_global.clamp_min(1.0)
     loss_sum = torch.zeros((), device=env.device, dtype=torch.float64)
     for micro, b in enumerate(batches):
+        last = micro == args.grad_acc_steps - 1
         if args.distributed.fsdp:
-            model.set_requires_gradient_sync(micro == args.grad_acc_steps - 1)  # reduce once per step
+            model.set_requires_gradient_sync(last)  # reduce once per step
+        if args.model.segment_len:  # segment by segment, exact (lingua_zeco/segments.py)
+            set_sync = (lambda first: model.set_requires_gradient_sync(last and first)) if args.distributed.fsdp \
+                else None
+            loss_sum += segments.forward_backward(model, b["input_ids"], b["labels"], b.get("cu_seqlens"),
+                                                  args.model.segment_len, env.dims.sp, scale, set_sync=set_sync,
+                                                  autocast=autocast)
+            continue
         with autocast:
             tok_loss, _ = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
         (tok_loss * scale.to(tok_loss.dtype)).backward()
@@ -245,7 +254,7 @@ class _Run:
             evaluation.validation_data_args(args.data, args.eval)  # missing / overlapping validation data fails now
         self.data = build_data_loader(evaluation.training_data_args(args.data, args.eval),
                                       dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
-                                      sp_size=env.dims.sp, seed=args.seed)
+                                      sp_size=env.dims.sp, seed=args.seed, segment_len=args.model.segment_len)
         self.step, skipped = _resume(args, env, self.ckpt, self.model, self.optimizer, self.scheduler, self.data)
         self.finished = self.step >= args.steps  # nothing to train: config.yaml and metrics.jsonl stay as they are
         if self.finished:
@@ -334,7 +343,7 @@ class _Run:
         if evaluated := evaluation.due(args.eval, step, args.steps):  # rank 0 logs {step, val_loss, ...}
             result = evaluation.evaluate(
                 self.model, args.data, args.eval, device=env.device, autocast=self.autocast, dp_rank=env.dp_rank,
-                dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp)
+                dp_size=env.dims.dp, sp_rank=env.sp_rank, sp_size=env.dims.sp, segment_len=args.model.segment_len)
             self.write_metrics({"step": step, **result})
             if env.is_master:
                 prefix = "val" if "val_loss" in result else "train_set"  # train_set_*: eval.allow_train_overlap

@@ -3,7 +3,8 @@
 Documents (mixed from sources by weight) are tokenized and packed into *global* sequences of
 sp_size*seq_len + 1 tokens. Consecutive global sequences overlap by one token, so every token is a
 target exactly once. SP rank p returns the slice [p*seq_len, (p+1)*seq_len) of inputs (tokens[:-1])
-and of targets (tokens[1:]). The stream depends on (seed, dp_rank, dp_size) only, never on sp_size:
+and of targets (tokens[1:]); trained segment by segment (model.segment_len) under SP, its piece of every
+segment instead (lingua_zeco.segments.sp_pieces). The stream depends on (seed, dp_rank, dp_size) only, never on sp_size:
 SP ranks of one group compute the same global sequences independently.
 """
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from lingua_zeco.data.mqar import MQARArgs, MQARLoader
 from lingua_zeco.data.hf_sources import MapSource, StreamSource
 from lingua_zeco.data.sources import DocumentSource, resolve_specs
+from lingua_zeco.segments import sp_pieces
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
 STATE_VERSION = 1
@@ -51,8 +53,11 @@ class DataArgs:
 class _Packer:
     """Single-threaded core: mix documents, tokenize, pack, slice. Owns all resumable state."""
 
-    def __init__(self, args: DataArgs, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int, seed: int):
+    def __init__(self, args: DataArgs, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int, seed: int,
+                 segment_len: int = 0):
         self.args, self.seed = args, seed
+        self.segment_len = segment_len if sp_size > 1 else 0  # one rank: its slice is the whole sequence
+        self.pieces = sp_pieces(sp_rank, sp_size, args.seq_len, segment_len)
         self.dp_rank, self.dp_size, self.sp_rank, self.sp_size = dp_rank, dp_size, sp_rank, sp_size
         self.tokenizer = build_tokenizer(args.tokenizer)
         self.stats = {"bad_lines": 0, "documents": 0, "sequences": 0}
@@ -93,12 +98,12 @@ class _Packer:
         return tokens, starts
 
     def next_batch(self) -> dict[str, torch.Tensor]:
-        L, p = self.args.seq_len, self.sp_rank
+        L = self.args.seq_len
         inputs, labels, cu = [], [], None
         for _ in range(self.args.batch_size):
             tokens, starts = self._next_global()
-            inputs.append(tokens[p * L:(p + 1) * L])
-            labels.append(tokens[p * L + 1:(p + 1) * L + 1])
+            inputs.append([t for a, b in self.pieces for t in tokens[a:b]])
+            labels.append([t for a, b in self.pieces for t in tokens[a + 1:b + 1]])
             if self.args.varlen:
                 cu = [0] + [s for s in starts if s > 0] + [self.sp_size * L]
         batch = {"input_ids": torch.tensor(inputs, dtype=torch.long), "labels": torch.tensor(labels, dtype=torch.long)}
@@ -108,7 +113,8 @@ class _Packer:
 
     def layout(self) -> dict:
         return {"dp_rank": self.dp_rank, "dp_size": self.dp_size, "sp_size": self.sp_size,
-                "seq_len": self.args.seq_len, "seed": self.seed, "n_words": self.tokenizer.n_words}
+                "seq_len": self.args.seq_len, "seed": self.seed, "n_words": self.tokenizer.n_words,
+                **({"segment_len": self.segment_len} if self.segment_len else {})}  # SP segments: another slicing
 
     def state_dict(self) -> dict:
         return {
@@ -162,7 +168,8 @@ def _produce(packer: _Packer, q: queue.Queue, stop: threading.Event):
 class PackedDataLoader:
     """Iterator of batches; `state_dict()` describes the position after the last batch returned."""
 
-    def __init__(self, args: DataArgs, *, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int, seed: int):
+    def __init__(self, args: DataArgs, *, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int, seed: int,
+                 segment_len: int = 0):
         if args.varlen and args.batch_size != 1:
             raise ValueError("data.varlen=true needs data.batch_size=1 (cu_seqlens describe one packed sequence)")
         if args.on_bad_line not in ("skip", "error"):
@@ -173,7 +180,7 @@ class PackedDataLoader:
         if not all(math.isfinite(w) and w > 0 for w in args.sources.values()):  # NaN > 0 is False too
             raise ValueError(f"data.sources weights must be positive finite numbers: {args.sources}")
         self.args = args
-        self._packer = _Packer(args, dp_rank, dp_size, sp_rank, sp_size, seed)
+        self._packer = _Packer(args, dp_rank, dp_size, sp_rank, sp_size, seed, segment_len)
         self._thread = None
         self._consumed_state = None  # while the producer runs: state after the last batch handed out
 
@@ -232,12 +239,15 @@ class PackedDataLoader:
 
 
 def build_data_loader(args: DataArgs, *, dp_rank: int, dp_size: int, sp_rank: int, sp_size: int,
-                      seed: int) -> PackedDataLoader | MQARLoader:
+                      seed: int, segment_len: int = 0) -> PackedDataLoader | MQARLoader:
+    """segment_len: model.segment_len (tokens per GPU of a segment): under SP, each rank's piece of every
+    segment instead of one slice (lingua_zeco/segments.py)."""
     if args.synthetic == "mqar":
         if args.varlen:
             raise ValueError("data.synthetic=mqar yields one sequence per row: set data.varlen=false")
         return MQARLoader(args.mqar, seq_len=args.seq_len, batch_size=args.batch_size, dp_rank=dp_rank,
-                          dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size, seed=seed)
+                          dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size, seed=seed, segment_len=segment_len)
     if args.synthetic:
         raise ValueError(f"data.synthetic={args.synthetic!r}: expected '' (documents) or 'mqar'")
-    return PackedDataLoader(args, dp_rank=dp_rank, dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size, seed=seed)
+    return PackedDataLoader(args, dp_rank=dp_rank, dp_size=dp_size, sp_rank=sp_rank, sp_size=sp_size, seed=seed,
+                            segment_len=segment_len)

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lingua_zeco.segments import sp_pieces
+
 IGNORE_INDEX = -100  # F.cross_entropy's default; the model counts labels != IGNORE_INDEX
 
 
@@ -109,8 +111,10 @@ class MQARLoader:
     """Same interface as PackedDataLoader: batches of this SP rank's slice, exact resume by counter."""
 
     def __init__(self, args: MQARArgs, *, seq_len: int, batch_size: int, dp_rank: int, dp_size: int,
-                 sp_rank: int, sp_size: int, seed: int):
+                 sp_rank: int, sp_size: int, seed: int, segment_len: int = 0):
         self.args, self.seq_len, self.batch_size = args, seq_len, batch_size
+        self.segment_len = segment_len if sp_size > 1 else 0
+        self.pieces = sp_pieces(sp_rank, sp_size, seq_len, segment_len)  # under SP with segments: strided
         self.dp_rank, self.dp_size, self.sp_rank, self.seed = dp_rank, dp_size, sp_rank, seed
         self.n_tokens = sp_size * seq_len
         check_mqar(args, self.n_tokens)
@@ -124,19 +128,18 @@ class MQARLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        L, p = self.seq_len, self.sp_rank
         xs, ys = [], []
         for _ in range(self.batch_size):
             rng = random.Random(f"mqar:{self.seed}:{self.dp_rank}:{self.count}")
             x, y = mqar_sequence(self.args, self.n_tokens, rng)
-            xs.append(x[p * L:(p + 1) * L])
-            ys.append(y[p * L:(p + 1) * L])
+            xs.append([t for a, b in self.pieces for t in x[a:b]])
+            ys.append([t for a, b in self.pieces for t in y[a:b]])
             self.count += 1
         return {"input_ids": torch.tensor(xs, dtype=torch.long), "labels": torch.tensor(ys, dtype=torch.long)}
 
     def layout(self) -> dict:
         return {"kind": "mqar", "dp_rank": self.dp_rank, "dp_size": self.dp_size, "n_tokens": self.n_tokens,
-                "seed": self.seed}
+                "seed": self.seed, **({"segment_len": self.segment_len} if self.segment_len else {})}
 
     def state_dict(self) -> dict:
         return {**self.layout(), "count": self.count}
