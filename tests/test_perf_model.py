@@ -206,6 +206,58 @@ def test_memory_decreases_with_fsdp_and_checkpointing():
     assert chunked["logits"] == pytest.approx(peak_memory(MemoryArgs())["logits"] / 16)
 
 
+def _state_set_bytes(m: MemoryArgs) -> int:
+    """One fp32 recurrent state [B, H, head_k, head_v] per layer, counted by hand from the shape."""
+    sh = m.shape
+    return sh.n_layers * m.batch * sh.n_heads * sh.head_k * sh.head_v * 4
+
+
+@pytest.mark.parametrize("ckpt,method,sp", [("none", "none", 1), ("full", "zeco", 8), ("full", "lasp2", 8)])
+def test_memory_with_segments_is_flat_in_the_sequence_but_for_the_boundary_states(ckpt, method, sp):
+    seg = 4096
+    runs = {T: peak_memory(MemoryArgs(T_local=T, segment_len=seg, act_ckpt=ckpt, method=method, sp=sp, batch=2))
+            for T in (2 * seg, 8 * seg, 64 * seg)}
+    first = runs[2 * seg]
+    for T, r in runs.items():
+        for part in ("sharded_states", "fsdp_inflight", "activations", "logits", "sp_states", "overhead"):
+            assert r[part] == first[part], (T, part)
+        grown = (T // seg - 2) * _state_set_bytes(MemoryArgs(batch=2)) / (1 << 30)  # one boundary per segment
+        assert r["total"] - first["total"] == pytest.approx(grown, rel=1e-12, abs=1e-12)
+    # one segment's activations and logits: those of a run as long as the segment, whose grads are live
+    short = peak_memory(MemoryArgs(T_local=seg, act_ckpt=ckpt, method=method, sp=sp, batch=2, grads_live=True))
+    for part in ("sharded_states", "activations", "logits", "sp_states"):
+        assert first[part] == short[part], part
+    whole = peak_memory(MemoryArgs(T_local=64 * seg, act_ckpt=ckpt, method=method, sp=sp, batch=2))
+    assert runs[64 * seg]["total"] < whole["total"] - whole["activations"] / 2
+
+
+@pytest.mark.parametrize("ckpt,method,sp", [("none", "none", 1), ("full", "zeco", 8)])
+def test_memory_of_one_segment_is_the_model_without_segments(ckpt, method, sp):
+    T = 16384
+    plain = peak_memory(MemoryArgs(T_local=T, act_ckpt=ckpt, method=method, sp=sp))
+    for seg in (T, 2 * T):
+        assert peak_memory(MemoryArgs(T_local=T, segment_len=seg, act_ckpt=ckpt, method=method, sp=sp)) == plain
+    assert plain["segment_states"] == 0
+
+
+def test_memory_segment_states_by_hand():
+    # GLA-1B: 20 layers x 16 heads x 128 x 128 fp32 = 20 MiB per set; 65536 tokens in 16384-token segments:
+    # 3 boundaries + the state gradient handed back = 4 sets; one token more makes a fifth segment
+    m = MemoryArgs(T_local=65536, segment_len=16384)
+    assert _state_set_bytes(m) == 20 << 20
+    assert peak_memory(m)["segment_states"] * (1 << 30) == 4 * (20 << 20)
+    assert peak_memory(dataclasses.replace(m, T_local=65537))["segment_states"] * (1 << 30) == 5 * (20 << 20)
+    with pytest.raises(ValueError, match="segment_len"):
+        peak_memory(dataclasses.replace(m, segment_len=-1))
+
+
+def test_cli_memory_table_takes_segment_len(tmp_path, capsys):
+    out = tmp_path / "mem.json"
+    assert cli_main(["what=memory", "T=65536", "P=1", "mem.segment_len=16384", f"json={out}"]) == 0
+    rows = json.load(open(out))["tables"]["memory"]
+    assert rows and all(r["seg"] == 16384 and r["segment_GiB"] == 4 * 20 / 1024 for r in rows)
+
+
 def _fla_one_gpu() -> dict[int, dict]:
     """fla's GLAForCausalLM on one H200, read straight from the committed bench_train files."""
     out = {}

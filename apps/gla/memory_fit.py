@@ -12,6 +12,12 @@ minutes of allocating; on a GPU it ends in an out-of-memory traceback. The estim
                  bf16 on CUDA (autocast), the model's dtype elsewhere
     logits       off CUDA: tokens * vocab in the model's dtype (on CUDA the fused loss chunks them)
 
+Segment-recurrent training (segment_len = s > 0 tokens per rank per segment, n = ceil(seq_len / s) segments of
+each of the batch's sequences): activations and logits count one segment (batch * s tokens) instead of the
+whole slice; the parameter gradients (fp32, sharded like the states) are live, since they accumulate over the
+segments' backwards; and segment_states holds the n - 1 boundary states plus the state gradient handed back,
+one fp32 [batch, n_heads, head_k, head_v] per linear-attention layer each (softmax layers keep none).
+
 Compared with what this machine can give one rank: CPU: MemAvailable / the ranks on this node;
 CUDA: the free memory of the rank's device.
 """
@@ -21,22 +27,39 @@ import os
 
 import torch
 
+from apps.gla.attention_softmax import softmax_layer_set
 from apps.gla.layers import GLAArgs
 from apps.gla.model import DTYPES, count_params
 
 GiB = float(1 << 30)
 
 
-def estimate_bytes(args: GLAArgs, tokens: int, shards: int, device_type: str) -> dict:
-    """Lower bounds, in bytes, of what one rank holds at the peak of a training step (see the module doc)."""
+def segments(tokens: int, batch: int, segment_len: int) -> int:
+    """Segments per sequence of a step whose `tokens` per rank are `batch` sequences; 1 when segment_len is 0."""
+    if batch < 1 or tokens % batch:
+        raise ValueError(f"tokens per rank ({tokens}) must be a multiple of the batch ({batch})")
+    if segment_len < 0:
+        raise ValueError(f"model.segment_len={segment_len} must be >= 0 (0 = the whole sequence)")
+    return -(-(tokens // batch) // segment_len) if segment_len else 1
+
+
+def estimate_bytes(args: GLAArgs, tokens: int, shards: int, device_type: str, batch: int = 1,
+                   segment_len: int = 0) -> dict:
+    """Lower bounds, in bytes, of what one rank holds at the peak of a training step (see the module doc).
+    tokens: per rank, `batch` sequences of tokens / batch; segment_len: tokens per segment (0 = no segments)."""
+    n_seg = segments(tokens, batch, segment_len)
+    live = tokens if n_seg == 1 else batch * segment_len  # what one forward with autograd holds
     elem = DTYPES[args.dtype].itemsize if device_type != "cuda" else 4
     act_elem = 2 if device_type == "cuda" else elem
-    states = count_params(args)["total"] * 3 * elem / max(shards, 1)
+    states = count_params(args)["total"] * (3 if n_seg == 1 else 4) * elem / max(shards, 1)
     per_token_layer = args.dim if args.activation_checkpointing != "none" else 2 * args.dim + 3 * args.ffn_dim
-    activations = tokens * args.n_layers * per_token_layer * act_elem
-    logits = 0 if device_type == "cuda" else tokens * args.vocab_size * elem
-    return {"states": states, "activations": activations, "logits": logits,
-            "total": states + activations + logits}
+    activations = live * args.n_layers * per_token_layer * act_elem
+    logits = 0 if device_type == "cuda" else live * args.vocab_size * elem
+    linear_layers = args.n_layers - len(softmax_layer_set(args))
+    state_set = linear_layers * batch * args.key_dim * args.value_dim // args.n_heads * 4
+    segment_states = n_seg * state_set if n_seg > 1 else 0  # n - 1 boundaries + the gradient in flight
+    return {"states": states, "activations": activations, "logits": logits, "segment_states": segment_states,
+            "total": states + activations + logits + segment_states}
 
 
 def available_bytes(device: torch.device) -> tuple[float, str] | None:
@@ -57,19 +80,24 @@ def available_bytes(device: torch.device) -> tuple[float, str] | None:
     return avail / max(local, 1), what
 
 
-def check_fits(args: GLAArgs, tokens: int, shards: int, device: torch.device) -> None:
-    """ValueError (one line, the numbers and what to change) when the estimate exceeds what the device has."""
+def check_fits(args: GLAArgs, tokens: int, shards: int, device: torch.device, batch: int = 1,
+               segment_len: int = 0) -> None:
+    """ValueError (one line, the numbers and what to change) when the estimate exceeds what the device has.
+    tokens: per rank (batch sequences); segment_len: tokens per rank per segment, 0 = the whole sequence."""
+    need = estimate_bytes(args, tokens, shards, device.type, batch, segment_len)  # bad sizes fail on any device
     have = available_bytes(device)
     if have is None:
         return
     avail, what = have
-    need = estimate_bytes(args, tokens, shards, device.type)
     if need["total"] <= avail:
         return
     n = count_params(args)["total"]
-    parts = ", ".join(f"{k} {need[k] / GiB:.1f}" for k in ("states", "activations", "logits") if need[k])
+    parts = ", ".join(f"{k} {need[k] / GiB:.1f}" for k in ("states", "activations", "logits", "segment_states")
+                      if need[k])
+    seg = f" in segments of {segment_len}" if segments(tokens, batch, segment_len) > 1 else ""
     raise ValueError(
-        f"this model ({n / 1e6:.1f}M parameters, {tokens} tokens per rank) needs at least {need['total'] / GiB:.1f} "
-        f"GiB per rank ({parts}) but {device.type} has {avail / GiB:.1f} GiB ({what}): use a smaller config "
-        f"(e.g. config=debug.yaml, or a smaller model.dim / model.n_layers / data.seq_len), "
-        f"model.activation_checkpointing=full, more ranks to shard over, or a device with more memory")
+        f"this model ({n / 1e6:.1f}M parameters, {tokens} tokens per rank{seg}) needs at least "
+        f"{need['total'] / GiB:.1f} GiB per rank ({parts}) but {device.type} has {avail / GiB:.1f} GiB ({what}): "
+        f"use a smaller config (e.g. config=debug.yaml, or a smaller model.dim / model.n_layers / data.seq_len), "
+        f"model.activation_checkpointing=full, model.segment_len (fewer tokens per segment), more ranks to shard "
+        f"over, or a device with more memory")

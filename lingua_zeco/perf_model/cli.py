@@ -6,6 +6,7 @@ Examples:
         calib=results/comm/comm.json,results/op/op.json op.scan=chain
     python -m lingua_zeco.perf_model what=throughput P=8,16,32,64,128,256 T=16384
     python -m lingua_zeco.perf_model what=memory T=16384 P=8 mem.fsdp=8 mem.act_ckpt=full
+    python -m lingua_zeco.perf_model what=memory T=65536,262144 P=1 mem.segment_len=16384 mem.act_ckpt=full
 Besides the keys below, `prefix.field=value` sets any field of the model, after calibration:
 op.*, tput.*, mem.*, mem.shape.*, dev.*, topo.*, link.<name>.*.
 Every run prints its inputs first: each measured one with the file it was fitted from, the others
@@ -193,6 +194,7 @@ def run(ns: PerfModelArgs, overrides: list[str] = ()) -> dict[str, list[dict]]:
                     m = dataclasses.replace(mem, T_local=T, sp=P, method=method)
                     r = peak_memory(m)
                     rows.append(dict(T_local=T, sp=P, fsdp=m.fsdp or P, method=method, ckpt=m.act_ckpt,
+                                     seg=m.segment_len,
                                      **{k.split("_")[0] + "_GiB": v for k, v in r.items() if k != "n_params"}))
         tables["memory"] = rows
     return tables

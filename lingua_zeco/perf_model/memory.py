@@ -7,6 +7,14 @@ activations = T_local * [n_layers * act_per_token_layer   (no checkpointing)
                                                                      plus one layer recomputed)]
 logits      = min(T_local, logits_chunk) * vocab * 10 B   (bf16 logits, fp32 upcast, fp32 grad)
 sp extras   = saved S_in per layer (zeco / lasp1); P gathered states for one layer (lasp2)
+
+Segment-recurrent training (segment_len = s > 0 tokens per GPU, n = ceil(T_local / s) segments): a forward
+without autograd keeps each segment's incoming states, then the segments run forward + backward in reverse
+order, handing the state gradient back. The peak is the backward of the second segment processed, so:
+activations, logits and the sp extras count one segment (s tokens, not T_local); the fp32 grads are live
+(they accumulate from the first segment's backward on) whenever n > 1; and
+segment_states = (n - 1 boundaries + 1 state-gradient set) * n_layers * B * H * head_k * head_v * 4 B.
+segment_len = 0, or >= T_local, is one segment: exactly the model without segments.
 Checked against the peak memory of fla's GLAForCausalLM on one H200 (docs/results/raw/2026-11-30-h200-perf,
 before_train_{16k,32k}.json): see tests/test_perf_model.py and docs/perf_model.md §5.
 """
@@ -70,16 +78,36 @@ class MemoryArgs:
     prefetch_layers: int = 1  # FSDP keeps this many extra layers unsharded
     method: str = "zeco"  # none | zeco | lasp1 | lasp2
     sp: int = 1
+    segment_len: int = 0  # tokens per GPU per segment of segment-recurrent training; 0 = the whole T_local
     overhead_gib: float = assumed("mem.overhead_gib")  # CUDA context, NCCL buffers, allocator slack
     shape: ModelShapeArgs = field(default_factory=ModelShapeArgs)
+
+
+def n_segments(args: MemoryArgs) -> int:
+    """Segments one step runs per GPU: ceil(T_local / segment_len); 1 when segment_len is 0."""
+    if args.segment_len < 0:
+        raise ValueError(f"segment_len must be >= 0 (0 = the whole T_local), not {args.segment_len}")
+    return -(-args.T_local // args.segment_len) if args.segment_len else 1
+
+
+def segment_state_bytes(args: MemoryArgs) -> int:
+    """The boundary states kept for the step plus the one state-gradient set in flight (fp32), when n > 1."""
+    n = n_segments(args)
+    s = args.shape
+    per_set = s.n_layers * args.batch * s.n_heads * s.head_k * s.head_v * 4
+    boundaries = n - 1  # segment 0 starts from zeros
+    return (boundaries + 1) * per_set if n > 1 else 0
 
 
 def peak_memory(args: MemoryArgs) -> dict:
     """Bytes per component and the total, in GiB."""
     s = args.shape
     n = s.n_params()
-    tokens = args.T_local * args.batch
-    per_param = args.master_bytes + args.optim_bytes + (args.grad_bytes if args.grads_live else 0)
+    segments = n_segments(args)
+    seg_len = args.segment_len if segments > 1 else args.T_local
+    tokens = seg_len * args.batch  # what one forward with autograd holds: one segment
+    grads_live = args.grads_live or segments > 1
+    per_param = args.master_bytes + args.optim_bytes + (args.grad_bytes if grads_live else 0)
     fsdp = args.fsdp or args.sp
     static = n * per_param / fsdp
     inflight = (args.prefetch_layers + 1) * s.layer_params() * 2 if fsdp > 1 else 0
@@ -95,12 +123,12 @@ def peak_memory(args: MemoryArgs) -> dict:
     state = args.batch * s.n_heads * s.head_k * s.head_v * 4
     if args.method in ("zeco", "lasp1") and args.sp > 1:
         # saved for the backward: S_in, and (zeco) the gate sums at chunk starts Gx [B, T/64, H, K] fp32
-        gx = args.batch * -(-args.T_local // 64) * s.n_heads * s.head_k * 4 if args.method == "zeco" else 0
+        gx = args.batch * -(-seg_len // 64) * s.n_heads * s.head_k * 4 if args.method == "zeco" else 0
         sp_extra = s.n_layers * (state + gx)
     elif args.method == "lasp2" and args.sp > 1:
         sp_extra = s.n_layers * state + args.sp * state  # own state per layer + one gathered set
     else:
         sp_extra = 0
     parts = dict(sharded_states=static, fsdp_inflight=inflight, activations=act, logits=logits,
-                 sp_states=sp_extra, overhead=args.overhead_gib * GiB)
+                 sp_states=sp_extra, segment_states=segment_state_bytes(args), overhead=args.overhead_gib * GiB)
     return {**{k: v / GiB for k, v in parts.items()}, "total": sum(parts.values()) / GiB, "n_params": n}

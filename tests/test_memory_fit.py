@@ -1,0 +1,74 @@
+"""The trainer's pre-allocation memory bound (apps/gla/memory_fit.py) with and without segment-recurrent
+training: one segment's activations, the boundary states, refusal and acceptance against a given budget.
+Expectations are counted here by hand from the model's shape."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from apps.gla import memory_fit
+from apps.gla.layers import GLAArgs
+from apps.gla.memory_fit import check_fits, estimate_bytes
+
+GLA_1B = GLAArgs()  # 20 layers, 16 heads of 128 x 128
+SEG = 4096
+
+
+def _state_set(args: GLAArgs, batch: int, linear_layers: int) -> int:
+    """fp32 [batch, n_heads, head_k, head_v] per linear-attention layer."""
+    head_k, head_v = args.dim // args.n_heads, args.dim // args.n_heads
+    return linear_layers * batch * args.n_heads * head_k * head_v * 4
+
+
+@pytest.mark.parametrize("ckpt", ["none", "full"])
+def test_segmented_bound_is_flat_in_the_sequence_but_for_the_boundary_states(ckpt):
+    args, batch = dataclasses.replace(GLA_1B, activation_checkpointing=ckpt), 2
+    bound = {seq: estimate_bytes(args, batch * seq, 8, "cuda", batch=batch, segment_len=SEG)
+             for seq in (2 * SEG, 8 * SEG, 8 * SEG + 1)}
+    one_segment = estimate_bytes(args, batch * SEG, 8, "cuda")
+    for seq, b in bound.items():
+        segments = -(-seq // SEG)
+        assert b["activations"] == one_segment["activations"]  # batch x SEG tokens, whatever the sequence
+        assert b["states"] == one_segment["states"] * 4 / 3  # + the fp32 grads, live across the segments
+        assert b["segment_states"] == segments * _state_set(args, batch, 20)  # boundaries + the gradient
+    assert bound[8 * SEG]["total"] - bound[2 * SEG]["total"] == 6 * _state_set(args, batch, 20)
+
+
+def test_one_segment_is_the_bound_without_segments():
+    plain = estimate_bytes(GLA_1B, 3 * 8192, 4, "cpu")
+    assert plain["segment_states"] == 0
+    for seg in (8192, 16384):
+        assert estimate_bytes(GLA_1B, 3 * 8192, 4, "cpu", batch=3, segment_len=seg) == plain
+
+
+def test_softmax_layers_keep_no_boundary_state():
+    hybrid = dataclasses.replace(GLA_1B, softmax_layers=[4, 9, 14, 19])
+    b = estimate_bytes(hybrid, 4 * SEG, 1, "cuda", segment_len=SEG)
+    assert b["segment_states"] == 4 * _state_set(hybrid, 1, 16)
+
+
+def _budget(monkeypatch, nbytes: float):
+    monkeypatch.setattr(memory_fit, "available_bytes", lambda device: (nbytes, "a test budget"))
+
+
+def test_check_fits_accepts_in_segments_what_it_refuses_whole(monkeypatch):
+    tokens, cpu = 64 * SEG, torch.device("cpu")
+    whole = estimate_bytes(GLA_1B, tokens, 1, "cpu")["total"]
+    split = estimate_bytes(GLA_1B, tokens, 1, "cpu", segment_len=SEG)["total"]
+    assert split < whole / 4
+    _budget(monkeypatch, (whole + split) / 2)
+    with pytest.raises(ValueError, match="GiB per rank.*model.segment_len"):
+        check_fits(GLA_1B, tokens, 1, cpu)
+    check_fits(GLA_1B, tokens, 1, cpu, segment_len=SEG)
+    _budget(monkeypatch, split - 1)  # the boundary states alone tip it over
+    with pytest.raises(ValueError, match=f"in segments of {SEG}.*segment_states"):
+        check_fits(GLA_1B, tokens, 1, cpu, segment_len=SEG)
+
+
+@pytest.mark.parametrize("kw,msg", [(dict(batch=3), "multiple of the batch"),
+                                    (dict(segment_len=-1), "model.segment_len=-1")])
+def test_check_fits_names_bad_sizes_on_any_device(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        check_fits(GLA_1B, 4 * SEG, 1, torch.device("meta"), **kw)  # meta: no memory to read
