@@ -23,6 +23,9 @@ import torch
 from lingua_zeco.sp import StateCarry
 
 
+SEGMENT_GRADS = ("exact", "truncated")  # model.segment_grad
+
+
 @dataclass(frozen=True)
 class Segment:
     index: int
@@ -83,35 +86,47 @@ def forward_segments(model, input_ids, labels, cu_seqlens, segments: list[Segmen
 
 
 def forward_backward(model, input_ids, labels, cu_seqlens, segment_len: int, P: int, loss_scale,
-                     set_sync=None, autocast=None, detach: bool = False) -> torch.Tensor:
+                     set_sync=None, autocast=None, grad: str = "exact") -> torch.Tensor:
     """One micro-batch segment by segment (module doc). The gradient is that of loss_scale × (sum of token
     losses), as one backward over the whole sequence would give. set_sync(flag) (FSDP2's
     set_requires_gradient_sync): called with True before the last backward only, so gradients are reduced
-    once. autocast: the context the forwards run in (the trainer's bf16 autocast on CUDA). detach: hand no gradient between segments (wrong on purpose: what a test must catch).
-    Returns the sum of token losses (detached)."""
+    once. autocast: the context the forwards run in (the trainer's bf16 autocast on CUDA).
+    grad="truncated": truncated backpropagation through time instead: the segments in order, each forward
+    and backward at once from the states of the one before, no gradient handed back across a boundary
+    (no extra forward; what the exact schedule is tested against). Returns the sum of token losses."""
+    if grad not in SEGMENT_GRADS:
+        raise ValueError(f"model.segment_grad={grad!r}; choose from {SEGMENT_GRADS}")
     segments = plan(input_ids.shape[1], segment_len, P)
-    stored, handed = [], {}  # the incoming states of every segment; what the last forward handed on
-    for _, carry, _ in forward_segments(model, input_ids, None, cu_seqlens, segments[:-1], head=False,
-                                        autocast=autocast):
-        stored.append(carry.states_in)
-        handed = carry.states_out
-    stored.append(handed)
+    if grad == "truncated":
+        stored = [None] * len(segments)  # filled in order, from the states each segment hands on
+        order = segments
+    else:
+        stored, handed = [], {}  # the incoming states of every segment; what the last forward handed on
+        for _, carry, _ in forward_segments(model, input_ids, None, cu_seqlens, segments[:-1], head=False,
+                                            autocast=autocast):
+            stored.append(carry.states_in)
+            handed = carry.states_out
+        stored.append(handed)
+        order = list(reversed(segments))
     loss_sum = torch.zeros((), dtype=torch.float64, device=input_ids.device)
-    grads = {}
-    for seg, states in zip(reversed(segments), reversed(stored)):
+    grads, states = {}, {}
+    for seg in order:
         cu, continues = _boundaries(cu_seqlens, seg)
-        leaves = {i: s.detach().requires_grad_(continues) for i, s in states.items()}
+        exact = grad == "exact"
+        leaves = {i: s.detach().requires_grad_(continues and exact)
+                  for i, s in (stored[seg.index] if exact else states).items()}
         carry = StateCarry(leaves, continues)
         if set_sync is not None:
-            set_sync(seg.index == 0)
+            set_sync(seg is order[-1])
         with autocast or contextlib.nullcontext():
             tok_loss, _ = model(_piece(input_ids, seg), labels=_piece(labels, seg), cu_seqlens=cu, carry=carry)
         outs, outs_grad = [tok_loss * loss_scale.to(tok_loss.dtype)], [None]
         for i, g in grads.items():
-            if not detach and i in carry.states_out:
+            if i in carry.states_out:
                 outs.append(carry.states_out[i])
                 outs_grad.append(g)
         torch.autograd.backward(outs, outs_grad)
         grads = {i: s.grad for i, s in leaves.items() if s.grad is not None}
+        states = {i: s.detach() for i, s in carry.states_out.items()}
         loss_sum += tok_loss.detach().to(torch.float64)
     return loss_sum

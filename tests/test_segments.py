@@ -7,9 +7,14 @@ import pytest
 import torch
 
 from apps.gla.model import GLAArgs, GLAForCausalLM
+from apps.gla.train import TrainArgs, train
 from lingua_zeco import segments
+from lingua_zeco.args import parse_args
 from lingua_zeco.comm import AllScanArgs
+from lingua_zeco.evaluation import EvalArgs, evaluate
+from lingua_zeco.metrics import read_metrics
 from lingua_zeco.segments import plan, sp_pieces
+from lingua_zeco.sp import StateCarry
 from lingua_zeco.testing import run_on_ranks
 
 TOL = 1e-10
@@ -37,10 +42,10 @@ def _whole(model, ids, labels, cu=None):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _segmented(model, ids, labels, seg_len, cu=None, P=1, detach=False):
+def _segmented(model, ids, labels, seg_len, cu=None, P=1, grad="exact"):
     model.zero_grad(set_to_none=True)
     loss = segments.forward_backward(model, ids, labels, cu, seg_len, P, torch.ones((), dtype=torch.float64),
-                                     detach=detach)
+                                     grad=grad)
     return loss, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -78,10 +83,13 @@ def test_segments_with_activation_checkpointing(ac):
 
 
 def test_detached_states_are_caught():
+    """Truncated backpropagation (the states carried forward, no gradient handed back): the same loss, a
+    gradient that differs by far more than the tolerance."""
     model = _model()
     ids, labels = _data(64)
-    _, want = _whole(model, ids, labels)
-    _, got = _segmented(model, ids, labels, 16, detach=True)
+    want_loss, want = _whole(model, ids, labels)
+    loss, got = _segmented(model, ids, labels, 16, grad="truncated")
+    assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
     assert _worst(got, want) > 1e-3  # the gradient through the carried states is not small
 
 
@@ -100,14 +108,14 @@ def test_packed_documents():
     assert _worst(got, want) <= TOL
 
 
-def _sp_worker(rank, P, seg_len, detach, cu):
+def _sp_worker(rank, P, seg_len, grad, cu):
     import torch.distributed as dist
     model = _model(group=dist.group.WORLD, method="zeco")
     ids, labels = _data(P * 30)
     ids, labels = ids[0], labels[0]
     pieces = sp_pieces(rank, P, 30, seg_len)  # the loaders' segment-major layout
     mine = [torch.cat([t[a:b] for a, b in pieces])[None] for t in (ids, labels)]
-    loss, grads = _segmented(model, *mine, seg_len, cu, P=P, detach=detach)
+    loss, grads = _segmented(model, *mine, seg_len, cu, P=P, grad=grad)
     for g in grads.values():
         dist.all_reduce(g)  # parameters are replicated: the gradient is the sum over ranks
     dist.all_reduce(loss)
@@ -119,10 +127,10 @@ def test_sp2_three_segments_equal_one_device(cu):
     model = _model()
     ids, labels = _data(60)
     want_loss, want = _whole(model, ids, labels, None if cu is None else torch.tensor(cu))
-    (loss, got), _ = run_on_ranks(_sp_worker, 2, 10, False, cu)
+    (loss, got), _ = run_on_ranks(_sp_worker, 2, 10, "exact", cu)
     assert abs(loss.item() - want_loss.item()) <= TOL * abs(want_loss.item())
     assert _worst(got, want) <= TOL, _worst(got, want)
-    (_, broken), _ = run_on_ranks(_sp_worker, 2, 10, True, cu)
+    (_, broken), _ = run_on_ranks(_sp_worker, 2, 10, "truncated", cu)
     assert _worst(broken, want) > 1e-3
 
 
@@ -130,3 +138,84 @@ def test_refused_where_no_state_is_carried():
     for over in (dict(attn_variant="gated_deltanet"), dict(softmax_layers=[1])):
         with pytest.raises(ValueError, match="segment_len"):
             _model(segment_len=16, **over)
+
+
+# -- through the trainer, the loaders and the evaluation ----------------------------------------------------
+TINY = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",
+        "model.dtype=fp64", "data.batch_size=1", "data.seq_len=48", "logging.freq=1", "optim.warmup=2",
+        "optim.lr=1e-2", "data.prefetch=0", "steps=3", "checkpoint.dump.every=0"]
+
+
+def _train_on_rank(rank, world, argv):
+    torch.set_num_threads(1)
+    return train(parse_args(TrainArgs, argv))["losses"]
+
+
+def _losses(tmp_path, name, *extra, ranks=1):
+    argv = [*TINY, f"dump_dir={tmp_path / name}", *extra]
+    if ranks == 1:
+        return train(parse_args(TrainArgs, argv))["losses"]
+    return run_on_ranks(_train_on_rank, ranks, argv, timeout_s=240)[0]
+
+
+def _rel(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys() and len(a) == 3
+    return max(abs(a[s] - b[s]) / abs(b[s]) for s in b)
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["dense", "packed"])
+def test_trainer_segments_equal_whole_sequence(tmp_path, varlen):
+    """Three optimizer steps (the later losses depend on the earlier gradients) of fp64 training: segments of
+    a quarter and an uneven split equal the whole sequence; truncated backpropagation does not."""
+    docs = ["data.varlen=true"] if varlen else []
+    want = _losses(tmp_path, "whole", *docs)
+    for seg in (12, 20):
+        assert _rel(_losses(tmp_path, f"seg{seg}", f"model.segment_len={seg}", *docs), want) <= TOL
+    assert _rel(_losses(tmp_path, "trunc", "model.segment_len=12", "model.segment_grad=truncated", *docs),
+                want) > 1e-6
+
+
+def test_trainer_sp2_segments_equal_one_device(tmp_path):
+    """SP = 2 ranks (gloo, ZeCO) x 3 segments: the loaders' segment-major pieces and the carried states
+    give the losses of one device training the whole sequence."""
+    want = _losses(tmp_path, "one", "data.seq_len=48")
+    got = _losses(tmp_path, "sp2", "data.seq_len=24", "distributed.sp_size=2", "model.segment_len=8", ranks=2)
+    assert _rel(got, want) <= TOL
+
+
+def test_evaluation_segments_equal_whole_sequence():
+    """The loss, and the loss by position, of a sequence evaluated in segments (the states carried) equal
+    the whole sequence's; without the carried states (each segment from zero) they do not."""
+    cfg = parse_args(TrainArgs, [*TINY, "model.vocab_size=258"])
+    model = GLAForCausalLM(cfg.model)
+    model.init_weights(1)
+    ev = EvalArgs(every=1, steps=2)
+    want = evaluate(model, cfg.data, ev, device=torch.device("cpu"))
+    got = evaluate(model, cfg.data, ev, device=torch.device("cpu"), segment_len=16)
+    buckets = [k for k in want if k.startswith("val_pos") and k.endswith("_loss")]  # built-in text: held out
+    assert len(buckets) == 7 and got.keys() == want.keys()
+    for k in ["val_loss", *buckets]:
+        assert got[k] == pytest.approx(want[k], rel=TOL), k
+    fresh = StateCarry.state_in
+    try:  # every segment from the zero state: the positions past the first segment lose their context
+        StateCarry.state_in = lambda self, layer: None
+        broken = evaluate(model, cfg.data, ev, device=torch.device("cpu"), segment_len=16)
+    finally:
+        StateCarry.state_in = fresh
+    assert abs(broken["val_loss"] - want["val_loss"]) > 1e-4
+
+
+@pytest.mark.slow  # two 200-step trainings of a tiny model: ~15 s each on 2 cores
+def test_recall_across_segments(tmp_path):
+    """configs/mqar_segments.yaml: pairs in the first of 4 segments, queries in the last. Exact gradients
+    learn the lookup (recall over steps 151-200 >= 0.95); truncated backpropagation, whose only route from
+    an answer to the pairs' writing is cut at the boundaries, stays at chance 1/8 (answers counted: 8 per
+    sequence x 64 x 10 steps per logged window)."""
+    def recall(name, *extra):
+        train(parse_args(TrainArgs, ["config=mqar_segments.yaml", f"dump_dir={tmp_path / name}", *extra]))
+        late = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 150]
+        assert late and all(r["recall_answers"] == 10 * 64 * 8 for r in late)
+        return sum(r["recall_acc"] for r in late) / len(late)
+
+    exact, truncated = recall("exact"), recall("truncated", "model.segment_grad=truncated")
+    assert exact >= 0.95 and abs(truncated - 1 / 8) < 0.04, (exact, truncated)

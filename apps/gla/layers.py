@@ -19,6 +19,7 @@ COMPILE_MODES = ("auto", "blocks", "none")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 SEGMENT_VARIANTS = ("gla", "simple_gla")  # attention variants that carry their state across segments
+SEGMENT_GRADS = ("exact", "truncated")  # model.segment_grad (lingua_zeco/segments.py)
 
 
 @dataclass
@@ -52,6 +53,9 @@ class GLAArgs:
     # tokens per GPU of one segment: the step trains the sequence segment by segment with exact gradients,
     # carrying each layer's state (lingua_zeco/segments.py; docs/long_context.md). 0 = the whole sequence
     segment_len: int = 0
+    # exact: the gradient of the whole sequence (one extra forward per step) | truncated: truncated
+    # backpropagation through time (the states carried forward, no gradient across segment boundaries)
+    segment_grad: str = "exact"
     chunk_size: int = 64  # GLA chunk length, only used by the FLOP count
     # gla: one forget gate per key channel (gk_proj low rank: dim -> 16 -> key_dim);
     # simple_gla: one per head (RetNet style, fla's SimpleGatedLinearAttention: gk_proj dim -> n_heads);
@@ -104,6 +108,8 @@ def check_model_args(args: GLAArgs) -> None:
         raise ValueError("model.float8_head=true needs model.float8=tensorwise or rowwise")
     if args.segment_len < 0:
         raise ValueError(f"model.segment_len={args.segment_len} must be >= 0 (0 = the whole sequence at once)")
+    if args.segment_grad not in SEGMENT_GRADS:
+        raise ValueError(f"model.segment_grad={args.segment_grad!r}; choose from {SEGMENT_GRADS}")
     if args.segment_len and (args.attn_variant not in SEGMENT_VARIANTS or args.softmax_layers):
         what = (f"model.softmax_layers={list(args.softmax_layers)} (softmax attention carries no fixed-size state)"
                 if args.softmax_layers else f"model.attn_variant={args.attn_variant!r}")

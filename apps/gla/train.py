@@ -120,7 +120,7 @@ def forward_backward(model, data, env: distributed.DistEnv, args: TrainArgs, aut
                 else None
             loss_sum += segments.forward_backward(model, b["input_ids"], b["labels"], b.get("cu_seqlens"),
                                                   args.model.segment_len, env.dims.sp, scale, set_sync=set_sync,
-                                                  autocast=autocast)
+                                                  autocast=autocast, grad=args.model.segment_grad)
             continue
         with autocast:
             tok_loss, _ = model(b["input_ids"], labels=b["labels"], cu_seqlens=b.get("cu_seqlens"))
@@ -242,7 +242,8 @@ class _Run:
         dump_dir, self.args, self.env = _dump_dir(args), _checked(args), env
         args = self.args
         shards = env.dims.dp_shard * env.dims.sp if args.distributed.fsdp else 1
-        check_fits(args.model, args.data.batch_size * args.data.seq_len, shards, env.device)  # before any allocation
+        check_fits(args.model, args.data.batch_size * args.data.seq_len, shards, env.device,  # before any allocation
+                   batch=args.data.batch_size, segment_len=args.model.segment_len)
         self.ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s)
         run_dir.check_writable(self.ckpt.path)  # a read-only or full disk fails now, not at the first save
         torch.manual_seed(args.seed)

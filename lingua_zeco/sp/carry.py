@@ -19,8 +19,6 @@ zero state) and writes its final state with `put(i, S)`. `lingua_zeco.sp.sp_gla_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_nn
@@ -29,17 +27,19 @@ from lingua_zeco import kernels
 from lingua_zeco.kernels.common import doc_ids, doc_of
 
 
-@dataclass(eq=False)
 class StateCarry:
     """The recurrent states of every linear-attention layer across one segment boundary.
-    states_in[i]: layer i's incoming state [B, H, K, V] (None: zeros); continues=False: the segment starts
-    a new document, so no layer reads its incoming state (the reset at a document boundary)."""
-    states_in: list
-    continues: bool = True
-    states_out: dict = field(default_factory=dict)
+    states_in[i]: layer i's incoming state [B, H, K, V] (absent: zeros); continues=False: the segment starts
+    a new document, so no layer reads its incoming state (the reset at a document boundary).
+    A plain class, not a dataclass: FSDP2 rebuilds dataclasses and dicts found in a module's arguments (to
+    cast their tensors), and the layers must write into this very object."""
+
+    def __init__(self, states_in: dict, continues: bool = True):
+        self.states_in, self.continues = states_in, continues
+        self.states_out = {}
 
     def state_in(self, layer: int):
-        return self.states_in[layer] if self.continues else None
+        return self.states_in.get(layer) if self.continues else None
 
     def put(self, layer: int, state: torch.Tensor) -> None:
         # activation checkpointing recomputes the layer in the backward: the state of the first forward is
