@@ -25,7 +25,7 @@ from lingua_zeco.perf_model import (FREE, LinkArgs, MemoryArgs, OpArgs, StateArg
 from lingua_zeco.perf_model.calibrate import RAW, RAW_1GPU, RAW_FUSED, calibrate, check_rows, load_fused
 from lingua_zeco.perf_model.cli import main as cli_main
 from lingua_zeco.perf_model.inputs import ASSUMED, ASSUMED_LABEL, CONFIG_LABEL, NotMeasured
-from lingua_zeco.perf_model.memory import ModelShapeArgs
+from lingua_zeco.perf_model.memory import ModelShapeArgs, act_bytes_from_peak
 from lingua_zeco.perf_model.op_model import lasp1_closed, lasp1_sim
 from lingua_zeco.perf_model.schedules import DeviceArgs, allreduce_state, recv_bytes
 
@@ -533,3 +533,26 @@ def test_calibration_closes_the_files_it_reads(tmp_path):
         symm_hop_fit(str(tmp_path))
         gc.collect()
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
+
+
+TRAINER_1GPU = "docs/results/raw/2026-12-03-h200"  # the trainer on one H200: run38 unsegmented, run43-44 segments
+
+
+def _rows(pattern: str, variant: str) -> list[dict]:
+    return [r for f in sorted(glob.glob(str(ROOT / TRAINER_1GPU / pattern))) for r in json.load(open(f))["rows"]
+            if r["variant"] == variant]
+
+
+def test_memory_of_segments_against_the_measured_peaks():
+    """The trainer's own activation bytes fitted from its unsegmented 16K step (run 38, eager blocks: a
+    segment runs its blocks uncompiled), the model predicts the peaks of 1M, 2M and 4M tokens in segments of
+    16K (runs 43-44, committed bench_train files) within 10 %; the whole 4M sequence at once would not fit."""
+    (base,) = _rows("run38/train_16k.json", "ours_eager")
+    act = act_bytes_from_peak(MemoryArgs(T_local=16384, sp=1), base["peak_gib"])
+    runs = _rows("run4[34]/seg16k_*.json", "ours")
+    assert sorted(r["seq_len"] for r in runs) == [1 << 20, 1 << 21, 1 << 22]
+    for r in runs:
+        m = peak_memory(MemoryArgs(T_local=r["seq_len"], segment_len=16384, sp=1, act_bytes_override=act))
+        assert m["total"] == pytest.approx(r["peak_gib"], rel=0.1), (r["seq_len"], m["total"], r["peak_gib"])
+    whole = peak_memory(MemoryArgs(T_local=1 << 22, sp=1, act_bytes_override=act))
+    assert whole["total"] > 139  # an H200's memory

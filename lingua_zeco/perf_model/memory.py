@@ -20,7 +20,7 @@ before_train_{16k,32k}.json): see tests/test_perf_model.py and docs/perf_model.m
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .inputs import assumed
 
@@ -132,3 +132,12 @@ def peak_memory(args: MemoryArgs) -> dict:
     parts = dict(sharded_states=static, fsdp_inflight=inflight, activations=act, logits=logits,
                  sp_states=sp_extra, segment_states=segment_state_bytes(args), overhead=args.overhead_gib * GiB)
     return {**{k: v / GiB for k, v in parts.items()}, "total": sum(parts.values()) / GiB, "n_params": n}
+
+
+def act_bytes_from_peak(args: MemoryArgs, peak_gib: float) -> int:
+    """The activation bytes per token and layer (act_bytes_override) that make peak_memory(args) equal a
+    measured peak: the formula above is fla's model's, another trainer keeps other tensors. The activations
+    are linear in that figure (logits and everything else stay as modelled), so one measured run of the
+    trainer (e.g. one unsegmented length) fixes it for every length and segment_len."""
+    one = peak_memory(replace(args, act_bytes_override=1))
+    return round((peak_gib - (one["total"] - one["activations"])) / one["activations"])
