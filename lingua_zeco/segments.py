@@ -96,23 +96,19 @@ def forward_backward(model, input_ids, labels, cu_seqlens, segment_len: int, P: 
     (no extra forward; what the exact schedule is tested against). Returns the sum of token losses."""
     if grad not in SEGMENT_GRADS:
         raise ValueError(f"model.segment_grad={grad!r}; choose from {SEGMENT_GRADS}")
-    segments = plan(input_ids.shape[1], segment_len, P)
-    if grad == "truncated":
-        stored = [None] * len(segments)  # filled in order, from the states each segment hands on
-        order = segments
-    else:
-        stored, handed = [], {}  # the incoming states of every segment; what the last forward handed on
+    segments, exact = plan(input_ids.shape[1], segment_len, P), grad == "exact"
+    stored, states = [], {}  # exact: every segment's incoming states; truncated: the last segment's outgoing
+    if exact:
         for _, carry, _ in forward_segments(model, input_ids, None, cu_seqlens, segments[:-1], head=False,
                                             autocast=autocast):
             stored.append(carry.states_in)
-            handed = carry.states_out
-        stored.append(handed)
-        order = list(reversed(segments))
+            states = carry.states_out
+        stored.append(states)
+    order = list(reversed(segments)) if exact else segments
     loss_sum = torch.zeros((), dtype=torch.float64, device=input_ids.device)
-    grads, states = {}, {}
+    grads = {}
     for seg in order:
         cu, continues = _boundaries(cu_seqlens, seg)
-        exact = grad == "exact"
         leaves = {i: s.detach().requires_grad_(continues and exact)
                   for i, s in (stored[seg.index] if exact else states).items()}
         carry = StateCarry(leaves, continues)

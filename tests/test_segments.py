@@ -93,6 +93,17 @@ def test_detached_states_are_caught():
     assert _worst(got, want) > 1e-3  # the gradient through the carried states is not small
 
 
+@pytest.mark.parametrize("grad", ["exact", "truncated"])
+def test_gradients_reduced_once(grad):
+    """FSDP2's gradient sync is switched on only before the last backward of the step (one reduce-scatter)."""
+    model = _model()
+    ids, labels = _data(64)
+    calls = []
+    segments.forward_backward(model, ids, labels, None, 16, 1, torch.ones((), dtype=torch.float64),
+                              set_sync=calls.append, grad=grad)
+    assert calls == [False, False, False, True]
+
+
 # documents: one runs across two segment boundaries, one starts exactly at a segment's first token (reset),
 # an empty one, one ends at the sequence's end
 DOCS = [0, 5, 40, 40, 48, 70, 96]
