@@ -44,7 +44,7 @@ def test_carry_on_fla_stages(dtype, tol, cu, bwd_intra):
     want = _run([t.double().cpu() for t in ins], S0.double().cpu(), do.double().cpu(), dS.double().cpu(), cu,
                 backend="torch")
     names = ["o", "S_end", "dq", "dk", "dv", "dg", "dS0"]
-    errs = {n: _rel(a.cpu(), b) for n, a, b in zip(names, got, want)}
+    errs = {n: _rel(a.cpu(), b) for n, a, b in zip(names, got, want, strict=True)}
     assert max(errs.values()) < tol, errs
     assert _rel(got[-1].cpu(), torch.zeros_like(want[-1])) > 0.5  # the incoming state's gradient is there
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import random
@@ -115,9 +116,8 @@ def forward_backward(model, data, env: distributed.DistEnv, args: TrainArgs, aut
         last = micro == args.grad_acc_steps - 1
         if args.distributed.fsdp:
             model.set_requires_gradient_sync(last)  # reduce once per step
-        if args.model.segment_len:  # segment by segment, exact (lingua_zeco/segments.py)
-            set_sync = (lambda first: model.set_requires_gradient_sync(last and first)) if args.distributed.fsdp \
-                else None
+        if args.model.segment_len:  # segment by segment (lingua_zeco/segments.py): reduce before the last backward
+            set_sync = functools.partial(_sync_if, model, last) if args.distributed.fsdp else None
             loss_sum += segments.forward_backward(model, b["input_ids"], b["labels"], b.get("cu_seqlens"),
                                                   args.model.segment_len, env.dims.sp, scale, set_sync=set_sync,
                                                   autocast=autocast, grad=args.model.segment_grad)
@@ -127,6 +127,10 @@ def forward_backward(model, data, env: distributed.DistEnv, args: TrainArgs, aut
         (tok_loss * scale.to(tok_loss.dtype)).backward()
         loss_sum += tok_loss.detach().to(torch.float64)
     return loss_sum, n_global, data_wait
+
+
+def _sync_if(model, last_micro_batch: bool, last_segment: bool) -> None:
+    model.set_requires_gradient_sync(last_micro_batch and last_segment)
 
 
 def train_step(model, optimizer, scheduler, data, env: distributed.DistEnv, args: TrainArgs, autocast, guard: reliability.StepGuard,
