@@ -17,7 +17,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lingua_zeco.comm import AllScanArgs, check_scan_args, hier_groups_needed, init_node_groups
-from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP  # the softmax layers of hybrids (model.softmax_layers)
+from lingua_zeco.sp import SPContext
+from lingua_zeco.sp.softmax import check_method as check_softmax_sp  # the softmax layers of hybrids (model.softmax_layers)
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
 logger = logging.getLogger(__name__)
@@ -64,8 +65,7 @@ def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
     elif args.sp_method not in SP_METHODS:
         raise ValueError(f"distributed.sp_method={args.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
     check_scan_args(args.all_scan)
-    if args.softmax_sp not in SOFTMAX_SP:
-        raise ValueError(f"distributed.softmax_sp={args.softmax_sp!r}; choose one of {', '.join(SOFTMAX_SP)}")
+    check_softmax_sp(args.softmax_sp)
     if args.fsdp_unit not in FSDP_UNITS:
         raise ValueError(f"distributed.fsdp_unit={args.fsdp_unit!r}; choose one of {', '.join(FSDP_UNITS)}")
     for name in ("param_dtype", "reduce_dtype"):
@@ -119,8 +119,7 @@ class DistEnv:
     mesh: DeviceMesh
     fsdp_mesh: DeviceMesh  # (dp_replicate, dp_shard*sp) or (dp_shard*sp): where parameters live
     dp_mesh: DeviceMesh  # ranks that see different data
-    sp_group: dist.ProcessGroup  # a group of one rank when sp == 1 (None would mean the world to sp_gla)
-    sp_method: str  # "none" when sp == 1 (nothing to exchange)
+    sp: SPContext  # the model's sequence parallelism: a group of one rank and method "none" when sp == 1
     dp_rank: int
     sp_rank: int
     rank: int
@@ -130,6 +129,14 @@ class DistEnv:
     @property
     def is_master(self) -> bool:
         return self.rank == 0
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup:
+        return self.sp.group
+
+    @property
+    def sp_method(self) -> str:
+        return self.sp.method
 
 
 def setup(args: DistributedArgs) -> DistEnv:
@@ -159,8 +166,10 @@ def setup(args: DistributedArgs) -> DistEnv:
     # collective over the world, and made lazily inside one SP group they cross-wire the SP groups
     if G := hier_groups_needed(args.all_scan, dims.sp):
         init_node_groups(mesh.mesh.reshape(-1, dims.sp).tolist(), G)
-    return DistEnv(dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh, sp_group=sp_mesh.get_group(),
-                   sp_method=args.sp_method if dims.sp > 1 else "none", dp_rank=dp_mesh.get_local_rank(),
+    # the group is never None (None would mean the world to sp_gla): one rank's own group when sp == 1
+    sp = SPContext(group=sp_mesh.get_group(), method=args.sp_method if dims.sp > 1 else "none", scan=args.all_scan,
+                   softmax=args.softmax_sp)
+    return DistEnv(dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh, sp=sp, dp_rank=dp_mesh.get_local_rank(),
                    sp_rank=sp_mesh.get_local_rank(), rank=rank, device=device, owns_group=owns)
 
 

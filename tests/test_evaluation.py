@@ -178,8 +178,8 @@ def _pos_eval(rank, world, sp, variants=("zeco",)):
                     ("text", DataArgs(seq_len=CONTEXT // sp, batch_size=2, prefetch=0), 258, EvalArgs(every=1, steps=2)),
                     ("mqar", DataArgs(synthetic="mqar", seq_len=CONTEXT // sp, batch_size=4, mqar=MQAR),
                      MQAR.vocab_size, EvalArgs(every=1, steps=2, recall_span=2))):
-                model = GLAForCausalLM(dataclasses.replace(POS_MODEL, vocab_size=vocab), sp_group=env.sp_group,
-                                       sp_method=method)
+                model = GLAForCausalLM(dataclasses.replace(POS_MODEL, vocab_size=vocab),
+                                       sp=dataclasses.replace(env.sp, method=method))
                 model.init_weights(0)
                 out[variant][name] = evaluation.evaluate(
                     model, data, ev, device=torch.device("cpu"), dp_rank=env.dp_rank, dp_size=env.dims.dp,

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from apps.gla.attention_softmax import SoftmaxAttention, apply_rope, rope_positions, rope_tables
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token, visible_keys
+from lingua_zeco.sp import SPContext
 from sp_harness import max_rel, on_ranks
 
 HYB = GLAArgs(dim=32, n_layers=3, n_heads=2, ffn_hidden=64, vocab_size=50, dtype="fp64", softmax_layers=[1])
@@ -50,8 +51,8 @@ def _loss_and_grads(rank: int, P: int, variant) -> dict:
     """The model's loss sum and parameter gradients on rank `rank`'s slice, summed over the ranks."""
     method, packed, window = variant
     args = dataclasses.replace(HYB, softmax_window=window)
-    model = GLAForCausalLM(args, sp_method="zeco" if P > 1 else "none",
-                           softmax_sp="allgather" if method == "broken" else method)
+    model = GLAForCausalLM(args, sp=SPContext(method="zeco" if P > 1 else "none",
+                                              softmax="allgather" if method == "broken" else method))
     model.init_weights(11)
     if method == "broken":
         for block in model.model.layers:
@@ -142,7 +143,7 @@ def test_validation_and_counts():
     with pytest.raises(ValueError, match="softmax_backend"):
         GLAForCausalLM(dataclasses.replace(HYB, softmax_backend="flash"))
     with pytest.raises(ValueError, match="softmax_sp"):
-        GLAForCausalLM(HYB, softmax_sp="local")
+        GLAForCausalLM(HYB, sp=SPContext(softmax="local"))
     from lingua_zeco.distributed import DistributedArgs, resolve_dims
 
     with pytest.raises(ValueError, match="softmax_sp='x'; choose one of allgather, ring"):

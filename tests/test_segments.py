@@ -14,7 +14,7 @@ from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.evaluation import EvalArgs, evaluate
 from lingua_zeco.metrics import read_metrics
 from lingua_zeco.segments import plan, sp_pieces
-from lingua_zeco.sp import StateCarry
+from lingua_zeco.sp import SPContext, StateCarry
 from lingua_zeco.testing import run_on_ranks
 
 TOL = 1e-10
@@ -23,8 +23,8 @@ ARGS = dict(dim=32, n_layers=2, n_heads=2, ffn_hidden=64, vocab_size=61, dtype="
 
 
 def _model(group=None, method="none", **over):
-    model = GLAForCausalLM(GLAArgs(**{**ARGS, **over}), sp_group=group, sp_method=method,
-                           sp_scan=AllScanArgs(algorithm="chain"))
+    model = GLAForCausalLM(GLAArgs(**{**ARGS, **over}),
+                           sp=SPContext(group=group, method=method, scan=AllScanArgs(algorithm="chain")))
     model.init_weights(3)
     return model
 

@@ -8,12 +8,12 @@ import torch.nn as nn
 
 from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, log_forget_gate
 from lingua_zeco import kernels
-from lingua_zeco.sp import sp_gla, sp_gla_carry, sp_simple_gla
+from lingua_zeco.sp import SPContext, sp_gla, sp_gla_carry, sp_simple_gla
 
 
 class GatedLinearAttention(LinearAttention):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
-        super().__init__(args, sp_group, sp_method, sp_scan)
+    def __init__(self, args: GLAArgs, sp: SPContext):
+        super().__init__(args, sp)
         d, kd, vd = args.dim, args.key_dim, args.value_dim
         self.gate_logit_normalizer = args.gate_logit_normalizer
         self.g_proj = nn.Linear(d, vd, bias=False)
@@ -39,7 +39,7 @@ class GatedLinearAttention(LinearAttention):
         """carry (lingua_zeco.sp.StateCarry): one segment of a longer sequence, from this layer's carried
         state; its final state goes back into carry (model.segment_len, lingua_zeco/segments.py)."""
         q, k, v, gk = self._inputs(x)
-        sp = dict(group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens, scan=self.sp_scan,
+        sp = dict(group=self.sp.group, method=self.sp.method, cu_seqlens=cu_seqlens, scan=self.sp.scan,
                   bwd_intra=self.bwd_intra)
         if carry is not None:
             o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), **sp)

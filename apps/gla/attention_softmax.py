@@ -21,11 +21,10 @@ import torch
 import torch.nn as nn
 
 from apps.gla.layers import GLAArgs
-from lingua_zeco.comm import group_rank_size
 from lingua_zeco.kernels.common import acc_dtype, doc_offsets
 from lingua_zeco.kernels.softmax import BACKENDS, attention
-from lingua_zeco.sp.softmax import METHODS as SOFTMAX_SP
 from lingua_zeco.sp.softmax import sp_softmax_attention
+from lingua_zeco.sp import SPContext
 from lingua_zeco.sp.varlen import Packing
 
 SOFTMAX_BACKENDS = tuple(b for b in BACKENDS if b != "naive")  # naive: the float64 oracle, not a model choice
@@ -82,13 +81,11 @@ class SoftmaxAttention(nn.Module):
     """o_proj(softmax attention(rope(q), rope(k), v)) over the whole global sequence; forward(x, cu_seqlens)
     like the linear-attention layers (cu_seqlens: None or the model's `Packing`)."""
 
-    def __init__(self, args: GLAArgs, sp_group=None, softmax_sp: str = "allgather"):
+    def __init__(self, args: GLAArgs, sp: SPContext):
         super().__init__()
         d, H = args.dim, args.n_heads
-        if softmax_sp not in SOFTMAX_SP:
-            raise ValueError(f"distributed.softmax_sp={softmax_sp!r}; choose from {SOFTMAX_SP}")
         self.n_heads, self.head_dim = H, d // H
-        self.sp_group, self.softmax_sp = sp_group, softmax_sp
+        self.sp = sp
         self.window, self.backend, self.rope_theta = args.softmax_window, args.softmax_backend, args.rope_theta
         self.q_proj = nn.Linear(d, d, bias=False)
         self.k_proj = nn.Linear(d, d, bias=False)
@@ -103,14 +100,14 @@ class SoftmaxAttention(nn.Module):
 
     def attend(self, q, k, v, packing):
         """The SP exchange (a separate method so that tests can swap in a broken one)."""
-        return sp_softmax_attention(q, k, v, group=self.sp_group, method=self.softmax_sp, window=self.window,
+        return sp_softmax_attention(q, k, v, group=self.sp.group, method=self.sp.softmax, window=self.window,
                                     cu_seqlens=packing, backend=self.backend)
 
     def forward(self, x, cu_seqlens=None):
         B, T, _ = x.shape
         if cu_seqlens is not None and not isinstance(cu_seqlens, Packing):
             raise TypeError("SoftmaxAttention takes the model's Packing (lingua_zeco.sp.varlen.pack), not raw cu_seqlens")
-        rank = cu_seqlens.rank if cu_seqlens is not None else group_rank_size(self.sp_group)[0]
+        rank = cu_seqlens.rank if cu_seqlens is not None else self.sp.rank_size[0]
         q, k, v = self._qkv(x, rope_positions(T, rank, cu_seqlens, x.device))
         o = self.attend(q, k, v, cu_seqlens)
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype))

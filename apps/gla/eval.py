@@ -39,6 +39,7 @@ from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import LoggingArgs, MetricLogger
 from lingua_zeco.resume_layout import Layout
+from lingua_zeco.sp import SPContext
 
 
 @dataclass
@@ -62,12 +63,10 @@ def load_run_config(dump_dir: str, config: str = "") -> TrainArgs:
     return parse_args(TrainArgs, [f"config={path}"])
 
 
-def load_model(cfg: TrainArgs, args, device: torch.device, sp_group=None,
-               sp_method: str = "none") -> tuple[GLAForCausalLM, str]:
+def load_model(cfg: TrainArgs, args, device: torch.device, sp: SPContext | None = None) -> tuple[GLAForCausalLM, str]:
     """An unsharded fp32 model (torch kernels on CPU, fla on CUDA) with the weights of args.ckpt (else
     <dump_dir>/checkpoints); with an SP group, its attention runs sequence-parallel as in training."""
-    model = GLAForCausalLM(cfg.model, sp_group=sp_group, sp_method=sp_method, sp_scan=cfg.distributed.all_scan,
-                           softmax_sp=cfg.distributed.softmax_sp)
+    model = GLAForCausalLM(cfg.model, sp=sp)
     ckpt = args.ckpt or os.path.join(args.dump_dir or cfg.dump_dir, "checkpoints")
     path = CheckpointManager(CheckpointArgs(), cfg.dump_dir).load_model_only(ckpt, model)
     return model.to(device).eval(), path
@@ -146,7 +145,7 @@ def run(args: EvalCLIArgs) -> dict:
                           f"launched (the context stays the training one)") from e
     try:
         device = device or env.device
-        model, path = load_model(cfg, args, device, env.sp_group, env.sp_method)
+        model, path = load_model(cfg, args, device, env.sp)  # the run's SP layout: mesh_args
         context = args.context or training_context(cfg, path)
         if context % env.dims.sp:
             raise ConfigError(f"a context of {context} tokens does not split into sp_size={env.dims.sp} equal slices")

@@ -27,14 +27,14 @@ import torch.nn.functional as F
 from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention
 from lingua_zeco.kernels import acc_dtype
 from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm
-from lingua_zeco.sp import sp_gated_delta
+from lingua_zeco.sp import SPContext, sp_gated_delta
 
 
 class GatedDeltaNet(LinearAttention):
     out_norm = "o_norm"
 
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
-        super().__init__(args, sp_group, sp_method, sp_scan)
+    def __init__(self, args: GLAArgs, sp: SPContext):
+        super().__init__(args, sp)
         d, vd, H = args.dim, args.value_dim, args.n_heads
         self.a_proj = nn.Linear(d, H, bias=False)
         self.b_proj = nn.Linear(d, H, bias=False)
@@ -65,8 +65,8 @@ class GatedDeltaNet(LinearAttention):
 
     def forward(self, x, cu_seqlens=None):
         q, k, v, g, beta = self._inputs(x)
-        o = sp_gated_delta(q, k, v, g, beta, group=self.sp_group, method=self.sp_method, cu_seqlens=cu_seqlens,
-                           use_qk_l2norm=True, scan=self.sp_scan)
+        o = sp_gated_delta(q, k, v, g, beta, group=self.sp.group, method=self.sp.method, cu_seqlens=cu_seqlens,
+                           use_qk_l2norm=True, scan=self.sp.scan)
         return self._output(o, x)
 
     def _state_inputs(self, x):

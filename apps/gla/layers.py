@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lingua_zeco.kernels import BWD_INTRA, acc_dtype
+from lingua_zeco.sp import SPContext
 
 
 COMPILE_MODES = ("auto", "blocks", "none")
@@ -159,20 +160,20 @@ class GatedRMSNorm(RMSNorm):
 
 
 class LinearAttention(nn.Module):
-    """Base of the attention variants: heads of a [head_k, head_v] state, SP settings, q/k/v projections
+    """Base of the attention variants: heads of a [head_k, head_v] state, the SP context, q/k/v projections
     (registered first, as in fla), the output o_proj(norm(o) * swish(g_proj x)) (the norm: submodule
     `out_norm`), generation. A variant adds its parameters, `forward` and, for generation, `_state_inputs`
     (q, k, v, its gates), `_step` (one token's state update), `_chunk` (a prompt, from a state)."""
 
     out_norm = "g_norm_swish_gate"
 
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None):
+    def __init__(self, args: GLAArgs, sp: SPContext):
         super().__init__()
         d, kd, vd, H = args.dim, args.key_dim, args.value_dim, args.n_heads
         if kd % H or vd % H:
             raise ValueError(f"key dim {kd} and value dim {vd} must be divisible by n_heads={H}")
         self.n_heads, self.head_k, self.head_v = H, kd // H, vd // H
-        self.sp_group, self.sp_method, self.sp_scan = sp_group, sp_method, sp_scan  # sp_scan: AllScanArgs
+        self.sp = sp
         self.layer_idx = 0  # the block's index (GLABlock sets it): this layer's slot in a StateCarry
         self.q_proj = nn.Linear(d, kd, bias=False)
         self.k_proj = nn.Linear(d, kd, bias=False)

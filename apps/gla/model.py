@@ -23,8 +23,8 @@ from apps.gla.attention_gla import GatedLinearAttention
 from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
 from apps.gla.layers import GLAArgs, RMSNorm, check_model_args, fused_here
-from lingua_zeco.comm import group_rank_size
 from lingua_zeco.kernels import acc_dtype
+from lingua_zeco.sp import SPContext
 from lingua_zeco.sp.varlen import as_packing
 
 AC_MODES = ("none", "full", "selective")
@@ -57,16 +57,15 @@ class SwiGLU(nn.Module):
 
 
 class GLABlock(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None, layer_idx: int = 0,
-                 softmax_sp: str = "allgather"):
+    def __init__(self, args: GLAArgs, sp: SPContext, layer_idx: int = 0):
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         if args.attn_variant not in ATTENTION:
             raise ValueError(f"model.attn_variant={args.attn_variant!r}; choose from {tuple(ATTENTION)}")
         if layer_idx in softmax_layer_set(args):
-            self.attn = SoftmaxAttention(args, sp_group, softmax_sp)
+            self.attn = SoftmaxAttention(args, sp)
         else:
-            self.attn = ATTENTION[args.attn_variant](args, sp_group, sp_method, sp_scan)
+            self.attn = ATTENTION[args.attn_variant](args, sp)
         self.attn.layer_idx = layer_idx
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
         self.mlp = SwiGLU(args.dim, args.ffn_dim, args.fused_kernels)
@@ -106,19 +105,17 @@ class GLABlock(nn.Module):
 
 
 class GLAModel(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None,
-                 softmax_sp: str = "allgather"):
+    def __init__(self, args: GLAArgs, sp: SPContext):
         super().__init__()
         softmax_layer_set(args)  # bad indices: one error before any block is built
         self.embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(GLABlock(args, sp_group, sp_method, sp_scan, i, softmax_sp)
-                                    for i in range(args.n_layers))
+        self.layers = nn.ModuleList(GLABlock(args, sp, i) for i in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.fused_kernels)
-        self.sp_group = sp_group
+        self.sp = sp
 
     def forward(self, input_ids, cu_seqlens=None, carry=None):
         # packed documents planned once for every layer (no host sync inside the layers)
-        rank, P = group_rank_size(self.sp_group)
+        rank, P = self.sp.rank_size
         packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=input_ids.shape[1], device=input_ids.device)
         h = self.embeddings(input_ids)
         for layer in self.layers:
@@ -127,16 +124,15 @@ class GLAModel(nn.Module):
 
 
 class GLAForCausalLM(nn.Module):
-    def __init__(self, args: GLAArgs, sp_group=None, sp_method: str = "none", sp_scan=None,
-                 softmax_sp: str = "allgather"):
-        """sp_method / sp_scan: the linear-attention layers' SP (distributed.sp_method, .all_scan);
-        softmax_sp: the softmax layers' (distributed.softmax_sp: allgather | ring)."""
+    def __init__(self, args: GLAArgs, sp: SPContext | None = None):
+        """sp: the sequence parallelism the layers run under (DistEnv.sp from lingua_zeco.distributed.setup;
+        None: one rank, no exchange)."""
         super().__init__()
         check_model_args(args)
         if args.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer fills 0 from the tokenizer)")
         self.args = args
-        self.model = GLAModel(args, sp_group, sp_method, sp_scan, softmax_sp)
+        self.model = GLAModel(args, sp or SPContext())
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embeddings.weight

@@ -73,8 +73,7 @@ def _rng_state() -> dict:
 
 
 def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
-    model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method,
-                           sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
+    model = GLAForCausalLM(args.model, sp=env.sp)
     model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
     model.to(env.device)
     apply_speedups(model, args.model, env.device, env.dims.sp)  # model.float8 / model.compile, before FSDP

@@ -18,6 +18,7 @@ from lingua_zeco import kernels
 from lingua_zeco.comm import AllScanArgs, group_rank_size
 
 from .carry import StateCarry, add_carried, one_rank_carry
+from .context import SPContext
 from .delta import sp_gated_delta  # noqa: F401  (Gated DeltaNet: lingua_zeco/sp/delta.py)
 from .graph import outside_graph
 from .lasp1 import lasp1
@@ -119,4 +120,4 @@ def sp_gla_carry(q, k, v, g, S0, *, group=None, method: str = "zeco", scale: flo
     return add_carried(q, k, v, g[..., None].expand_as(q) if simple else g, S0, o, packing, scale, group, rank, P)
 
 
-__all__ = ["METHODS", "Packing", "StateCarry", "pack", "sp_gla", "sp_gla_carry", "sp_simple_gla"]
+__all__ = ["METHODS", "Packing", "SPContext", "StateCarry", "pack", "sp_gla", "sp_gla_carry", "sp_simple_gla"]

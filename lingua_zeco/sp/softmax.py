@@ -31,6 +31,12 @@ from .graph import outside_graph
 from .varlen import Packing, as_packing
 
 METHODS = ("allgather", "ring")
+
+
+def check_method(method: str) -> None:
+    """The one check of distributed.softmax_sp (the config's, and an SPContext made by hand)."""
+    if method not in METHODS:
+        raise ValueError(f"distributed.softmax_sp={method!r}; choose one of {', '.join(METHODS)}")
 _TAG_KV, _TAG_DKV = 11, 12  # gloo matches messages by tag: keep the two rings of the backward apart
 
 
