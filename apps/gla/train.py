@@ -27,6 +27,7 @@ from apps.gla.compile import apply_speedups
 from apps.gla.memory_fit import check_fits
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
+from apps.gla.train_state import TrainState
 from lingua_zeco import distributed
 from lingua_zeco import evaluation
 from lingua_zeco import reliability
@@ -63,13 +64,6 @@ class TrainArgs:
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
     eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
     reliability: reliability.ReliabilityArgs = field(default_factory=reliability.ReliabilityArgs)
-
-
-def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
 
 
 def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
@@ -132,12 +126,26 @@ def _sync_if(model, last_micro_batch: bool, last_segment: bool) -> None:
     model.set_requires_gradient_sync(last_micro_batch and last_segment)
 
 
-def train_step(model, optimizer, scheduler, data, env: distributed.DistEnv, args: TrainArgs, autocast, guard: reliability.StepGuard,
-               step: int, stop_requested: bool = False, sync: bool = False):
+@dataclass(eq=False)
+class StepParts:
+    """What one optimizer step uses, built once (by the Trainer, or by a benchmark around train_step)."""
+    args: TrainArgs
+    env: distributed.DistEnv
+    model: GLAForCausalLM
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    data: object  # an iterator of batches
+    autocast: object  # a context manager: bf16 autocast on CUDA
+    guard: reliability.StepGuard
+
+
+def train_step(parts: StepParts, step: int, stop_requested: bool = False, sync: bool = False):
     """One optimizer step (the benchmark times exactly this). sync=False leaves the non-finite
     verdict on the device until the next step (no host sync in the step). Returns
     (local loss sum, global token count, data wait s, grad norm, the guard's verdict)."""
-    loss_sum, n_sum, data_wait = forward_backward(model, data, env, args, autocast)
+    args, env, model, optimizer, scheduler, guard = (parts.args, parts.env, parts.model, parts.optimizer,
+                                                     parts.scheduler, parts.guard)
+    loss_sum, n_sum, data_wait = forward_backward(model, parts.data, env, args, parts.autocast)
     if not args.distributed.fsdp:
         distributed.allreduce_grads(model)
     grad_norm = clip_grad_norm(model, args.optim.clip, optimizer)
@@ -176,7 +184,7 @@ def train(args: TrainArgs) -> dict:
         ckpt_dir = checkpoint_dir(args.checkpoint, dump_dir)
         if os.path.realpath(ckpt_dir) != os.path.realpath(dump_dir):  # one run per checkpoint folder too
             locks.append(run_dir.lock_dump_dir(ckpt_dir, env.is_master, key="checkpoint.path"))
-        return _train(args, env)
+        return Trainer(args, env).train()
     except RuntimeError as e:
         if reliability.is_collective_failure(e):  # a peer died or hangs: name this rank, do not wait on the group
             raise reliability.collective_error(e, env.rank, env.dims.world, args.distributed.timeout_s) from e
@@ -212,34 +220,9 @@ def _checked(args: TrainArgs) -> TrainArgs:
     return args
 
 
-def _resume(args: TrainArgs, env: distributed.DistEnv, ckpt, model, optimizer, scheduler, data) -> tuple[int, int]:
-    """(step, skipped steps) of the latest complete checkpoint, its state loaded; (0, 0) without one."""
-    source = resume_layout.RankStateSource(_layout(args, env), env.dp_rank, env.sp_rank, env.rank)  # another world size
-    configured = hyperparameters(optimizer)  # the config's optim settings, before a load replaces them
-    try:
-        resumed = ckpt.maybe_resume(model, optimizer, source_rank=source)
-    except ModelMismatchError as e:
-        raise _model_changed(args, _dump_dir(args), ckpt.path, e) from e
-    if resumed is None:
-        return 0, 0
-    step, extra, per_rank = resumed
-    per_rank = source.adapt(per_rank)
-    scheduler.load_state_dict(extra["scheduler"])
-    changed = reapply(optimizer, scheduler, configured)  # config.yaml states what the run does
-    if changed and env.is_master:
-        logger.warning("optimizer settings changed since the checkpoint of step %d, applied from here on: %s",
-                       step, "; ".join(changed))
-    data.load_state_dict(per_rank["data"])
-    rng = per_rank["rng"]  # as _rng_state saved it
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state(rng["cuda"])
-    return step, extra.get("skipped_steps", 0)
-
-
-class _Run:
-    """One run's model, optimizer, data and meters, set up (or resumed) at construction; _train steps it."""
+class Trainer:
+    """One run: its model, optimizer, data, TrainState and meters, set up (or resumed) at construction;
+    `train()` runs the steps left."""
 
     def __init__(self, args: TrainArgs, env: distributed.DistEnv):
         dump_dir, self.args, self.env = _dump_dir(args), _checked(args), env
@@ -259,7 +242,8 @@ class _Run:
         self.data = build_data_loader(evaluation.training_data_args(args.data, args.eval),
                                       dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
                                       sp_size=env.dims.sp, seed=args.seed, segment_len=args.model.segment_len)
-        self.step, skipped = _resume(args, env, self.ckpt, self.model, self.optimizer, self.scheduler, self.data)
+        self.state = TrainState(self.scheduler, self.data, _layout(args, env))
+        self.resume()
         self.finished = self.step >= args.steps  # nothing to train: config.yaml and metrics.jsonl stay as they are
         if self.finished:
             return
@@ -272,7 +256,7 @@ class _Run:
         except OSError as e:  # e.g. a full disk: the documented error line, not a traceback
             raise ConfigError(run_dir.not_writable(f"dump_dir {dump_dir}", e, "free space or set dump_dir")) from e
         self.metrics_error = None  # rank 0: why the metrics file could not be written
-        self.guard = reliability.StepGuard(args.reliability, skipped=skipped)
+        self.guard = reliability.StepGuard(args.reliability, skipped=self.state.skipped_steps)
         self.fault = reliability.FaultInjection(env.rank)
         if env.is_master:
             logger.info("world %d = dp_replicate %d x dp_shard %d x sp %d (%s); %.1fM params; start at step %d",
@@ -285,6 +269,30 @@ class _Run:
         self.losses, self.data_wait_window = {}, 0.0  # loss by logged step; data wait since the last log
         self.last_eval = None  # (prefix, loss) of the latest evaluation, for the closing line
         self.timer, self.start_step, self.t_loop = StepTimer(env.device), self.step, time.perf_counter()  # t_loop: ETA
+        self.parts = StepParts(args, env, self.model, self.optimizer, self.scheduler, self.data, self.autocast,
+                               self.guard)
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def resume(self) -> None:
+        """Load the latest complete checkpoint into the model, optimizer and TrainState (none: step 0)."""
+        args, env = self.args, self.env
+        source = resume_layout.RankStateSource(self.state.layout, env.dp_rank, env.sp_rank, env.rank)  # another world size
+        configured = hyperparameters(self.optimizer)  # the config's optim settings, before a load replaces them
+        try:
+            resumed = self.ckpt.maybe_resume(self.model, self.optimizer, source_rank=source)
+        except ModelMismatchError as e:
+            raise _model_changed(args, _dump_dir(args), self.ckpt.path, e) from e
+        if resumed is None:
+            return
+        step, extra, per_rank = resumed
+        self.state.load_state_dict(step, extra, source.adapt(per_rank))
+        changed = reapply(self.optimizer, self.scheduler, configured)  # config.yaml states what the run does
+        if changed and env.is_master:
+            logger.warning("optimizer settings changed since the checkpoint of step %d, applied from here on: %s",
+                           step, "; ".join(changed))
 
     def log(self, loss_sum, n_sum, grad_norm) -> None:
         """Global mean loss; mean step time and data wait of the slowest rank since the last log (no per-step sync)."""
@@ -360,10 +368,9 @@ class _Run:
         if self.ckpt.should_save(step) or step == args.steps or stop or failed:
             self.guard.settle()  # a stop found one step late: read this step's verdict before saving
             try:
-                folder = self.ckpt.save(step, self.model, self.optimizer,
-                                        extra={"step": step, "scheduler": self.scheduler.state_dict(),
-                                               "skipped_steps": self.guard.skipped, "layout": _layout(args, env)},
-                                        per_rank={"data": self.data.state_dict(), "rng": _rng_state()})
+                self.state.skipped_steps = self.guard.skipped
+                folder = self.ckpt.save(step, self.model, self.optimizer, extra=self.state.state_dict(),
+                                        per_rank=self.state.rank_state_dict())
                 if failed:
                     self.ckpt.wait()  # complete before we leave
             except reliability.StorageError as e:
@@ -379,46 +386,44 @@ class _Run:
         """Collective: rank 0's metrics write error, on every rank (None when the write went fine)."""
         return reliability.gather_all(self.metrics_error)[0]
 
-
-def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
-    run = _Run(args, env)
-    args = run.args
-    if run.finished:
-        run.data.close()
-        if env.is_master:
-            _nothing_to_do(args, run.step, run.ckpt.path)
-        return {"losses": {}, "step": run.step}
-    try:
-        with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
-                reliability.StopSignals(args.reliability.handle_signals) as signals:
-            while run.step < args.steps:
-                nxt = run.step + 1
-                log_now = nxt % args.logging.freq == 0 or nxt == args.steps or nxt == 1  # step 1: the starting loss
-                sync = log_now or run.ckpt.should_save(nxt) or evaluation.due(args.eval, nxt, args.steps)
-                loss_sum, n_sum, data_wait, grad_norm, verdict = train_step(
-                    run.model, run.optimizer, run.scheduler, run.data, env, args, run.autocast, run.guard, run.step,
-                    signals.received is not None, sync=sync)
-                run.data_wait_window += data_wait
-                run.step += 1
-                prof.step()
-                run.timer.step()
-                run.timer.pause()  # logging, evaluation and checkpoints are not step time
-                if log_now:
-                    run.log(loss_sum, n_sum, grad_norm)
-                run.evaluate_and_save(verdict.stop, log_now)
-                run.timer.resume()
-                run.fault.after_step(run.step)
-                if verdict.stop:  # SIGTERM/SIGUSR2 on some rank: all ranks saved this step, now leave
-                    logger.warning("stop signal (%s here): checkpoint of step %d saved; rerun the same command to "
-                                   "resume", signals.name or "none", run.step)
-                    break
-            run.ckpt.close()  # the last save (end of run, stop signal) is complete before we leave
-        if env.is_master and run.step > run.start_step:
-            logger.info("%s", run.summary())
-    finally:  # stop the prefetch thread and flush the metrics file even when a step fails
-        run.data.close()
-        run.metrics.close()
-    return {"losses": run.losses, "step": run.step}
+    def train(self) -> dict:
+        """Run the steps left (or nothing: "nothing to do"); returns {'losses': {step: loss}, 'step': last step}."""
+        args, env = self.args, self.env
+        if self.finished:
+            self.data.close()
+            if env.is_master:
+                _nothing_to_do(args, self.step, self.ckpt.path)
+            return {"losses": {}, "step": self.step}
+        try:
+            with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
+                    reliability.StopSignals(args.reliability.handle_signals) as signals:
+                while self.step < args.steps:
+                    nxt = self.step + 1
+                    log_now = nxt % args.logging.freq == 0 or nxt == args.steps or nxt == 1  # step 1: the starting loss
+                    sync = log_now or self.ckpt.should_save(nxt) or evaluation.due(args.eval, nxt, args.steps)
+                    loss_sum, n_sum, data_wait, grad_norm, verdict = train_step(
+                        self.parts, self.step, signals.received is not None, sync=sync)
+                    self.data_wait_window += data_wait
+                    self.state.step += 1
+                    prof.step()
+                    self.timer.step()
+                    self.timer.pause()  # logging, evaluation and checkpoints are not step time
+                    if log_now:
+                        self.log(loss_sum, n_sum, grad_norm)
+                    self.evaluate_and_save(verdict.stop, log_now)
+                    self.timer.resume()
+                    self.fault.after_step(self.step)
+                    if verdict.stop:  # SIGTERM/SIGUSR2 on some rank: all ranks saved this step, now leave
+                        logger.warning("stop signal (%s here): checkpoint of step %d saved; rerun the same command "
+                                       "to resume", signals.name or "none", self.step)
+                        break
+                self.ckpt.close()  # the last save (end of run, stop signal) is complete before we leave
+            if env.is_master and self.step > self.start_step:
+                logger.info("%s", self.summary())
+        finally:  # stop the prefetch thread and flush the metrics file even when a step fails
+            self.data.close()
+            self.metrics.close()
+        return {"losses": self.losses, "step": self.step}
 
 
 def _outputs(args: TrainArgs, ckpt_path: str) -> str:

@@ -307,9 +307,10 @@ def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync:
     data = itertools.repeat(batch)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
     counter = itertools.count()
+    parts = train.StepParts(args, env, model, optimizer, scheduler, data, autocast, guard)
 
     def step():
-        train.train_step(model, optimizer, scheduler, data, env, args, autocast, guard, next(counter), sync=sync)
+        train.train_step(parts, next(counter), sync=sync)
 
     return step, args, env, model, optimizer
 

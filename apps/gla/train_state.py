@@ -1,0 +1,51 @@
+"""What a checkpoint holds beside the model and the optimizer, as one object (as Lingua's and torchtitan's
+TrainState): the step, the skipped steps, the learning-rate schedule, the layout it was saved with, and per
+rank the data loader's position and the random generators. `state_dict()` and `rank_state_dict()` are the
+checkpoint's `extra` and `per_rank` parts (lingua_zeco.checkpoint), with the keys they always had, so
+checkpoints written before this object existed load into it."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@dataclass(eq=False)
+class TrainState:
+    scheduler: object  # the learning-rate schedule (its state_dict / load_state_dict)
+    data: object  # this rank's data loader (its state_dict / load_state_dict)
+    layout: dict  # world, dp, sp, seq_len of the run (lingua_zeco.resume_layout.layout)
+    step: int = 0  # optimizer steps done
+    skipped_steps: int = 0  # steps the non-finite guard skipped (reliability.StepGuard)
+
+    def state_dict(self) -> dict:
+        """The part every rank holds alike."""
+        return {"step": self.step, "scheduler": self.scheduler.state_dict(), "skipped_steps": self.skipped_steps,
+                "layout": self.layout}
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own part."""
+        return {"data": self.data.state_dict(), "rng": rng_state()}
+
+    def load_state_dict(self, step: int, state: dict, rank_state: dict) -> None:
+        """A checkpoint's step, its `state_dict()` and this rank's `rank_state_dict()` (already adapted to
+        this rank when the world size changed)."""
+        self.step, self.skipped_steps = step, state.get("skipped_steps", 0)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.data.load_state_dict(rank_state["data"])
+        set_rng_state(rank_state["rng"])
