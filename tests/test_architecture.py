@@ -1,7 +1,8 @@
 """The layout is the architecture (README, issue 21): comm and kernels at the bottom, sp above them, the
 trainer's modules above that, apps/ on top. These checks read the import statements of every module of
 lingua_zeco/ and apps/ (module level and inside functions) and fail on an import that points up, an
-import cycle, a private name taken from another module, or fla's internal stages used outside kernels/."""
+import cycle, a private name taken from another module, fla's internal stages used outside kernels/, or
+an import that goes around a package's __init__ (lingua_zeco/checkpoint/: one home, one interface)."""
 from __future__ import annotations
 
 import ast
@@ -11,6 +12,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOTTOM = ("lingua_zeco.comm", "lingua_zeco.kernels")  # each imports only itself
+CHECKPOINT = "lingua_zeco.checkpoint"
+CHECKPOINT_NEEDS = ("lingua_zeco.args", "lingua_zeco.reliability")  # all it imports from the project
 
 
 def module_name(rel_path: str) -> str:
@@ -117,6 +120,40 @@ def fla_internals_outside_kernels(imports) -> list[str]:
                   if internal(t) and not m.startswith("lingua_zeco.kernels"))
 
 
+def package_api(package: str) -> set[str]:
+    """The names a package lists in `__all__` (read from its __init__.py, not imported)."""
+    path = os.path.join(ROOT, *package.split("."), "__init__.py")
+    for node in ast.parse(open(path).read(), path).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def around_the_package(imports, package: str, public: set[str]) -> list[str]:
+    """Imports from outside `package` that bypass its __init__: `from package.sub import x`, a submodule
+    the package does not list in `__all__`, or a name from the package that `__all__` does not list."""
+    bad = []
+    for m, pairs in imports.items():
+        if m == package or m.startswith(package + "."):
+            continue
+        for t, name in pairs:
+            if t == package:
+                ok = not name or name in public
+            elif t.startswith(package + "."):
+                ok = not name and t[len(package) + 1:] in public
+            else:
+                continue
+            if not ok:
+                bad.append(f"{m}: {t}" + (f" import {name}" if name else ""))
+    return sorted(bad)
+
+
+def package_needs(edges, package: str, allowed: tuple[str, ...]) -> list[str]:
+    """What the package's modules import from the rest of the project beyond `allowed`."""
+    return sorted(f"{m} -> {t}" for m, targets in edges.items() if m == package or m.startswith(package + ".")
+                  for t in targets if t != package and not t.startswith((package + ".", *allowed)))
+
+
 IMPORTS = read_imports()
 
 
@@ -141,7 +178,17 @@ def test_fla_internal_stages_only_in_kernels():
     assert fla_internals_outside_kernels(IMPORTS) == []
 
 
-@pytest.mark.parametrize("case", ["up", "cycle", "private", "fla"])
+def test_checkpoint_package_is_one_interface():
+    """Outside lingua_zeco/checkpoint/ only `from lingua_zeco.checkpoint import <public name>`; inside, it
+    imports nothing from the project but args and reliability (not the trainer's modules, not apps/)."""
+    public = package_api(CHECKPOINT)
+    assert {"CheckpointManager", "run_dir"} <= public
+    assert any(t == CHECKPOINT for pairs in IMPORTS.values() for t, _ in pairs)  # the check reads real imports
+    assert around_the_package(IMPORTS, CHECKPOINT, public) == []
+    assert package_needs(project_edges(IMPORTS), CHECKPOINT, CHECKPOINT_NEEDS) == []
+
+
+@pytest.mark.parametrize("case", ["up", "cycle", "private", "fla", "package"])
 def test_the_checks_catch_a_broken_layout(case):
     """Each check on a small made-up tree with one violation (the checks above could otherwise pass by
     reading nothing)."""
@@ -155,6 +202,20 @@ def test_the_checks_catch_a_broken_layout(case):
         assert cycles(edges) == [["a", "b", "c"]]
     elif case == "private":
         assert private_imports({"lingua_zeco.sp.delta": [("lingua_zeco.comm.scan", "_k_blocks")]}) != []
+    elif case == "package":
+        public = {"CheckpointManager", "run_dir"}
+        imports = {"apps.gla.train": [(CHECKPOINT, "CheckpointManager"), (CHECKPOINT + ".run_dir", "")],
+                   "apps.gla.eval": [(CHECKPOINT + ".integrity", ""), (CHECKPOINT, "RUN_ID")],
+                   "lingua_zeco.data.overlap": [(CHECKPOINT + ".integrity", "sha256")],
+                   "lingua_zeco.checkpoint.manager": [(CHECKPOINT + ".integrity", "")]}
+        assert around_the_package(imports, CHECKPOINT, public) == [
+            "apps.gla.eval: lingua_zeco.checkpoint import RUN_ID", "apps.gla.eval: lingua_zeco.checkpoint.integrity",
+            "lingua_zeco.data.overlap: lingua_zeco.checkpoint.integrity import sha256"]
+        edges = {"lingua_zeco.checkpoint.manager": {"lingua_zeco.checkpoint.integrity", "lingua_zeco.reliability",
+                                                    "lingua_zeco.evaluation", "apps.gla.model"}}
+        assert package_needs(edges, CHECKPOINT, CHECKPOINT_NEEDS) == [
+            "lingua_zeco.checkpoint.manager -> apps.gla.model",
+            "lingua_zeco.checkpoint.manager -> lingua_zeco.evaluation"]
     else:
         imports = {"lingua_zeco.sp.fused_zeco": [("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")],
                    "apps.gla.bench.bench_op": [("fla.ops.gla", "chunk_gla")],

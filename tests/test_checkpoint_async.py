@@ -1,4 +1,4 @@
-"""Asynchronous checkpoint saves (checkpoint.async_save, lingua_zeco/checkpoint_async.py): what loads
+"""Asynchronous checkpoint saves (checkpoint.async_save, lingua_zeco/checkpoint/async_save.py): what loads
 equals a synchronous save of the same state, COMPLETE appears only once finalised, a kill during the
 background write leaves the previous checkpoint, exact resume, and 2 gloo ranks agreeing on when to
 finalise."""
@@ -14,9 +14,8 @@ import time
 import pytest
 import torch
 
-from lingua_zeco import checkpoint_integrity as integrity
-from lingua_zeco.checkpoint import MARKER, CheckpointArgs, CheckpointManager, SaveEvery
-from lingua_zeco.checkpoint_async import WRITE_DELAY_ENV
+from lingua_zeco.checkpoint import MARKER, WRITE_DELAY_ENV, CheckpointArgs, CheckpointManager, SaveEvery
+from lingua_zeco.checkpoint import integrity  # white-box: patched below
 from lingua_zeco.reliability import StorageError
 from lingua_zeco.testing import run_on_ranks
 from test_checkpoint import _model, _opt, _same_optim, _same_params, _sharded, _train
@@ -196,13 +195,13 @@ def test_stop_signal_finalises_the_last_save_before_the_trainer_returns(tmp_path
     argv = _argv(tmp_path, "steps=1000", "checkpoint.dump.every=1000", "checkpoint.async_save=true")
     assert train(parse_args(TrainArgs, argv))["step"] == 4
     assert (_ckpt(tmp_path, 4) / MARKER).is_file()
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == [".lock", "step_0000000004"]  # .lock: run_dir.py
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [".lock", "step_0000000004"]  # .lock: checkpoint/run_dir.py
 
 
 def test_stager_keeps_its_buffers_and_copy_table_across_saves():
     """DCP (torch 2.11) closes the stager after each stage; ours must still stage the next save into the
     same host buffers, including a state holding a class object (DefaultStager: KeyError: <class 'type'>)."""
-    from lingua_zeco.checkpoint_async import _KeptStager
+    from lingua_zeco.checkpoint.async_save import _KeptStager
     stager = _KeptStager(cuda=False)
     state = {"w": torch.randn(64), "group": {"kind": torch.nn.Linear, "lr": 0.1}}
     first = stager.stage(state)

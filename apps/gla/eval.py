@@ -33,12 +33,11 @@ import torch
 
 from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
-from lingua_zeco import checkpoint_integrity, distributed, reliability
+from lingua_zeco import distributed, reliability
 from lingua_zeco.args import CONFIG_NAME, ConfigError, parse_args
-from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
+from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, Layout, load_file
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import LoggingArgs, MetricLogger
-from lingua_zeco.resume_layout import Layout
 from lingua_zeco.sp import SPContext
 
 
@@ -84,7 +83,7 @@ def training_context(cfg: TrainArgs, ckpt_path: str) -> int:
     """Tokens per training sequence: the layout the trainer saved with the checkpoint, else the config's
     sp_size x seq_len (a run with sp_size=auto and no recorded layout needs context=)."""
     try:
-        extra = checkpoint_integrity.load_file(os.path.join(ckpt_path, "extra.pt"))
+        extra = load_file(os.path.join(ckpt_path, "extra.pt"))
         return Layout(**extra["layout"]).tokens
     except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError, RuntimeError):
         pass  # no readable layout: the config's

@@ -31,11 +31,10 @@ from apps.gla.train_state import TrainState
 from lingua_zeco import distributed
 from lingua_zeco import evaluation
 from lingua_zeco import reliability
-from lingua_zeco import resume_layout
-from lingua_zeco import run_dir
 from lingua_zeco import segments
 from lingua_zeco.args import CONFIG_NAME, ConfigError, dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError, checkpoint_dir
+from lingua_zeco.checkpoint import resume_layout, run_dir
 from lingua_zeco.data import DataArgs, build_data_loader
 from lingua_zeco.data.mqar import IGNORE_INDEX
 from lingua_zeco.metrics import (

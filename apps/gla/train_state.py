@@ -29,7 +29,7 @@ def set_rng_state(state: dict) -> None:
 class TrainState:
     scheduler: object  # the learning-rate schedule (its state_dict / load_state_dict)
     data: object  # this rank's data loader (its state_dict / load_state_dict)
-    layout: dict  # world, dp, sp, seq_len of the run (lingua_zeco.resume_layout.layout)
+    layout: dict  # world, dp, sp, seq_len of the run (lingua_zeco.checkpoint.resume_layout.layout)
     step: int = 0  # optimizer steps done
     skipped_steps: int = 0  # steps the non-finite guard skipped (reliability.StepGuard)
 

@@ -13,7 +13,7 @@ import functools
 import os
 from collections import defaultdict
 
-from lingua_zeco.checkpoint_integrity import sha256
+from lingua_zeco.checkpoint import sha256
 from lingua_zeco.data.sources import BUILTIN_SPLITS, builtin_documents
 
 Sources = dict[str, "list[str] | None"]  # what resolve_sources returns: name -> files (None = built-in)

@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # DCP's copier (no public name)
 from torch.distributed.checkpoint.staging import AsyncStager
 
-from lingua_zeco import checkpoint_integrity as integrity
 from lingua_zeco.reliability import is_distributed, rank_world
+
+from . import integrity
 
 WRITE_DELAY_ENV = "LINGUA_ZECO_CKPT_WRITE_DELAY"
 

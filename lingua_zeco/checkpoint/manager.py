@@ -6,10 +6,10 @@ Layout of one checkpoint, <path>/step_{step:010d}/:
     rank{r}.pt                each global rank's own state (data loader position, RNG states)
     COMPLETE                  json {step, world_size, finite, files: {name: {size, sha256}}, ...}, written last
 A save writes into .tmp_step_{step:010d}, barriers, and only then is renamed and marked complete (an
-asynchronous save: when the manager finalises it, checkpoint_async.py), so a crash at any point leaves
+asynchronous save: when the manager finalises it, async_save.py), so a crash at any point leaves
 either a complete checkpoint or something `latest_complete` skips. A state with NaN/inf weights or
 optimizer moments is never saved; a load verifies the checksums first and refuses non-finite values
-(checkpoint_integrity.py), falling back to the previous checkpoint.
+(integrity.py), falling back to the previous checkpoint.
 """
 from __future__ import annotations
 
@@ -31,10 +31,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
 )
 
-from lingua_zeco import checkpoint_integrity as integrity
 from lingua_zeco.args import ConfigError
-from lingua_zeco.checkpoint_async import AsyncWriter
 from lingua_zeco.reliability import NonFiniteError, StorageError, gather_all, is_distributed, rank_world
+
+from . import integrity
+from .async_save import AsyncWriter
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class CheckpointArgs:
     path: str | None = None  # default: <dump_dir>/checkpoints
     init_ckpt_path: str | None = None  # optional: load model weights only from here at start
     # null = auto: true when CUDA is available. True: a save returns once the state is in host memory,
-    # written in the background (checkpoint_async.py; host RAM for a copy of this rank's state)
+    # written in the background (async_save.py; host RAM for a copy of this rank's state)
     async_save: bool | None = None
 
 
@@ -296,7 +297,7 @@ class CheckpointManager:
         log.info("saved checkpoint %s in %.1fs", final, time.perf_counter() - t0)
         return final
 
-    # -- asynchronous saves (checkpoint_async.py) ---------------------------------------------
+    # -- asynchronous saves (async_save.py) ---------------------------------------------------
     def poll(self) -> str | None:
         """Collective, at a step boundary: finalise the pending asynchronous save if every rank's write
         has finished (one small CPU all-reduce while one is pending, nothing otherwise). Returns its folder."""

@@ -23,8 +23,9 @@ import time
 from omegaconf import OmegaConf
 
 from lingua_zeco.args import CONFIG_NAME, ConfigError
-from lingua_zeco.checkpoint_integrity import probe_writable
 from lingua_zeco.reliability import flatten_config, gather_all, rank_world
+
+from .integrity import probe_writable
 
 LOCK_NAME = ".lock"
 

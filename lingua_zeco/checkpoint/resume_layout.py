@@ -15,7 +15,8 @@ import os
 from dataclasses import asdict, dataclass
 
 from lingua_zeco.args import ConfigError
-from lingua_zeco.checkpoint_integrity import load_file
+
+from .integrity import load_file
 
 log = logging.getLogger(__name__)
 
