@@ -29,6 +29,7 @@ from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_toke
 from apps.gla.recall import RecallMeter
 from lingua_zeco import distributed
 from lingua_zeco import evaluation
+from lingua_zeco import gc_control
 from lingua_zeco import reliability
 from lingua_zeco import resume_layout
 from lingua_zeco import run_dir
@@ -63,6 +64,7 @@ class TrainArgs:
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
     eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
     reliability: reliability.ReliabilityArgs = field(default_factory=reliability.ReliabilityArgs)
+    gc: gc_control.GCArgs = field(default_factory=gc_control.GCArgs)  # lingua_zeco/gc_control.py
 
 
 def _rng_state() -> dict:
@@ -208,6 +210,7 @@ def _checked(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
     reliability.check_config(args)
     evaluation.check_eval_args(args.eval)
+    gc_control.check_gc_args(args.gc)
     check_model_args(args.model)
     reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     return args
@@ -391,7 +394,8 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
         return {"losses": {}, "step": run.step}
     try:
         with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
-                reliability.StopSignals(args.reliability.handle_signals) as signals:
+                reliability.StopSignals(args.reliability.handle_signals) as signals, \
+                gc_control.collecting(args.gc) as gcs:
             while run.step < args.steps:
                 nxt = run.step + 1
                 log_now = nxt % args.logging.freq == 0 or nxt == args.steps or nxt == 1  # step 1: the starting loss
@@ -402,6 +406,7 @@ def _train(args: TrainArgs, env: distributed.DistEnv) -> dict:
                 run.data_wait_window += data_wait
                 run.step += 1
                 prof.step()
+                gcs.step(run.step)
                 run.timer.step()
                 run.timer.pause()  # logging, evaluation and checkpoints are not step time
                 if log_now:
