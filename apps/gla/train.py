@@ -42,7 +42,7 @@ from lingua_zeco.metrics import (
     LoggingArgs, MetricLogger, MetricsWriteError, StepTimer, memory_stats, peak_flops, throughput,
 )
 from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm, hyperparameters, reapply
-from lingua_zeco.profiling import ProfilerArgs, maybe_profile
+from lingua_zeco.profiling import ProfilerArgs, check_profiler_args, maybe_profile
 from lingua_zeco.tokenizer import build_tokenizer
 
 logger = logging.getLogger("train")
@@ -211,6 +211,7 @@ def _checked(args: TrainArgs) -> TrainArgs:
     reliability.check_config(args)
     evaluation.check_eval_args(args.eval)
     gc_control.check_gc_args(args.gc)
+    check_profiler_args(args.profiling)
     check_model_args(args.model)
     reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     return args
