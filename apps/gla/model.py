@@ -25,6 +25,7 @@ from apps.gla.gated_deltanet import GatedDeltaNet
 from apps.gla.layers import GLAArgs, RMSNorm, check_model_args, fused_here
 from lingua_zeco.comm import group_rank_size
 from lingua_zeco.kernels import acc_dtype
+from lingua_zeco.meta_init import like_param
 from lingua_zeco.sp.varlen import as_packing
 
 AC_MODES = ("none", "full", "selective")
@@ -156,7 +157,7 @@ class GLAForCausalLM(nn.Module):
                 vals = torch.ones(p.shape)
             else:
                 vals = torch.empty(p.shape).normal_(0.0, self.args.init_std, generator=gen)
-            p.copy_(vals.to(device=p.device, dtype=p.dtype))
+            p.copy_(like_param(vals, p))  # an FSDP2 DTensor: this rank's shard of the full tensor
 
     def forward(self, input_ids, labels=None, cu_seqlens=None, carry=None, head: bool = True):
         """labels None: logits [B, T, V]. Otherwise (sum of token losses, number of counted tokens):

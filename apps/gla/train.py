@@ -30,6 +30,7 @@ from apps.gla.recall import RecallMeter
 from lingua_zeco import distributed
 from lingua_zeco import evaluation
 from lingua_zeco import gc_control
+from lingua_zeco import meta_init
 from lingua_zeco import reliability
 from lingua_zeco import resume_layout
 from lingua_zeco import run_dir
@@ -75,14 +76,20 @@ def _rng_state() -> dict:
 
 
 def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
-    model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method,
-                           sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
-    model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
-    model.to(env.device)
+    meta = args.distributed.meta_init  # on the meta device, initialised once sharded: the same weights
+    with meta_init.building_device(meta):
+        model = GLAForCausalLM(args.model, sp_group=env.sp_group, sp_method=env.sp_method,
+                               sp_scan=args.distributed.all_scan, softmax_sp=args.distributed.softmax_sp)
+    if not meta:
+        model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
+        model.to(env.device)
     apply_speedups(model, args.model, env.device, env.dims.sp)  # model.float8 / model.compile, before FSDP
     if args.distributed.fsdp:
         distributed.apply_fsdp(model, env, args.distributed, model.blocks)
-    else:
+    if meta:
+        meta_init.materialize(model, env.device)
+        model.init_weights(args.seed)
+    if not args.distributed.fsdp:
         distributed.broadcast_params(model)
     return model
 
