@@ -76,7 +76,7 @@ def test_two_ranks_fsdp_over_dp_and_sp_and_no_fsdp_same_weights():
              ["distributed.fsdp=false", "distributed.sp_size=1", "distributed.sp_method=none",
               "model.tie_embeddings=true"]]
     for rank_results in run_on_ranks(_on_rank, 2, cases):
-        for extra, res in zip(cases, rank_results):
+        for extra, res in zip(cases, rank_results, strict=True):
             _check(res, tied="model.tie_embeddings=true" in extra)
 
 
