@@ -3,6 +3,8 @@
     args = parse_args(TrainArgs, ["config=debug.yaml", "steps=10", "distributed.sp_size=2"])
 
 * `config=NAME` is a path if such a file exists, else `configs/NAME` (".yaml" may be left off);
+  a file's top-level `base: OTHER.yaml` merges OTHER under it (its own values win; OTHER is looked up
+  beside the file, then in configs/; bases may have bases, a cycle is an error);
   a dataclass with its own `config` field takes `config=` as that key instead (eval, generate: the
   run's config.yaml).
 * A list key takes `key=[a,b]` or `key=a,b` (one value: a one-element list).
@@ -165,7 +167,7 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     config, overrides = split_cli(argv, yaml_key=_yaml_key(cls))
     raw = [a.split("=", 1) for a in overrides if _is_raw_text(cls, a.split("=", 1)[0])]
     overrides = _bracket_lists(cls, [a for a in overrides if not _is_raw_text(cls, a.split("=", 1)[0])])
-    layers = [_load_yaml(resolve_config_path(config))] if config is not None else []
+    layers = [load_config(resolve_config_path(config))] if config is not None else []
     for arg in overrides:  # one at a time, so that a bad one is named
         try:
             layers.append(OmegaConf.from_dotlist([arg]))
@@ -176,6 +178,37 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     for key, value in raw:  # text as written, after the YAML layers (the command line wins)
         _set_dotted(args, key, value)
     return args
+
+
+BASE_KEY = "base"  # a config file's key: the file it extends
+
+
+def load_config(path: Path, chain: tuple[Path, ...] = ()) -> DictConfig:
+    """A config file with its `base:` file merged under it (recursively; `chain`: the files that include it)."""
+    real = Path(path).resolve()
+    if real in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, real))
+        raise ConfigError(f"config {str(path)!r}: the base: chain is a cycle ({cycle}); remove one of its base: keys")
+    loaded = _load_yaml(path)
+    if BASE_KEY not in loaded:
+        return loaded
+    base = loaded.pop(BASE_KEY)
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"config {str(path)!r}: base: must name one config file (e.g. base: gla_1b_base.yaml), "
+                          f"not {base!r}")
+    return OmegaConf.merge(load_config(_base_path(base, Path(path)), (*chain, real)), loaded)
+
+
+def _base_path(name: str, including: Path) -> Path:
+    """`base: NAME` of the file `including`: beside that file, else in configs/ (".yaml" may be left off)."""
+    tried = []
+    for folder in (including.parent, CONFIG_DIR):
+        for candidate in (folder / name, folder / f"{name}.yaml"):
+            if candidate.is_file():
+                return candidate
+        tried.append(str(folder / name))
+    raise ConfigError(f"config {str(including)!r}: its base {name!r} does not exist (looked for {' and '.join(tried)}); "
+                      f"fix the base: line, or copy the base file beside it")
 
 
 def _load_yaml(path: Path) -> DictConfig:

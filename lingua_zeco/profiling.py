@@ -2,14 +2,24 @@
 
 Each rank writes its own Chrome trace (profile/rank{r}_step{s}.json) so communication stalls of
 one SP rank can be compared with its neighbours.
+
+profiling.memory_snapshot (CUDA only) records the caching allocator's history over the same window
+(warm-up and active steps) and dumps it per rank to profile/memory_snapshot_rank{r}_step{s}.pickle:
+every allocation with its stack, for https://pytorch.org/memory_viz. It works with or without the
+trace (profiling.enabled). On a CPU it is skipped with one warning.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from lingua_zeco.args import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -22,6 +32,70 @@ class ProfilerArgs:
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
+    memory_snapshot: bool = False  # CUDA: the allocator's history over the window, as a pickle per rank
+    memory_snapshot_entries: int = 100000  # allocation events kept (the newest), bounds the host memory used
+
+
+def check_profiler_args(args: ProfilerArgs) -> None:
+    """Window values no profiler can use, named by their key."""
+    if not (args.enabled or args.memory_snapshot):
+        return
+    for key, value, least in (("start_step", args.start_step, 0), ("warmup", args.warmup, 0),
+                              ("active", args.active, 1), ("memory_snapshot_entries", args.memory_snapshot_entries, 1)):
+        if value < least:
+            raise ConfigError(f"profiling.{key}={value} must be >= {least}")
+
+
+def snapshot_window(args: ProfilerArgs) -> tuple[int, int]:
+    """(steps done when recording starts, steps done when it is dumped): the profiler's warm-up and active steps."""
+    return args.start_step, args.start_step + args.warmup + args.active
+
+
+def snapshot_path(out: Path, rank: int, step: int) -> Path:
+    return out / f"memory_snapshot_rank{rank}_step{step}.pickle"
+
+
+class _MemorySnapshot:
+    """Counts steps like the profiler's schedule; records the CUDA allocator's history inside the window."""
+
+    def __init__(self, args: ProfilerArgs, out: Path, rank: int):
+        self.begin, self.end = snapshot_window(args)
+        self.entries, self.out, self.rank = args.memory_snapshot_entries, out, rank
+        self.steps, self.recording = 0, False
+        if self.begin == 0:
+            self.start()
+
+    def start(self) -> None:
+        torch.cuda.memory._record_memory_history(max_entries=self.entries)
+        self.recording = True
+
+    def stop(self) -> None:
+        """Dump what was recorded (also when the run ends inside the window) and stop recording."""
+        if not self.recording:
+            return
+        path = snapshot_path(self.out, self.rank, self.steps)
+        torch.cuda.memory._dump_snapshot(str(path))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        self.recording = False
+        logger.info("memory snapshot of steps %d-%d written to %s", self.begin + 1, self.steps, path)
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps == self.begin:
+            self.start()
+        elif self.steps == self.end:
+            self.stop()
+
+
+class _Steps:
+    """`.step()` on each of several step counters."""
+
+    def __init__(self, *counters):
+        self.counters = counters
+
+    def step(self) -> None:
+        for c in self.counters:
+            c.step()
 
 
 class _NoProfiler:
@@ -32,10 +106,29 @@ class _NoProfiler:
 @contextlib.contextmanager
 def maybe_profile(args: ProfilerArgs, dump_dir: str, rank: int):
     """Yield an object with `.step()`; call it once at the end of every training step."""
-    if not args.enabled:
-        yield _NoProfiler()
-        return
+    check_profiler_args(args)
     out = Path(dump_dir) / args.trace_dir
+    snapshot = None
+    if args.memory_snapshot and not torch.cuda.is_available():
+        logger.warning("profiling.memory_snapshot needs CUDA (the caching allocator's history): no memory "
+                       "snapshot on this CPU run")
+    elif args.memory_snapshot:
+        out.mkdir(parents=True, exist_ok=True)
+        snapshot = _MemorySnapshot(args, out, rank)
+    try:
+        if not args.enabled:
+            yield snapshot or _NoProfiler()
+            return
+        with _trace(args, out, rank) as prof:
+            yield _Steps(prof, snapshot) if snapshot else prof
+    finally:
+        if snapshot is not None:
+            snapshot.stop()
+
+
+@contextlib.contextmanager
+def _trace(args: ProfilerArgs, out: Path, rank: int):
+    """torch.profiler over the window: one Chrome trace per rank."""
     out.mkdir(parents=True, exist_ok=True)
 
     def on_ready(prof):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -162,3 +163,39 @@ def test_raw_text_keys_take_the_value_as_written(tmp_path):
     assert parse_args(_WithTexts, ["prompt="]).prompt == ""
     with pytest.raises(ConfigError):
         parse_args(_WithTexts, ["texts.label=[1, 2]"])
+
+
+BEFORE_BASE = Path(__file__).parent / "data" / "gla_1b_before_base"  # the gla_1b files as they were, in full
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in BEFORE_BASE.glob("*.yaml")))
+def test_configs_on_a_base_resolve_as_the_full_files_did(name, tmp_path):
+    new = parse_args(TrainArgs, [f"config={name}"])
+    assert "base" in OmegaConf.load(CONFIG_DIR / name)  # the file itself says only what differs
+    assert new == build(TrainArgs, OmegaConf.load(BEFORE_BASE / name))
+    assert dump_config(new, tmp_path / "new").read_text() == \
+        dump_config(build(TrainArgs, OmegaConf.load(BEFORE_BASE / name)), tmp_path / "old").read_text()
+
+
+def test_base_chain_own_values_win_cycles_and_missing_bases_refused(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "root.yaml").write_text("steps: 5\nseed: 1\nmodel:\n  dim: 64\n  n_layers: 2\n")
+    (tmp_path / "sub" / "mid.yaml").write_text("base: ../root.yaml\nseed: 2\nmodel:\n  n_layers: 3\n")
+    (tmp_path / "sub" / "leaf.yaml").write_text("base: mid\nmodel:\n  n_heads: 2\n")  # beside it, .yaml left off
+    args = parse_args(TrainArgs, [f"config={tmp_path / 'sub' / 'leaf.yaml'}", "steps=9"])
+    assert (args.steps, args.seed, args.model.dim, args.model.n_layers, args.model.n_heads) == (9, 2, 64, 3, 2)
+    (tmp_path / "inc.yaml").write_text("base: gla_1b_base.yaml\nsteps: 3\n")  # not beside it: from configs/
+    assert parse_args(TrainArgs, [f"config={tmp_path / 'inc.yaml'}"]).model.dim == 2048
+    (tmp_path / "a.yaml").write_text("base: b.yaml\nsteps: 1\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nsteps: 2\n")
+    with pytest.raises(ConfigError, match=r"cycle \(.*a\.yaml -> .*b\.yaml -> .*a\.yaml\)"):
+        parse_args(TrainArgs, [f"config={tmp_path / 'a.yaml'}"])
+    (tmp_path / "self.yaml").write_text("base: self.yaml\nsteps: 1\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        parse_args(TrainArgs, [f"config={tmp_path / 'self.yaml'}"])
+    (tmp_path / "lost.yaml").write_text("base: nowhere.yaml\nsteps: 1\n")
+    with pytest.raises(ConfigError, match="its base 'nowhere.yaml' does not exist.*fix the base: line"):
+        parse_args(TrainArgs, [f"config={tmp_path / 'lost.yaml'}"])
+    (tmp_path / "list.yaml").write_text("base: [a.yaml]\nsteps: 1\n")
+    with pytest.raises(ConfigError, match="must name one config file"):
+        parse_args(TrainArgs, [f"config={tmp_path / 'list.yaml'}"])

@@ -24,6 +24,7 @@ from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
 from apps.gla.layers import GLAArgs, RMSNorm, check_model_args, fused_here
 from lingua_zeco.kernels import acc_dtype
+from lingua_zeco.meta_init import like_param
 from lingua_zeco.sp import SPContext
 from lingua_zeco.sp.varlen import as_packing
 
@@ -152,7 +153,7 @@ class GLAForCausalLM(nn.Module):
                 vals = torch.ones(p.shape)
             else:
                 vals = torch.empty(p.shape).normal_(0.0, self.args.init_std, generator=gen)
-            p.copy_(vals.to(device=p.device, dtype=p.dtype))
+            p.copy_(like_param(vals, p))  # an FSDP2 DTensor: this rank's shard of the full tensor
 
     def forward(self, input_ids, labels=None, cu_seqlens=None, carry=None, head: bool = True):
         """labels None: logits [B, T, V]. Otherwise (sum of token losses, number of counted tokens):

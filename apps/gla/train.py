@@ -30,6 +30,8 @@ from apps.gla.recall import RecallMeter
 from apps.gla.train_state import TrainState
 from lingua_zeco import distributed
 from lingua_zeco import evaluation
+from lingua_zeco import gc_control
+from lingua_zeco import meta_init
 from lingua_zeco import reliability
 from lingua_zeco import segments
 from lingua_zeco.args import CONFIG_NAME, ConfigError, dump_config, parse_args, to_dict
@@ -41,7 +43,7 @@ from lingua_zeco.metrics import (
     LoggingArgs, MetricLogger, MetricsWriteError, StepTimer, memory_stats, peak_flops, throughput,
 )
 from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm, hyperparameters, reapply
-from lingua_zeco.profiling import ProfilerArgs, maybe_profile
+from lingua_zeco.profiling import ProfilerArgs, check_profiler_args, maybe_profile
 from lingua_zeco.tokenizer import build_tokenizer
 
 logger = logging.getLogger("train")
@@ -63,16 +65,23 @@ class TrainArgs:
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
     eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
     reliability: reliability.ReliabilityArgs = field(default_factory=reliability.ReliabilityArgs)
+    gc: gc_control.GCArgs = field(default_factory=gc_control.GCArgs)  # lingua_zeco/gc_control.py
 
 
 def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
-    model = GLAForCausalLM(args.model, sp=env.sp)
-    model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
-    model.to(env.device)
+    meta = args.distributed.meta_init  # on the meta device, initialised once sharded: the same weights
+    with meta_init.building_device(meta):
+        model = GLAForCausalLM(args.model, sp=env.sp)
+    if not meta:
+        model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
+        model.to(env.device)
     apply_speedups(model, args.model, env.device, env.dims.sp)  # model.float8 / model.compile, before FSDP
     if args.distributed.fsdp:
         distributed.apply_fsdp(model, env, args.distributed, model.blocks)
-    else:
+    if meta:
+        meta_init.materialize(model, env.device)
+        model.init_weights(args.seed)
+    if not args.distributed.fsdp:
         distributed.broadcast_params(model)
     return model
 
@@ -214,6 +223,8 @@ def _checked(args: TrainArgs) -> TrainArgs:
         raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
     reliability.check_config(args)
     evaluation.check_eval_args(args.eval)
+    gc_control.check_gc_args(args.gc)
+    check_profiler_args(args.profiling)
     check_model_args(args.model)
     reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     return args
@@ -395,7 +406,8 @@ class Trainer:
             return {"losses": {}, "step": self.step}
         try:
             with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
-                    reliability.StopSignals(args.reliability.handle_signals) as signals:
+                    reliability.StopSignals(args.reliability.handle_signals) as signals, \
+                    gc_control.collecting(args.gc) as gcs:
                 while self.step < args.steps:
                     nxt = self.step + 1
                     log_now = nxt % args.logging.freq == 0 or nxt == args.steps or nxt == 1  # step 1: the starting loss
@@ -405,6 +417,7 @@ class Trainer:
                     self.data_wait_window += data_wait
                     self.state.step += 1
                     prof.step()
+                    gcs.step(self.step)
                     self.timer.step()
                     self.timer.pause()  # logging, evaluation and checkpoints are not step time
                     if log_now:
