@@ -34,8 +34,8 @@ class StepGuard:
     `check(sync=True)` reads the verdict at once (one host sync). `check(sync=False)` with a fused
     AdamW defers the read by one step: the optimizer drops a bad update on the device (its
     `found_inf`), the flags go to pinned host memory, and the next `check` waits only for that copy,
-    so the CPU keeps queueing work ahead of the GPU. A host sync inside the step cost 25 ms of a
-    370 ms GLA-1B step at 16K on an H200 (docs/results/performance.md). The trainer syncs on the
+    so the CPU keeps queueing work ahead of the GPU: a host sync inside the step stalls it, a cost
+    docs/results/performance.md ("Changes, predictions, outcomes") measures. The trainer syncs on the
     steps that log, evaluate, save or end the run, so nothing is saved from an unread bad step.
     """
 
