@@ -54,7 +54,7 @@ python setup/train_tokenizer.py data="$W/prep/train" vocab_size=4096 out="$W/tok
 stamp "data prepared, tokenizer trained"
 
 # 3. Training, attempt 1: every rank kills itself (SIGKILL, no chance to save) after step 165, i.e.
-#    15 steps after the async checkpoint of step 150 (the trainer's fault hook, lingua_zeco/reliability.py).
+#    15 steps after the async checkpoint of step 150 (the trainer's fault hook, lingua_zeco/reliability/faults.py).
 set +e
 LINGUA_ZECO_FAULT=SIGKILL@165 torchrun --nproc_per_node=2 -m apps.gla.train config=demo_long_context.yaml \
     > "$W/logs/train_attempt1.log" 2>&1

@@ -1,4 +1,4 @@
-"""What happens when things go wrong (lingua_zeco/reliability.py): exact resume after kill -9, stop
+"""What happens when things go wrong (lingua_zeco/reliability/): exact resume after kill -9, stop
 signals, non-finite steps, bad input, a dead or hanging peer, metrics that survive a crash."""
 from __future__ import annotations
 

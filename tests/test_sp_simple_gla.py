@@ -79,14 +79,14 @@ def test_sp_simple_gla_equals_single_device(P):
 def test_one_rank_hands_the_kernel_no_zero_length_document(monkeypatch):
     """Packed documents with zero-length ones (equal consecutive boundaries) on one rank: the kernel (fla's
     chunk_simple_gla on CUDA) gets the boundaries without them, as sp_gla's, and the output is the oracle's."""
-    import lingua_zeco.sp as sp
-    seen, kernel = [], sp.kernels.chunk_simple_gla
+    from lingua_zeco import kernels  # sp/gla.py looks the kernel up on this module at each call
+    seen, kernel = [], kernels.chunk_simple_gla
 
     def recording(*a, cu_seqlens=None, **kw):  # the real kernel, its boundaries noted
         seen.append(None if cu_seqlens is None else cu_seqlens.tolist())
         return kernel(*a, cu_seqlens=cu_seqlens, **kw)
 
-    monkeypatch.setattr(sp.kernels, "chunk_simple_gla", recording)
+    monkeypatch.setattr(kernels, "chunk_simple_gla", recording)
     q, k, v, g, _ = gla_inputs(1, 24, 1, H, K, V, seed=3, gate_per_key=False)
     o = sp_simple_gla(q, k, v, g, cu_seqlens=[0, 0, 5, 5, 5, 17, 24, 24])
     assert seen == [[0, 5, 17, 24]]

@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     if int(os.environ.get("RANK", "0")) != 0:  # one rank's info lines are enough (as in training)
         logging.getLogger().setLevel(logging.WARNING)
-    with reliability.clean_exit():  # bad input: one `error: ...` line on stderr, exit 2 (lingua_zeco/reliability.py)
+    with reliability.clean_exit():  # bad input: one `error: ...` line on stderr, exit 2 (lingua_zeco/reliability/)
         run(parse_args(EvalCLIArgs, argv))  # `config=` is the run's config file, kept as a key
 
 

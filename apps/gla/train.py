@@ -457,7 +457,7 @@ def _nothing_to_do(args: TrainArgs, step: int, ckpt_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stdout)
-    with reliability.clean_exit():  # one line on stderr and a documented exit code (lingua_zeco/reliability.py)
+    with reliability.clean_exit():  # one line on stderr and a documented exit code (lingua_zeco/reliability/)
         argv = sys.argv[1:] if argv is None else argv
         if not any(a.startswith("config=") for a in argv) and not any(a in ("-h", "--help") for a in argv):
             # the defaults alone are GLA-1B on the built-in corpus: never what a bare command means

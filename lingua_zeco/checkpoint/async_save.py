@@ -50,8 +50,8 @@ class _KeptStager(AsyncStager):
 
     Not DCP's DefaultStager: the one of the GPU image's torch 2.11 closes its copier after every stage,
     which clears its copy table, so the second save of a state holding a class object fails with
-    `KeyError: <class 'type'>` (measured: runs 13-14), and frees its cached host buffers, so every save
-    would pin them again (15 GB for GLA-1B). Only `release` frees the buffers here."""
+    `KeyError: <class 'type'>`, and frees its cached host buffers, so every save would pin them again
+    (docs/checkpoints.md, "Asynchronous saves", has both). Only `release` frees the buffers here."""
 
     _synchronize_after_execute = False  # stage() returns once the copy is complete
 

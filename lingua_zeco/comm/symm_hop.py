@@ -1,8 +1,8 @@
 """One kernel per rank per chain scan over symmetric memory (transport="symm", decay transitions, one block).
 
 SymmLink's op-by-op hop is six launches on a middle rank (wait, copy, wait for FREE, combine into the
-next rank's buffer, signal, FREE): ~20 µs of GPU latency per hop and ~100 µs of host work per scan
-measured with the one-GPU loopback (docs/results/all_scan.md). Here the whole hop is one Triton kernel:
+next rank's buffer, signal, FREE): its GPU latency per hop and host work per scan, measured with the
+one-GPU loopback, are in docs/results/all_scan.md (issue 15, second part). Here the whole hop is one Triton kernel:
 
     wait until DATA-in ≥ seq (the previous rank wrote y_p into this rank's buffer)
     y ← received rows;  wait until FREE-in ≥ seq − 1 (the next rank consumed our previous write)

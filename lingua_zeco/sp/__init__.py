@@ -9,115 +9,14 @@ concatenation of the group's slices in rank order. Methods:
   local  diagnostic only: each rank runs its slice alone, dropping the state from before it
 sp_simple_gla: the scalar-decay variant (one decay per head and token) through the same machinery.
 sp_gla_carry: either, from a carried incoming state and returning the final state (segments, carry.py).
+SPContext: the sequence parallelism a model runs under, made once (context.py).
+The implementation is gla.py; this file only names the public API.
 """
-from __future__ import annotations
-
-import torch
-
-from lingua_zeco import kernels
-from lingua_zeco.comm import AllScanArgs, group_rank_size
-
-from .carry import StateCarry, add_carried, one_rank_carry
+from .carry import StateCarry
 from .context import SPContext
-from .delta import sp_gated_delta  # noqa: F401  (Gated DeltaNet: lingua_zeco/sp/delta.py)
-from .graph import outside_graph
-from .lasp1 import lasp1
-from .reference import scan_then_correct
-from .validate import METHODS, check_across_ranks, check_local
-from .varlen import Packing, as_packing, local_segments, pack
+from .delta import sp_gated_delta  # Gated DeltaNet: lingua_zeco/sp/delta.py
+from .gla import sp_gla, sp_gla_carry, sp_simple_gla
+from .validate import METHODS
+from .varlen import Packing, pack
 
-
-def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
-           backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-           bwd_intra: str = "zeco"):
-    """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V].
-    cu_seqlens: None (one sequence), the boundaries of the whole packed sequence (a tensor or ints, the
-    same on every rank; planned on every call), or the step's `Packing` from `pack` (planned once).
-    bwd_intra: the intra-chunk dq/dk stage of fla's backward, ours or fla's (kernels.BWD_INTRA), on one
-    rank and on the fused dense paths.
-    Inside torch.compile: one dense sequence on one rank is the opaque custom op kernels.chunk_gla_op (no
-    graph break); the exchange with other ranks and packed documents run outside the graph (one break)."""
-    if (torch.compiler.is_compiling() and cu_seqlens is None and group_rank_size(group)[1] == 1
-            and backend in (None, kernels.pick_backend(q.device))):
-        check_local(q, k, v, g, method, None, 1)  # shapes and dtypes: decided while tracing
-        return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra)
-    return _sp_gla(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend,
-                   fused=fused, scan=scan, bwd_intra=bwd_intra)
-
-
-@outside_graph
-def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, scan, bwd_intra):
-    kernels.check_bwd_intra(bwd_intra)
-    rank, P = group_rank_size(group)
-    packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
-    check_local(q, k, v, g, method, packing, P)
-    check_across_ranks(q, v, g, packing, group, P)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    name = kernels.pick_backend(q.device, backend)
-    if P == 1:  # nothing to exchange: every method is plain GLA
-        if packing is None:
-            return kernels.chunk_gla(q, k, v, g, scale=scale, backend=name, bwd_intra=bwd_intra)[0]
-        seg = packing.seg  # its boundaries leave zero-length documents out (the same output) and its chunk
-        # tables are planned once per step for every layer
-        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, chunk_tables=seg.chunk_index,
-                                 backend=name, bwd_intra=bwd_intra)[0]
-    seg = local_segments(None, rank, q.shape[1], q.device) if packing is None else packing.seg
-    scan = scan or AllScanArgs()
-    if method == "lasp1":
-        return lasp1(kernels.chunk_gla, q, k, v, g, scale=scale, group=group, seg=seg, backend=name)
-    if method == "local":  # diagnostic: no state passing at all (wrong on purpose; never a default)
-        return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
-    # fla's stages reordered around the exchange: dense slices and slices inside one document take
-    # fused_zeco's operator, slices where a document starts fused_packed's
-    if method in ("zeco", "lasp2") and fused and name == "fla":
-        from .fused_zeco import fused_lasp2_gla, fused_zeco_gla  # imports fla's stages
-        if method == "lasp2":
-            return fused_lasp2_gla(q, k, v, g, scale=scale, group=group, seg=seg, bwd_intra=bwd_intra)
-        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan, bwd_intra=bwd_intra)
-    return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
-                             backend=name, scan_args=scan)
-
-
-
-
-@outside_graph  # fla's kernel or the exchange
-def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
-                  backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-                  bwd_intra: str = "zeco"):
-    """Scalar-decay GLA (RetNet style, fla's chunk_simple_gla): g [B, T_local, H], one log decay per
-    head and token. Its transition diag(exp(g)·1) is GLA's with the decay broadcast over K, so the
-    same exchange is exact: one K×V state per head, the same All-Scan operator (the scanned decay
-    a = b_end is constant over K). P = 1 runs the variant's own kernel (fla's chunk_simple_gla on
-    CUDA); P > 1 runs sp_gla on the broadcast gate (a [B, T, H, K] view; dg sums over K by autograd)."""
-    if g.dim() != 3 or g.shape != q.shape[:3]:
-        raise ValueError(f"sp_simple_gla: g must be [B, T_local, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
-    rank, P = group_rank_size(group)
-    if P == 1:
-        packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
-        check_local(q, k, v, g[..., None].expand_as(q), method, packing, 1)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        cu = None if packing is None else packing.seg.cu_seqlens  # zero-length documents left out, as in sp_gla
-        return kernels.chunk_simple_gla(q, k, v, g, scale=scale, cu_seqlens=cu, backend=backend)[0]
-    return sp_gla(q, k, v, g[..., None].expand_as(q), group=group, method=method, scale=scale,
-                  cu_seqlens=cu_seqlens, backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
-
-
-def sp_gla_carry(q, k, v, g, S0, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
-                 backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-                 bwd_intra: str = "zeco"):
-    """sp_gla (g [B, T_local, H, K]) or sp_simple_gla (g [B, T_local, H]) from the incoming state S0
-    [B, H, K, V] (None: zeros) of the whole group's segment. Returns (o, S_end): S_end [B, H, K, V] (fp32 at
-    least) the state after the segment's last token, on every rank. Packed documents (B = 1): S0 enters the
-    first document, S_end is the last one's (lingua_zeco/sp/carry.py)."""
-    rank, P = group_rank_size(group)
-    packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if P == 1:
-        return one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra)
-    simple = g.dim() == 3
-    o = (sp_simple_gla if simple else sp_gla)(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=packing,
-                                              backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
-    return add_carried(q, k, v, g[..., None].expand_as(q) if simple else g, S0, o, packing, scale, group, rank, P)
-
-
-__all__ = ["METHODS", "Packing", "SPContext", "StateCarry", "pack", "sp_gla", "sp_gla_carry", "sp_simple_gla"]
+__all__ = ["METHODS", "Packing", "SPContext", "StateCarry", "pack", "sp_gated_delta", "sp_gla", "sp_gla_carry", "sp_simple_gla"]

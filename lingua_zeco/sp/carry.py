@@ -3,7 +3,7 @@ segment by segment (lingua_zeco/segments.py), on one rank or spread over an SP g
 
 `StateCarry` travels with one segment's forward through every layer: layer i reads `state_in(i)` (None: the
 zero state) and writes its final state with `put(i, S)`. `lingua_zeco.sp.sp_gla_carry(q, k, v, g, S0, ...) ->
-(o, S_end)` (in the package, beside sp_gla, which it calls) runs:
+(o, S_end)` (in gla.py, beside sp_gla, which it calls) runs:
 
 * one rank: the kernel's own initial and final state (fla's chunk_gla / our staged operator on CUDA, the
   torch chunked kernel elsewhere), autograd through both;

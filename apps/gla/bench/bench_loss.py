@@ -67,7 +67,7 @@ def measure(a: BenchLossArgs, device):
     curves, rows = {}, []
     for name in a.variants:
         dump = tempfile.mkdtemp(prefix=f"bench_loss_{name}_")
-        try:  # the run's final checkpoint can be large (GLA-1B: ~15 GB): never kept
+        try:  # the run's final checkpoint can be large (GLA-1B's: docs/checkpoints.md): never kept
             curves[name] = train_curve(name, a, dump)
         finally:
             shutil.rmtree(dump, ignore_errors=True)

@@ -6,7 +6,7 @@ fla's (`intra_fla`) on the same inputs, with the largest difference between them
 
     python -m apps.gla.bench.bench_stages          # writes docs/results/raw/<date>-<gpu>/bench_stages.json
 
-Each call is replayed from a CUDA graph (a ~150 µs kernel timed eagerly would include its launch),
+Each call is replayed from a CUDA graph (a short kernel timed eagerly would include its launch),
 CUDA events after warm-up, medians, the variants interleaved (common.time_calls).
 """
 from __future__ import annotations
