@@ -44,6 +44,33 @@ class ConfigError(ValueError):
     pass
 
 
+def check_sections(cfg) -> None:
+    """Every section of a config (each *Args dataclass, nested ones too) checks its own values in its `check()`
+    method, beside its fields; the first problem ends here as one ConfigError naming the key."""
+    for section in _sections(cfg):
+        try:
+            section.check()
+        except ConfigError:
+            raise
+        except ValueError as e:  # the low layers (comm, kernels' users) raise ValueError: one type for the caller
+            raise ConfigError(str(e)) from e
+
+
+def _sections(obj):
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        if callable(getattr(obj, "check", None)):
+            yield obj
+        for f in dataclasses.fields(obj):
+            yield from _sections(getattr(obj, f.name))
+
+
+def at_least(values: dict, least: int = 1) -> None:
+    """{key: value}: the first value below `least` as a ConfigError naming its key."""
+    for key, value in values.items():
+        if value < least:
+            raise ConfigError(f"{key}={value} must be >= {least}")
+
+
 RAW_TEXT = "raw_text"  # field metadata key: the command-line value is the text as written
 
 

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lingua_zeco.comm import AllScanArgs, check_scan_args, hier_groups_needed, init_node_groups
+from lingua_zeco.args import at_least
+from lingua_zeco.comm import AllScanArgs, hier_groups_needed, init_node_groups
 from lingua_zeco.sp import SPContext
 from lingua_zeco.sp.softmax import check_method as check_softmax_sp  # the softmax layers of hybrids (model.softmax_layers)
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
@@ -47,6 +48,18 @@ class DistributedArgs:
     timeout_s: int = 600  # collective timeout: a stuck rank becomes an error, not a hang
     all_scan: AllScanArgs = field(default_factory=AllScanArgs)  # zeco's scan: algorithm, blocks, alpha-beta
 
+    def check(self) -> None:
+        """Names no layout can use (the sizes against the world: resolve_dims); all_scan checks its own."""
+        if self.sp_method not in (*SP_METHODS, *DIAGNOSTIC_METHODS):
+            raise ValueError(f"distributed.sp_method={self.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
+        check_softmax_sp(self.softmax_sp)
+        if self.fsdp_unit not in FSDP_UNITS:
+            raise ValueError(f"distributed.fsdp_unit={self.fsdp_unit!r}; choose one of {', '.join(FSDP_UNITS)}")
+        for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"distributed.{name}={getattr(self, name)!r}; choose one of {', '.join(DTYPES)}")
+        at_least({"distributed.timeout_s": self.timeout_s})
+
 
 @dataclass
 class ParallelDims:
@@ -62,17 +75,10 @@ class ParallelDims:
 
 def resolve_dims(args: DistributedArgs, world: int) -> ParallelDims:
     """Turn the config (with its "auto" and -1) into sizes, refusing impossible layouts loudly."""
+    args.check()
+    args.all_scan.check()
     if args.sp_method in DIAGNOSTIC_METHODS:
         logger.warning("distributed.sp_method=%s is a diagnostic that gives WRONG results", args.sp_method)
-    elif args.sp_method not in SP_METHODS:
-        raise ValueError(f"distributed.sp_method={args.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
-    check_scan_args(args.all_scan)
-    check_softmax_sp(args.softmax_sp)
-    if args.fsdp_unit not in FSDP_UNITS:
-        raise ValueError(f"distributed.fsdp_unit={args.fsdp_unit!r}; choose one of {', '.join(FSDP_UNITS)}")
-    for name in ("param_dtype", "reduce_dtype"):
-        if getattr(args, name) not in DTYPES:
-            raise ValueError(f"distributed.{name}={getattr(args, name)!r}; choose one of {', '.join(DTYPES)}")
     if args.dp_replicate < 1 or world % args.dp_replicate:
         raise ValueError(f"distributed.dp_replicate={args.dp_replicate} does not divide the world size {world}")
     if args.sp_size == "auto":

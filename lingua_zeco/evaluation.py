@@ -68,14 +68,13 @@ class EvalArgs:
     # 1/P (with P SP ranks: queries on the last rank, pairs on the first); 0 = the training layout
     recall_span: int = 0
 
-
-def check_eval_args(ev: EvalArgs) -> None:
-    """Values no evaluation can use (eval.steps=0 would log a loss of 0 over 0 tokens), named by key."""
-    if ev.steps < 1:
-        raise ValueError(f"eval.steps={ev.steps} must be >= 1 (validation batches per evaluation)")
-    for key in ("every", "batch_size", "recall_span"):
-        if getattr(ev, key) < 0:
-            raise ValueError(f"eval.{key}={getattr(ev, key)} must be >= 0")
+    def check(self) -> None:
+        """Values no evaluation can use (eval.steps=0 would log a loss of 0 over 0 tokens), named by key."""
+        if self.steps < 1:
+            raise ValueError(f"eval.steps={self.steps} must be >= 1 (validation batches per evaluation)")
+        for key in ("every", "batch_size", "recall_span"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"eval.{key}={getattr(self, key)} must be >= 0")
 
 
 def training_data_args(data: DataArgs, ev: EvalArgs) -> DataArgs:
@@ -94,7 +93,7 @@ def validation_data_args(data: DataArgs, ev: EvalArgs, trained_on: DataArgs | No
 
 def _validation(data: DataArgs, ev: EvalArgs, trained_on: DataArgs | None) -> tuple[DataArgs, list[str]]:
     """(validation DataArgs, what it shares with the training stream); refuses sharing unless allowed."""
-    check_eval_args(ev)
+    ev.check()
     valid = _validation_source(data, ev)
     if ev.recall_span:
         if data.synthetic != "mqar":

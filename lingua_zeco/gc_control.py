@@ -24,10 +24,9 @@ GENERATION = 1  # the young generations: long-lived objects (modules, tensors' o
 class GCArgs:
     every: int = 0  # 0: Python's automatic collection (as before); N > 0: off, and a collection every N steps
 
-
-def check_gc_args(args: GCArgs) -> None:
-    if args.every < 0:
-        raise ConfigError(f"gc.every={args.every} must be >= 0 (0 = Python's automatic garbage collection)")
+    def check(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"gc.every={self.every} must be >= 0 (0 = Python's automatic garbage collection)")
 
 
 class _Scheduled:
@@ -50,7 +49,7 @@ def collect(generation: int, when: str) -> None:
 @contextlib.contextmanager
 def collecting(args: GCArgs):
     """Yield an object with `.step(step)`; with gc.every > 0, automatic collection is off inside."""
-    check_gc_args(args)
+    args.check()
     if args.every == 0:
         yield _Scheduled(0)
         return

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from lingua_zeco.args import at_least
+
 from lingua_zeco.reliability import StorageError
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,9 @@ class LoggingArgs:
     wandb_project: str = "lingua-zeco"
     wandb_run: str = ""  # empty: the run's name
     peak_flops: float = 0.0  # per GPU; 0 = look the device up (MFU is left out when unknown)
+
+    def check(self) -> None:
+        at_least({"logging.freq": self.freq})
 
 
 def peak_flops(device: torch.device, override: float = 0.0) -> float:

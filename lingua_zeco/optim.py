@@ -24,21 +24,20 @@ class OptimArgs:
     clip: float = 1.0  # max global grad norm; <= 0 disables clipping
     fused: bool = True  # fused AdamW kernel (CUDA and CPU); it can drop a non-finite step on the device
 
-
-def check_optim_args(args: OptimArgs) -> None:
-    """Values no run can use, named by their key (a zero or NaN lr trains nothing, silently)."""
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"optim.lr={args.lr} must be a positive finite number")
-    if args.warmup < 0 or args.decay_steps < 0:
-        raise ValueError(f"optim.warmup={args.warmup} and optim.decay_steps={args.decay_steps} must be >= 0")
-    if not (0 <= args.beta1 < 1 and 0 <= args.beta2 < 1):
-        raise ValueError(f"optim.beta1={args.beta1} and optim.beta2={args.beta2} must be in [0, 1)")
-    if not (args.eps > 0 and math.isfinite(args.weight_decay) and args.weight_decay >= 0):
-        raise ValueError(f"optim.eps={args.eps} must be > 0 and optim.weight_decay={args.weight_decay} >= 0")
-    if not 0 <= args.lr_min_ratio <= 1:
-        raise ValueError(f"optim.lr_min_ratio={args.lr_min_ratio} must be in [0, 1]")
-    if args.scheduler not in SCHEDULES:
-        raise ValueError(f"optim.scheduler={args.scheduler!r}; choose from {', '.join(SCHEDULES)}")
+    def check(self) -> None:
+        """Values no run can use, named by their key (a zero or NaN lr trains nothing, silently)."""
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"optim.lr={self.lr} must be a positive finite number")
+        if self.warmup < 0 or self.decay_steps < 0:
+            raise ValueError(f"optim.warmup={self.warmup} and optim.decay_steps={self.decay_steps} must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"optim.beta1={self.beta1} and optim.beta2={self.beta2} must be in [0, 1)")
+        if not (self.eps > 0 and math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ValueError(f"optim.eps={self.eps} must be > 0 and optim.weight_decay={self.weight_decay} >= 0")
+        if not 0 <= self.lr_min_ratio <= 1:
+            raise ValueError(f"optim.lr_min_ratio={self.lr_min_ratio} must be in [0, 1]")
+        if self.scheduler not in SCHEDULES:
+            raise ValueError(f"optim.scheduler={self.scheduler!r}; choose from {', '.join(SCHEDULES)}")
 
 
 def lr_factor(step: int, args: OptimArgs, total: int) -> float:

@@ -35,15 +35,14 @@ class ProfilerArgs:
     memory_snapshot: bool = False  # CUDA: the allocator's history over the window, as a pickle per rank
     memory_snapshot_entries: int = 100000  # allocation events kept (the newest), bounds the host memory used
 
-
-def check_profiler_args(args: ProfilerArgs) -> None:
-    """Window values no profiler can use, named by their key."""
-    if not (args.enabled or args.memory_snapshot):
-        return
-    for key, value, least in (("start_step", args.start_step, 0), ("warmup", args.warmup, 0),
-                              ("active", args.active, 1), ("memory_snapshot_entries", args.memory_snapshot_entries, 1)):
-        if value < least:
-            raise ConfigError(f"profiling.{key}={value} must be >= {least}")
+    def check(self) -> None:
+        """Window values no profiler can use, named by their key."""
+        if not (self.enabled or self.memory_snapshot):
+            return
+        for key, value, least in (("start_step", self.start_step, 0), ("warmup", self.warmup, 0),
+                                  ("active", self.active, 1), ("memory_snapshot_entries", self.memory_snapshot_entries, 1)):
+            if value < least:
+                raise ConfigError(f"profiling.{key}={value} must be >= {least}")
 
 
 def snapshot_window(args: ProfilerArgs) -> tuple[int, int]:
@@ -106,7 +105,7 @@ class _NoProfiler:
 @contextlib.contextmanager
 def maybe_profile(args: ProfilerArgs, dump_dir: str, rank: int):
     """Yield an object with `.step()`; call it once at the end of every training step."""
-    check_profiler_args(args)
+    args.check()
     out = Path(dump_dir) / args.trace_dir
     snapshot = None
     if args.memory_snapshot and not torch.cuda.is_available():

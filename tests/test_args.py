@@ -1,6 +1,7 @@
 """Config system: precedence defaults < YAML < CLI, strict keys and types, config name resolution."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -199,3 +200,23 @@ def test_base_chain_own_values_win_cycles_and_missing_bases_refused(tmp_path):
     (tmp_path / "list.yaml").write_text("base: [a.yaml]\nsteps: 1\n")
     with pytest.raises(ConfigError, match="must name one config file"):
         parse_args(TrainArgs, [f"config={tmp_path / 'list.yaml'}"])
+
+
+@pytest.mark.parametrize("key,value,words", [
+    ("distributed.all_scan.algorithm", "spiral", "all_scan.algorithm='spiral'"),  # comm raises ValueError
+    ("model.dim", "0", "model.dim=0"),
+    ("checkpoint.dump.keep", "-1", "checkpoint.dump.keep=-1"),
+    ("data.seq_len", "0", "data.seq_len=0"),
+    ("gc.every", "-2", "gc.every=-2"),
+    ("steps", "0", "steps=0"),
+])
+def test_every_section_checks_itself_into_one_error_type(key, value, words):
+    """Each *Args checks its own values (its check(), beside its fields); check_sections walks the nested
+    sections and turns a low layer's ValueError into the one ConfigError the entry points report."""
+    from apps.gla.train import TrainArgs
+    from lingua_zeco.args import ConfigError, check_sections, parse_args
+
+    args = parse_args(TrainArgs, ["config=debug.yaml", f"{key}={value}"])
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        check_sections(args)
+    check_sections(parse_args(TrainArgs, ["config=debug.yaml"]))  # the shipped config passes

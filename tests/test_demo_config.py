@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from apps.gla.train import TrainArgs
-from lingua_zeco import reliability
-from lingua_zeco.args import parse_args
+from lingua_zeco.args import check_sections, parse_args
 from lingua_zeco.evaluation import training_data_args
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,7 +24,7 @@ def demo_args(*overrides: str) -> TrainArgs:
 
 def test_demo_config_parses_and_shows_what_the_doc_says():
     a = demo_args()
-    reliability.check_config(a)
+    check_sections(a)
     assert a.distributed.sp_size == 2 and a.distributed.sp_method == "zeco"
     assert a.data.varlen and a.data.batch_size == 1  # packed documents (varlen needs one sequence per rank)
     assert a.data.seq_len * a.distributed.sp_size == 2048  # one 2048-token context per step

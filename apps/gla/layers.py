@@ -86,39 +86,38 @@ class GLAArgs:
             return self.ffn_hidden
         return 256 * math.ceil(int(self.dim * 8 / 3) / 256)
 
-
-def check_model_args(args: GLAArgs) -> None:
-    """Sizes no model can have, named by key (a 0 would surface as a ZeroDivisionError deep in init)."""
-    for key in ("dim", "n_layers", "n_heads", "gate_low_rank_dim", "gate_logit_normalizer"):
-        if getattr(args, key) < 1:
-            raise ValueError(f"model.{key}={getattr(args, key)} must be >= 1")
-    for key in ("expand_k", "expand_v", "norm_eps", "init_std", "rope_theta"):
-        if not getattr(args, key) > 0:
-            raise ValueError(f"model.{key}={getattr(args, key)} must be > 0")
-    if args.ffn_hidden < 0:
-        raise ValueError(f"model.ffn_hidden={args.ffn_hidden} must be >= 0 (0 = fla's rule, 8/3 x dim)")
-    if args.vocab_size < 0:
-        raise ValueError(f"model.vocab_size={args.vocab_size} must be >= 0 (0 = the tokenizer's)")
-    if args.compile not in COMPILE_MODES:
-        raise ValueError(f"model.compile={args.compile!r}; choose from {COMPILE_MODES}")
-    if args.compile_backend not in COMPILE_BACKENDS:
-        raise ValueError(f"model.compile_backend={args.compile_backend!r}; choose from {COMPILE_BACKENDS}")
-    if args.float8 not in FLOAT8_RECIPES:
-        raise ValueError(f"model.float8={args.float8!r}; choose from {FLOAT8_RECIPES}")
-    if args.float8_head and args.float8 == "none":
-        raise ValueError("model.float8_head=true needs model.float8=tensorwise or rowwise")
-    if args.segment_len < 0:
-        raise ValueError(f"model.segment_len={args.segment_len} must be >= 0 (0 = the whole sequence at once)")
-    if args.segment_grad not in SEGMENT_GRADS:
-        raise ValueError(f"model.segment_grad={args.segment_grad!r}; choose from {SEGMENT_GRADS}")
-    if args.segment_len and (args.attn_variant not in SEGMENT_VARIANTS or args.softmax_layers):
-        what = (f"model.softmax_layers={list(args.softmax_layers)} (softmax attention carries no fixed-size state)"
-                if args.softmax_layers else f"model.attn_variant={args.attn_variant!r}")
-        raise ValueError(f"model.segment_len={args.segment_len} trains segment by segment, which needs every layer's "
-                         f"state carried across segments: {what} cannot; use attn_variant in {SEGMENT_VARIANTS} "
-                         f"without softmax layers, or model.segment_len=0")
-    if args.gla_bwd_intra not in BWD_INTRA:
-        raise ValueError(f"model.gla_bwd_intra={args.gla_bwd_intra!r}; choose from {BWD_INTRA}")
+    def check(self) -> None:
+        """Sizes no model can have, named by key (a 0 would surface as a ZeroDivisionError deep in init)."""
+        for key in ("dim", "n_layers", "n_heads", "gate_low_rank_dim", "gate_logit_normalizer"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+        for key in ("expand_k", "expand_v", "norm_eps", "init_std", "rope_theta"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be > 0")
+        if self.ffn_hidden < 0:
+            raise ValueError(f"model.ffn_hidden={self.ffn_hidden} must be >= 0 (0 = fla's rule, 8/3 x dim)")
+        if self.vocab_size < 0:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be >= 0 (0 = the tokenizer's)")
+        if self.compile not in COMPILE_MODES:
+            raise ValueError(f"model.compile={self.compile!r}; choose from {COMPILE_MODES}")
+        if self.compile_backend not in COMPILE_BACKENDS:
+            raise ValueError(f"model.compile_backend={self.compile_backend!r}; choose from {COMPILE_BACKENDS}")
+        if self.float8 not in FLOAT8_RECIPES:
+            raise ValueError(f"model.float8={self.float8!r}; choose from {FLOAT8_RECIPES}")
+        if self.float8_head and self.float8 == "none":
+            raise ValueError("model.float8_head=true needs model.float8=tensorwise or rowwise")
+        if self.segment_len < 0:
+            raise ValueError(f"model.segment_len={self.segment_len} must be >= 0 (0 = the whole sequence at once)")
+        if self.segment_grad not in SEGMENT_GRADS:
+            raise ValueError(f"model.segment_grad={self.segment_grad!r}; choose from {SEGMENT_GRADS}")
+        if self.segment_len and (self.attn_variant not in SEGMENT_VARIANTS or self.softmax_layers):
+            what = (f"model.softmax_layers={list(self.softmax_layers)} (softmax attention carries no fixed-size state)"
+                    if self.softmax_layers else f"model.attn_variant={self.attn_variant!r}")
+            raise ValueError(f"model.segment_len={self.segment_len} trains segment by segment, which needs every layer's "
+                             f"state carried across segments: {what} cannot; use attn_variant in {SEGMENT_VARIANTS} "
+                             f"without softmax layers, or model.segment_len=0")
+        if self.gla_bwd_intra not in BWD_INTRA:
+            raise ValueError(f"model.gla_bwd_intra={self.gla_bwd_intra!r}; choose from {BWD_INTRA}")
 
 
 def _exact(x: float, what: str) -> int:

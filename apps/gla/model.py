@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from apps.gla.attention_gla import GatedLinearAttention
 from apps.gla.attention_softmax import SoftmaxAttention, softmax_layer_set
 from apps.gla.gated_deltanet import GatedDeltaNet
-from apps.gla.layers import GLAArgs, RMSNorm, check_model_args, fused_here
+from apps.gla.layers import GLAArgs, RMSNorm, fused_here
 from lingua_zeco.kernels import acc_dtype
 from lingua_zeco.meta_init import like_param
 from lingua_zeco.sp import SPContext
@@ -129,7 +129,7 @@ class GLAForCausalLM(nn.Module):
         """sp: the sequence parallelism the layers run under (DistEnv.sp from lingua_zeco.distributed.setup;
         None: one rank, no exchange)."""
         super().__init__()
-        check_model_args(args)
+        args.check()
         if args.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer fills 0 from the tokenizer)")
         self.args = args

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from apps.gla.layers import check_model_args
 from apps.gla.compile import apply_speedups
 from apps.gla.memory_fit import check_fits
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
@@ -34,7 +33,7 @@ from lingua_zeco import gc_control
 from lingua_zeco import meta_init
 from lingua_zeco import reliability
 from lingua_zeco import segments
-from lingua_zeco.args import CONFIG_NAME, ConfigError, dump_config, parse_args, to_dict
+from lingua_zeco.args import CONFIG_NAME, ConfigError, at_least, check_sections, dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError, checkpoint_dir
 from lingua_zeco.checkpoint import resume_layout, run_dir
 from lingua_zeco.data import DataArgs, build_data_loader
@@ -43,7 +42,7 @@ from lingua_zeco.metrics import (
     LoggingArgs, MetricLogger, MetricsWriteError, StepTimer, memory_stats, peak_flops, throughput,
 )
 from lingua_zeco.optim import OptimArgs, build_optimizer, clip_grad_norm, hyperparameters, reapply
-from lingua_zeco.profiling import ProfilerArgs, check_profiler_args, maybe_profile
+from lingua_zeco.profiling import ProfilerArgs, maybe_profile
 from lingua_zeco.tokenizer import build_tokenizer
 
 logger = logging.getLogger("train")
@@ -66,6 +65,9 @@ class TrainArgs:
     eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
     reliability: reliability.ReliabilityArgs = field(default_factory=reliability.ReliabilityArgs)
     gc: gc_control.GCArgs = field(default_factory=gc_control.GCArgs)  # lingua_zeco/gc_control.py
+
+    def check(self) -> None:
+        at_least({"steps": self.steps, "grad_acc_steps": self.grad_acc_steps})
 
 
 def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
@@ -219,13 +221,7 @@ def with_vocab_size(args: TrainArgs) -> TrainArgs:
 def _checked(args: TrainArgs) -> TrainArgs:
     """The config with the tokenizer's vocabulary size filled in, checked, and the same on every rank."""
     args = with_vocab_size(args)
-    if args.grad_acc_steps < 1:
-        raise ValueError(f"grad_acc_steps={args.grad_acc_steps} must be >= 1")
-    reliability.check_config(args)
-    evaluation.check_eval_args(args.eval)
-    gc_control.check_gc_args(args.gc)
-    check_profiler_args(args.profiling)
-    check_model_args(args.model)
+    check_sections(args)  # each section's check(), beside its fields: one ConfigError
     reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     return args
 

@@ -62,6 +62,13 @@ class SaveEvery:
     every: int = 1000
     keep: int = 3  # keep the last N complete checkpoints (0 = keep all)
 
+    def check(self) -> None:
+        if self.every < 0:
+            raise ConfigError(f"checkpoint.dump.every={self.every} must be >= 0 (0 = only at the end and on a stop "
+                              f"signal)")
+        if self.keep < 0:
+            raise ConfigError(f"checkpoint.dump.keep={self.keep} must be >= 0 (0 = keep every checkpoint)")
+
 
 @dataclass
 class CheckpointArgs:

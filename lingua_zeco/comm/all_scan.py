@@ -68,16 +68,15 @@ class AllScanArgs:
     # (docs/results/performance.md, "Target 3"), so no one choice holds for every P.
     overlap: str = "auto"
 
-
-def check_scan_args(args: AllScanArgs) -> None:
-    """Refuse a bad configuration with one line naming the field and its choices."""
-    for field, value, choices in (("algorithm", args.algorithm, ALGORITHMS), ("transport", args.transport, TRANSPORTS),
-                                  ("overlap", args.overlap, OVERLAP)):
-        if value not in choices:
-            raise ValueError(f"all_scan.{field}={value!r}; choose one of {', '.join(choices)}")
-    if args.n_blocks < 0 or args.symm_timeout_s <= 0:
-        raise ValueError(f"all_scan.n_blocks must be >= 0 (0 = by the model) and all_scan.symm_timeout_s > 0; got "
-                         f"{args.n_blocks} and {args.symm_timeout_s}")
+    def check(self) -> None:
+        """Refuse a bad configuration with one line naming the field and its choices."""
+        for field, value, choices in (("algorithm", self.algorithm, ALGORITHMS), ("transport", self.transport, TRANSPORTS),
+                                      ("overlap", self.overlap, OVERLAP)):
+            if value not in choices:
+                raise ValueError(f"all_scan.{field}={value!r}; choose one of {', '.join(choices)}")
+        if self.n_blocks < 0 or self.symm_timeout_s <= 0:
+            raise ValueError(f"all_scan.n_blocks must be >= 0 (0 = by the model) and all_scan.symm_timeout_s > 0; got "
+                             f"{self.n_blocks} and {self.symm_timeout_s}")
 
 
 def chain_time(P: int, nbytes: int, n_blocks: int, alpha_s: float, beta_Bps: float) -> float:
@@ -183,7 +182,7 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
     allowed = ALGORITHMS if transition.hier else tuple(n for n in ALGORITHMS if n != "hier")
     if args.algorithm not in allowed:
         raise ValueError(f"all_scan: algorithm must be one of {allowed} for this transition, got {args.algorithm!r}")
-    check_scan_args(args)
+    args.check()
     group = group if group is not None else dist.group.WORLD
     rank, P = dist.get_rank(group), dist.get_world_size(group)
     x, a = x.contiguous(), a.contiguous()

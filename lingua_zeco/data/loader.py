@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lingua_zeco.args import at_least
 from lingua_zeco.data.mqar import MQARArgs, MQARLoader
 from lingua_zeco.data.hf_sources import MapSource, StreamSource
 from lingua_zeco.data.sources import DocumentSource, resolve_specs
@@ -48,6 +49,9 @@ class DataArgs:
     prefetch: int = 2  # batches prepared ahead on a background thread (0 = build batches inline)
     synthetic: str = ""  # "" = documents as above | "mqar": multi-query associative recall (data/mqar.py)
     mqar: MQARArgs = field(default_factory=MQARArgs)
+
+    def check(self) -> None:
+        at_least({"data.seq_len": self.seq_len, "data.batch_size": self.batch_size})
 
 
 class _Packer:

@@ -29,7 +29,7 @@ comma-separated, are sent in order (SIGUSR2@2,SIGUSR2@2: a second signal).
 
 One module per job, every name re-exported here (`reliability.X`): errors.py (the error types),
 collective.py (rank agreement, failed collectives), signals.py (StopSignals), guard.py (StepGuard and
-its ReliabilityArgs), config_checks.py (check_config, check_same_config), exits.py (clean_exit, exit
+its ReliabilityArgs), config_checks.py (check_same_config), exits.py (clean_exit, exit
 codes), faults.py (the LINGUA_ZECO_FAULT hook).
 """
 from lingua_zeco.reliability.errors import CollectiveError, NonFiniteError, StorageError
@@ -37,13 +37,13 @@ from lingua_zeco.reliability.collective import (collective_error, gather_all, is
                                                 is_distributed, rank_world)
 from lingua_zeco.reliability.signals import STOP_SIGNALS, StopSignals
 from lingua_zeco.reliability.guard import NONFINITE_POLICIES, ReliabilityArgs, StepGuard, Verdict
-from lingua_zeco.reliability.config_checks import check_config, check_same_config, flatten_config
+from lingua_zeco.reliability.config_checks import check_same_config, flatten_config
 from lingua_zeco.reliability.exits import EXIT_BAD_INPUT, EXIT_FAILED, BadInputOnce, clean_exit
 from lingua_zeco.reliability.faults import FaultInjection
 
 __all__ = [
     "BadInputOnce", "CollectiveError", "EXIT_BAD_INPUT", "EXIT_FAILED", "FaultInjection", "NONFINITE_POLICIES",
     "NonFiniteError", "ReliabilityArgs", "STOP_SIGNALS", "StepGuard", "StopSignals", "StorageError", "Verdict",
-    "check_config", "check_same_config", "clean_exit", "collective_error", "flatten_config", "gather_all",
+    "check_same_config", "clean_exit", "collective_error", "flatten_config", "gather_all",
     "is_collective_failure", "is_distributed", "rank_world",
 ]

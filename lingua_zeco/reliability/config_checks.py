@@ -1,27 +1,8 @@
-"""Config values no run can use, and ranks started with different configs."""
+"""Ranks started with different configs (each config section checks its own values: lingua_zeco.args.check_sections)."""
 from __future__ import annotations
 
 from lingua_zeco.args import ConfigError
-from lingua_zeco.optim import check_optim_args
 from lingua_zeco.reliability.collective import gather_all
-from lingua_zeco.reliability.guard import StepGuard
-
-
-def check_config(args) -> None:
-    """Values no run can use, named by their key (TrainArgs, duck-typed)."""
-    positive = {"steps": args.steps, "data.seq_len": args.data.seq_len, "data.batch_size": args.data.batch_size,
-                "grad_acc_steps": args.grad_acc_steps, "logging.freq": args.logging.freq,
-                "distributed.timeout_s": args.distributed.timeout_s}
-    for key, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"{key}={value} must be >= 1")
-    if args.checkpoint.dump.every < 0:
-        raise ConfigError(f"checkpoint.dump.every={args.checkpoint.dump.every} must be >= 0 (0 = only at the end "
-                          f"and on a stop signal)")
-    check_optim_args(args.optim)
-    if args.checkpoint.dump.keep < 0:
-        raise ConfigError(f"checkpoint.dump.keep={args.checkpoint.dump.keep} must be >= 0 (0 = keep every checkpoint)")
-    StepGuard(args.reliability)  # validates the non-finite policy
 
 
 def check_same_config(config: dict) -> None:

@@ -21,6 +21,12 @@ class ReliabilityArgs:
     max_skips: int = 10  # skip: stop once more than this many steps of the run were skipped
     handle_signals: bool = True  # SIGTERM/SIGUSR2/SIGINT -> checkpoint at the step boundary, exit 0
 
+    def check(self) -> None:
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"reliability.nonfinite={self.nonfinite!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+        if self.max_skips < 0:
+            raise ConfigError(f"reliability.max_skips={self.max_skips} must be >= 0")
+
 
 @dataclass
 class Verdict:
@@ -40,10 +46,7 @@ class StepGuard:
     """
 
     def __init__(self, args: ReliabilityArgs, skipped: int = 0):
-        if args.nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"reliability.nonfinite={args.nonfinite!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
-        if args.max_skips < 0:
-            raise ConfigError(f"reliability.max_skips={args.max_skips} must be >= 0")
+        args.check()
         self.args, self.skipped = args, skipped
         self._pending = None  # (step, host copy of the flags, CUDA event of the copy) not read yet
 
