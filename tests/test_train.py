@@ -265,3 +265,21 @@ def test_clipping_inside_fused_adamw_equals_clip_then_step(max_norm):
     for p, q, r in zip(*(m.parameters() for m in models)):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
         assert torch.allclose(q, r, rtol=1e-3, atol=1e-6) == (max_norm != 0.05)
+
+
+def test_resume_from_a_checkpoint_written_before_the_house_change(tmp_path):
+    """tests/data/run_before_house: 2 steps of a tiny model trained and checkpointed by commit 88d1a00 (before
+    the checkpoint package, the TrainState, the SP context and the config checks moved). The current code
+    resumes it at step 2 and continues exactly as a 4-step run of the current code does."""
+    import shutil
+
+    common = ["config=debug.yaml", "model.dim=16", "model.n_layers=1", "model.n_heads=2", "model.ffn_hidden=32",
+              "data.seq_len=64", "data.batch_size=2", "data.prefetch=0", "optim.decay_steps=4",
+              "checkpoint.dump.every=2", "logging.freq=1", "steps=4"]
+    old = tmp_path / "old"
+    shutil.copytree(ROOT / "tests" / "data" / "run_before_house", old)
+    resumed = train(parse_args(TrainArgs, [*common, f"dump_dir={old}"]))["losses"]
+    fresh = train(parse_args(TrainArgs, [*common, f"dump_dir={tmp_path / 'fresh'}"]))["losses"]
+    assert sorted(resumed) == [3, 4] and sorted(fresh) == [1, 2, 3, 4]
+    for s in (3, 4):
+        assert resumed[s] == pytest.approx(fresh[s], rel=1e-6)
