@@ -207,7 +207,7 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
                     if i + 1 == len(links):
                         raise
                     _NO_SYMM.add(group_key(group))
-                    warnings.warn(f"all_scan: transport=auto falls back to nccl on this group: {e}")
+                    warnings.warn(f"all_scan: transport=auto falls back to nccl on this group: {e}", stacklevel=1)
 
     if not (async_op and x.is_cuda):
         out = run()
