@@ -70,7 +70,8 @@ class AllScanArgs:
 
     def check(self) -> None:
         """Refuse a bad configuration with one line naming the field and its choices."""
-        for field, value, choices in (("algorithm", self.algorithm, ALGORITHMS), ("transport", self.transport, TRANSPORTS),
+        for field, value, choices in (("algorithm", self.algorithm, ALGORITHMS),
+                                      ("transport", self.transport, TRANSPORTS),
                                       ("overlap", self.overlap, OVERLAP)):
             if value not in choices:
                 raise ValueError(f"all_scan.{field}={value!r}; choose one of {', '.join(choices)}")
