@@ -234,7 +234,8 @@ def _base_path(name: str, including: Path) -> Path:
             if candidate.is_file():
                 return candidate
         tried.append(str(folder / name))
-    raise ConfigError(f"config {str(including)!r}: its base {name!r} does not exist (looked for {' and '.join(tried)}); "
+    raise ConfigError(f"config {str(including)!r}: its base {name!r} does not exist "
+                      f"(looked for {' and '.join(tried)}); "
                       f"fix the base: line, or copy the base file beside it")
 
 

@@ -19,7 +19,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from lingua_zeco.args import at_least
 from lingua_zeco.comm import AllScanArgs, hier_groups_needed, init_node_groups
 from lingua_zeco.sp import SPContext
-from lingua_zeco.sp.softmax import check_method as check_softmax_sp  # the softmax layers of hybrids (model.softmax_layers)
+# the softmax layers of hybrids (model.softmax_layers)
+from lingua_zeco.sp.softmax import check_method as check_softmax_sp
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
 logger = logging.getLogger(__name__)

@@ -97,7 +97,8 @@ def _validation(data: DataArgs, ev: EvalArgs, trained_on: DataArgs | None) -> tu
     valid = _validation_source(data, ev)
     if ev.recall_span:
         if data.synthetic != "mqar":
-            raise ValueError(f"eval.recall_span={ev.recall_span} needs data.synthetic=mqar (it lays out recall queries)")
+            raise ValueError(f"eval.recall_span={ev.recall_span} needs data.synthetic=mqar "
+                             f"(it lays out recall queries)")
         valid = dataclasses.replace(valid, mqar=across_ranks(data.mqar, ev.recall_span))
     if data.synthetic:  # generated sequences: no documents are read
         return valid, []

@@ -40,7 +40,8 @@ class ProfilerArgs:
         if not (self.enabled or self.memory_snapshot):
             return
         for key, value, least in (("start_step", self.start_step, 0), ("warmup", self.warmup, 0),
-                                  ("active", self.active, 1), ("memory_snapshot_entries", self.memory_snapshot_entries, 1)):
+                                  ("active", self.active, 1),
+                                  ("memory_snapshot_entries", self.memory_snapshot_entries, 1)):
             if value < least:
                 raise ConfigError(f"profiling.{key}={value} must be >= {least}")
 

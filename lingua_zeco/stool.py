@@ -72,7 +72,8 @@ def split_argv(argv: list[str]) -> tuple[StoolArgs, list[str]]:
     if args.launcher == "bash" and args.nodes != 1:
         raise ConfigError("launcher=bash runs on this machine only: nodes must be 1")
     if not _SLURM_TIME.fullmatch(args.time):
-        raise ConfigError(f"time={args.time!r} is not a Slurm time limit; use e.g. 24:00:00, 90 (minutes) or 2-00:00:00")
+        raise ConfigError(f"time={args.time!r} is not a Slurm time limit; "
+                          f"use e.g. 24:00:00, 90 (minutes) or 2-00:00:00")
     return args, rest
 
 

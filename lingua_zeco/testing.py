@@ -49,7 +49,8 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend)) for r in range(world_size)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, backend))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, errors = {}, []
@@ -62,7 +63,8 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: 
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break
     except Exception as e:  # queue.Empty
-        errors.append(f"timed out after {timeout_s}s waiting for ranks {sorted(set(range(world_size)) - set(results))}: {e!r}")
+        errors.append(f"timed out after {timeout_s}s waiting for ranks "
+                      f"{sorted(set(range(world_size)) - set(results))}: {e!r}")
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 1)

@@ -69,7 +69,7 @@ def fla_model_on_cpu(model, monkeypatch):
     monkeypatch.setattr(fla_gdn, "chunk_gated_delta_rule", _naive_gated_delta)
     monkeypatch.setattr(fla_gdn, "fused_recurrent_gated_delta_rule", _naive_gated_delta)
     monkeypatch.setattr(fla_mlp, "swiglu", lambda gate, y: F.silu(gate) * y)
-    for name, module in list(model.named_modules()):
+    for _name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name == "g_norm_swish_gate" or isinstance(child, FusedRMSNormGated):
                 setattr(module, child_name, TorchRMSNormGated(child.weight, child.eps))

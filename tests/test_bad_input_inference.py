@@ -4,7 +4,6 @@ when it fails halfway. All cases in one interpreter (test_entry_points.DRIVER): 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
 from pathlib import Path

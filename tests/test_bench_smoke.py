@@ -38,7 +38,8 @@ def outputs(tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     comm, op = str(d / "comm"), str(d / "op")
     torchrun("apps.gla.bench.bench_comm", 2, [f"out={comm}", *TINY, "blocks=1,2", "p2p_sizes=1024,65536,262144"])
-    torchrun("apps.gla.bench.bench_op", 2, [f"out={op}", *TINY, "t_local=64", "methods=none,zeco,zeco_blocking,lasp1,lasp2"])
+    torchrun("apps.gla.bench.bench_op", 2,
+             [f"out={op}", *TINY, "t_local=64", "methods=none,zeco,zeco_blocking,lasp1,lasp2"])
     return d, comm, op
 
 

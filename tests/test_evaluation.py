@@ -175,7 +175,8 @@ def _pos_eval(rank, world, sp, variants=("zeco",)):
             method = "local" if variant == "local" else env.sp_method
             out[variant] = {}
             for name, data, vocab, ev in (
-                    ("text", DataArgs(seq_len=CONTEXT // sp, batch_size=2, prefetch=0), 258, EvalArgs(every=1, steps=2)),
+                    ("text", DataArgs(seq_len=CONTEXT // sp, batch_size=2, prefetch=0), 258,
+                     EvalArgs(every=1, steps=2)),
                     ("mqar", DataArgs(synthetic="mqar", seq_len=CONTEXT // sp, batch_size=4, mqar=MQAR),
                      MQAR.vocab_size, EvalArgs(every=1, steps=2, recall_span=2))):
                 model = GLAForCausalLM(dataclasses.replace(POS_MODEL, vocab_size=vocab),

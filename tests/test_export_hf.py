@@ -25,7 +25,7 @@ def _run_folder(tmp_path, args=TINY, tokenizer=None):
     ours = GLAForCausalLM(args)
     ours.init_weights(3)
     with torch.no_grad():  # non-trivial norms and gate biases, so a mix-up shows in the logits
-        for n, p in ours.named_parameters():
+        for _n, p in ours.named_parameters():
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.3)
     dump = tmp_path / "run"

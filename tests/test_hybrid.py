@@ -180,8 +180,8 @@ def _fla_attention_on_cpu(monkeypatch):
     def rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, **_):
         assert cu_seqlens is None and isinstance(seqlen_offsets, int)
         T = x.shape[1]
-        return fla_rot.rotary_embedding_ref(x, cos[seqlen_offsets:seqlen_offsets + T], sin[seqlen_offsets:seqlen_offsets + T],
-                                            interleaved)
+        return fla_rot.rotary_embedding_ref(x, cos[seqlen_offsets:seqlen_offsets + T],
+                                            sin[seqlen_offsets:seqlen_offsets + T], interleaved)
 
     monkeypatch.setattr(fla_attn, "flash_attn_func", flash)
     monkeypatch.setattr(fla_rot, "rotary_embedding", rotary)

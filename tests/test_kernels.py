@@ -78,7 +78,8 @@ def test_unknown_intra_stage_is_refused_everywhere():
 @pytest.mark.parametrize("varlen", [False, True])
 def test_fla_matches_torch_backend_on_gpu(varlen):
     B = 1 if varlen else 2
-    q, k, v, g = (t.requires_grad_() for t in inputs(B=B, T=300, H=16, K=128, V=128, device="cuda", dtype=torch.bfloat16))
+    q, k, v, g = (t.requires_grad_()
+                  for t in inputs(B=B, T=300, H=16, K=128, V=128, device="cuda", dtype=torch.bfloat16))
     cu = torch.tensor([0, 50, 129, 300], device="cuda") if varlen else None
     N = 3 if varlen else B
     h0 = torch.randn(N, 16, 128, 128, device="cuda")

@@ -83,8 +83,8 @@ def test_two_ranks_fsdp_over_dp_and_sp_and_no_fsdp_same_weights():
 def test_a_meta_init_run_trains_as_the_full_model_run(tmp_path):
     from apps.gla.train import train
 
-    base = [*TINY, "model.vocab_size=259", "steps=3", "logging.freq=1", "data.batch_size=1", "data.seq_len=32", "data.prefetch=0",
-            "checkpoint.dump.every=0"]
+    base = [*TINY, "model.vocab_size=259", "steps=3", "logging.freq=1", "data.batch_size=1", "data.seq_len=32",
+            "data.prefetch=0", "checkpoint.dump.every=0"]
     losses = [train(parse_args(TrainArgs, [*base, f"dump_dir={tmp_path / str(meta)}",
                                            f"distributed.meta_init={meta}"]))["losses"] for meta in (False, True)]
     assert len(losses[0]) == 3 and losses[0] == losses[1]

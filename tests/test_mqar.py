@@ -17,7 +17,8 @@ from lingua_zeco.testing import run_on_ranks
 
 
 def _batches(args: DataArgs, sp_size: int, n: int = 3):
-    loaders = [build_data_loader(args, dp_rank=0, dp_size=1, sp_rank=p, sp_size=sp_size, seed=7) for p in range(sp_size)]
+    loaders = [build_data_loader(args, dp_rank=0, dp_size=1, sp_rank=p, sp_size=sp_size, seed=7)
+               for p in range(sp_size)]
     return [[next(ld) for ld in loaders] for _ in range(n)]
 
 

@@ -94,7 +94,8 @@ def _tiny_wheel(folder: Path) -> None:
     with zipfile.ZipFile(folder / "zeco_dummy-1.0-py3-none-any.whl", "w") as z:
         z.writestr("zeco_dummy.py", "VALUE = 42\n")
         z.writestr(f"{name}.dist-info/METADATA", "Metadata-Version: 2.1\nName: zeco-dummy\nVersion: 1.0\n")
-        z.writestr(f"{name}.dist-info/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{name}.dist-info/WHEEL",
+                   "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
         z.writestr(f"{name}.dist-info/RECORD", "")
 
 

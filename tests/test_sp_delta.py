@@ -203,8 +203,8 @@ def test_fla_gated_delta_matches_torch_on_gpu():
     _close(res["fla"], res["torch"], "o ht".split())
     for backend in ("fla", "torch"):
         o, ht = res[backend]
-        res[backend] += grads_or_skip(lambda: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
-                                                                  (q, k, v, g, beta)))
+        res[backend] += grads_or_skip(lambda o=o, ht=ht: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
+                                                                            (q, k, v, g, beta)))
     _close(res["fla"], res["torch"], "o ht dq dk dv dg dbeta".split())
 
 

@@ -120,6 +120,6 @@ def test_fla_simple_gla_matches_torch_on_gpu():
     check(["o", "ht"])  # fla's backward may refuse this stack (grads_or_skip): the forward is checked first
     for backend in ("fla", "torch"):
         o, ht = res[backend]
-        res[backend] += grads_or_skip(lambda: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
-                                                                  (q, k, v, g)))
+        res[backend] += grads_or_skip(lambda o=o, ht=ht: torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(),
+                                                                            (q, k, v, g)))
     check("o ht dq dk dv dg".split())

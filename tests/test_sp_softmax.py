@@ -63,7 +63,8 @@ def test_kernel_backends_match_oracle(window, with_docs):
 def test_rows_that_see_nothing_give_zero_without_nan():
     q, k, v, do = inputs(1, 6, seed=3)
     for backend in ("sdpa", "naive"):  # keys [10, 16) all lie in the future of queries [0, 6)
-        got = fwd_bwd(lambda q_, k_, v_: attention(q_, k_, v_, k_start=10, backend=backend)[0], (q, k, v), do)
+        got = fwd_bwd(lambda q_, k_, v_, backend=backend: attention(q_, k_, v_, k_start=10, backend=backend)[0],
+                      (q, k, v), do)
         assert all(torch.isfinite(t).all() for t in got) and got[0].abs().max() == 0, backend
     o, lse = explicit_forward(q, k, v, k_start=10)
     assert o.abs().max() == 0 and torch.isneginf(lse).all()

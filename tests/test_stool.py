@@ -33,7 +33,7 @@ def test_render_sbatch(tmp_path):
     assert directives["exclude"] == "node[07-08]" and directives["time"] == "02:00:00"
     assert "{{" not in sb + node
     assert 'scontrol show hostnames "$NODELIST" | head -n 1' in sb and 'export MASTER_PORT="29500"' in sb
-    assert f'srun --nodes="$NNODES" --ntasks-per-node=1' in sb and f'bash "{tmp_path}/node.sh"' in sb
+    assert 'srun --nodes="$NNODES" --ntasks-per-node=1' in sb and f'bash "{tmp_path}/node.sh"' in sb
     assert f'export PYTHONPATH="{tmp_path}/code' in sb
     assert re.search(r'torchrun\s+\\\s+--nnodes="\$NNODES" --nproc_per_node="\$NPROC_PER_NODE" '
                      r'--node_rank="\$NODE_RANK"', node)

@@ -33,7 +33,8 @@ def _loopback_worker(rank, world, P, calls):
     errors = {}
     for call in range(calls):
         xs, as_ = contributions(P, seed=call)
-        mats = [torch.eye(5) * 0.5 + 0.1 * torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(call * 31 + r))
+        mats = [torch.eye(5) * 0.5
+                + 0.1 * torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(call * 31 + r))
                 for r in range(P)]
         for algo, nb in CASES:
             for reverse in (False, True):
@@ -43,7 +44,8 @@ def _loopback_worker(rank, world, P, calls):
                                      fused=fused)
                         for p, y in enumerate(ys):
                             ref = reference(xs, a_list, p, reverse, matrix=tr is MATRIX)
-                            errors[(name, call, algo, nb, reverse, fused, p)] = (y.cpu().double() - ref).abs().max().item()
+                            errors[(name, call, algo, nb, reverse, fused, p)] = \
+                                (y.cpu().double() - ref).abs().max().item()
     return errors
 
 
@@ -62,18 +64,21 @@ def _symm_worker(rank, world, calls):
     errors = {}
     for call in range(calls):  # new data every call, same buffers
         xs, as_ = contributions(world, seed=call)
-        mats = [torch.eye(5) * 0.5 + 0.1 * torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(call * 31 + r))
+        mats = [torch.eye(5) * 0.5
+                + 0.1 * torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(call * 31 + r))
                 for r in range(world)]
         for algo, nb in CASES:
             args = AllScanArgs(algorithm=algo, n_blocks=nb, transport="symm")
             for reverse in (False, True):
                 y = all_scan(xs[rank].to(dev), as_[rank].to(dev), reverse=reverse, args=args)
-                errors[("decay", call, algo, nb, reverse)] = (y.cpu().double() - reference(xs, as_, rank, reverse)).abs().max().item()
+                errors[("decay", call, algo, nb, reverse)] = \
+                    (y.cpu().double() - reference(xs, as_, rank, reverse)).abs().max().item()
                 y = pair_scan(xs[rank].to(dev), mats[rank].to(dev), reverse=reverse, args=args)
                 errors[("matrix", call, algo, nb, reverse)] = (
                     y.cpu().double() - reference(xs, mats, rank, reverse, matrix=True)).abs().max().item()
             work = all_scan(xs[rank].to(dev), as_[rank].to(dev), args=args, async_op=True)
-            errors[("async", call, algo, nb, False)] = (work.wait().cpu().double() - reference(xs, as_, rank, False)).abs().max().item()
+            errors[("async", call, algo, nb, False)] = \
+                (work.wait().cpu().double() - reference(xs, as_, rank, False)).abs().max().item()
     torch.cuda.synchronize()
     dist.barrier()
     return errors

@@ -65,7 +65,7 @@ def test_a_kernel_the_interpreter_accepts_but_the_compiler_refuses_is_caught():
         o = tl.arange(0, N)
         y, m = tl.load(x + o), o < N
         if flag > 0:
-            y, m = tl.load(x + tl.arange(0, 2 * N)), tl.arange(0, 2 * N) < N
+            y, m = tl.load(x + tl.arange(0, 2 * N)), tl.arange(0, 2 * N) < N  # noqa: F841 (m retyped on purpose: the bad input)
         tl.store(x + o, y, mask=o < N)
 
     with pytest.raises(Exception, match="redefines"):

@@ -30,8 +30,8 @@ def _chunk_states(k, v, g_cs, BT):
         hs.append(S)
         gc = g_cs[:, s:s + BT]
         last = gc[:, -1]
-        S = torch.exp2(last)[..., None] * S + torch.einsum("bthk,bthv->bhkv", k[:, s:s + BT] * torch.exp2(last[:, None] - gc),
-                                                           v[:, s:s + BT])
+        S = torch.exp2(last)[..., None] * S + torch.einsum(
+            "bthk,bthv->bhkv", k[:, s:s + BT] * torch.exp2(last[:, None] - gc), v[:, s:s + BT])
     return torch.stack(hs, 1), S
 
 

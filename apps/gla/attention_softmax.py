@@ -106,7 +106,8 @@ class SoftmaxAttention(nn.Module):
     def forward(self, x, cu_seqlens=None):
         B, T, _ = x.shape
         if cu_seqlens is not None and not isinstance(cu_seqlens, Packing):
-            raise TypeError("SoftmaxAttention takes the model's Packing (lingua_zeco.sp.varlen.pack), not raw cu_seqlens")
+            raise TypeError("SoftmaxAttention takes the model's Packing (lingua_zeco.sp.varlen.pack), "
+                            "not raw cu_seqlens")
         rank = cu_seqlens.rank if cu_seqlens is not None else self.sp.rank_size[0]
         q, k, v = self._qkv(x, rope_positions(T, rank, cu_seqlens, x.device))
         o = self.attend(q, k, v, cu_seqlens)

@@ -113,8 +113,9 @@ class GLAArgs:
         if self.segment_len and (self.attn_variant not in SEGMENT_VARIANTS or self.softmax_layers):
             what = (f"model.softmax_layers={list(self.softmax_layers)} (softmax attention carries no fixed-size state)"
                     if self.softmax_layers else f"model.attn_variant={self.attn_variant!r}")
-            raise ValueError(f"model.segment_len={self.segment_len} trains segment by segment, which needs every layer's "
-                             f"state carried across segments: {what} cannot; use attn_variant in {SEGMENT_VARIANTS} "
+            raise ValueError(f"model.segment_len={self.segment_len} trains segment by segment, which needs every "
+                             f"layer's state carried across segments: {what} cannot; use attn_variant in "
+                             f"{SEGMENT_VARIANTS} "
                              f"without softmax layers, or model.segment_len=0")
         if self.gla_bwd_intra not in BWD_INTRA:
             raise ValueError(f"model.gla_bwd_intra={self.gla_bwd_intra!r}; choose from {BWD_INTRA}")

@@ -1,7 +1,7 @@
 """Validation loss by token position (power-of-two buckets, lingua_zeco/position_loss.py) to a PNG.
 
-    python -m apps.gla.plot_positions dump_dir=dumps/debug/eval.jsonl       # apps.gla.eval ... out=dumps/debug/eval.jsonl
-    python -m apps.gla.plot_positions dump_dir=dumps/run                    # a run with eval.every=N: its evaluations
+    python -m apps.gla.plot_positions dump_dir=dumps/debug/eval.jsonl  # apps.gla.eval ... out=dumps/debug/eval.jsonl
+    python -m apps.gla.plot_positions dump_dir=dumps/run               # a run with eval.every=N: its evaluations
     python -m apps.gla.plot_positions dump_dir=dumps/a compare=dumps/b,eval.jsonl out=pos.png   # last of each
 
 Reads the `val_pos{lo}_loss` keys that evaluation writes (the trainer's metrics.jsonl, or the `out=`

@@ -62,7 +62,8 @@ class TrainArgs:
     checkpoint: CheckpointArgs = field(default_factory=CheckpointArgs)
     logging: LoggingArgs = field(default_factory=LoggingArgs)
     profiling: ProfilerArgs = field(default_factory=ProfilerArgs)
-    eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)  # validation loss (lingua_zeco/evaluation.py)
+    # validation loss (lingua_zeco/evaluation.py)
+    eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)
     reliability: reliability.ReliabilityArgs = field(default_factory=reliability.ReliabilityArgs)
     gc: gc_control.GCArgs = field(default_factory=gc_control.GCArgs)  # lingua_zeco/gc_control.py
 
@@ -285,7 +286,8 @@ class Trainer:
     def resume(self) -> None:
         """Load the latest complete checkpoint into the model, optimizer and TrainState (none: step 0)."""
         args, env = self.args, self.env
-        source = resume_layout.RankStateSource(self.state.layout, env.dp_rank, env.sp_rank, env.rank)  # another world size
+        # another world size
+        source = resume_layout.RankStateSource(self.state.layout, env.dp_rank, env.sp_rank, env.rank)
         configured = hyperparameters(self.optimizer)  # the config's optim settings, before a load replaces them
         try:
             resumed = self.ckpt.maybe_resume(self.model, self.optimizer, source_rank=source)

@@ -70,7 +70,8 @@ class AllScanArgs:
 
     def check(self) -> None:
         """Refuse a bad configuration with one line naming the field and its choices."""
-        for field, value, choices in (("algorithm", self.algorithm, ALGORITHMS), ("transport", self.transport, TRANSPORTS),
+        for field, value, choices in (("algorithm", self.algorithm, ALGORITHMS),
+                                      ("transport", self.transport, TRANSPORTS),
                                       ("overlap", self.overlap, OVERLAP)):
             if value not in choices:
                 raise ValueError(f"all_scan.{field}={value!r}; choose one of {', '.join(choices)}")
@@ -207,7 +208,7 @@ def all_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False
                     if i + 1 == len(links):
                         raise
                     _NO_SYMM.add(group_key(group))
-                    warnings.warn(f"all_scan: transport=auto falls back to nccl on this group: {e}")
+                    warnings.warn(f"all_scan: transport=auto falls back to nccl on this group: {e}", stacklevel=1)
 
     if not (async_op and x.is_cuda):
         out = run()

@@ -87,7 +87,8 @@ def across_ranks(args: MQARArgs, parts: int) -> MQARArgs:
     queries in the last 1/parts of it (the last rank), so every answer needs the state carried across
     all ranks in between. The same sequences for any sp_size (parts fixes the layout, not the mesh)."""
     if parts < 2:
-        raise ValueError(f"eval.recall_span={parts}: give the number of ranks to span (>= 2), or 0 for the training layout")
+        raise ValueError(f"eval.recall_span={parts}: give the number of ranks to span (>= 2), "
+                         f"or 0 for the training layout")
     return dataclasses.replace(args, query_start=(parts - 1) / parts, gap=-1)
 
 
@@ -99,8 +100,8 @@ def check_mqar(args: MQARArgs, n_tokens: int) -> None:
     if args.n_pairs > args.n_keys:
         problems.append(f"n_pairs={args.n_pairs} > n_keys={args.n_keys} (keys of a sequence are distinct)")
     if args.pair_len * args.n_pairs + max(args.gap, 0) > q0:
-        problems.append(f"the {args.n_pairs} pairs ({args.pair_len}·n_pairs tokens, gap {args.gap}) do not fit before the queries at "
-                        f"query_start·N = {q0} (N = {n_tokens})")
+        problems.append(f"the {args.n_pairs} pairs ({args.pair_len}·n_pairs tokens, gap {args.gap}) "
+                        f"do not fit before the queries at query_start·N = {q0} (N = {n_tokens})")
     if args.queries > n_tokens - q0:
         problems.append(f"{args.queries} queries do not fit in [{q0}, {n_tokens})")
     if problems:

@@ -56,5 +56,5 @@ def chunk_simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
 
 
-__all__ = ["BACKENDS", "BWD_INTRA", "acc_dtype", "check_bwd_intra", "chunk_gla", "chunk_gla_op", "chunk_simple_gla", "fla_available",
-           "naive_gla", "naive_simple_gla", "pick_backend", "torch_chunk_gla"]
+__all__ = ["BACKENDS", "BWD_INTRA", "acc_dtype", "check_bwd_intra", "chunk_gla", "chunk_gla_op", "chunk_simple_gla",
+           "fla_available", "naive_gla", "naive_simple_gla", "pick_backend", "torch_chunk_gla"]

@@ -77,5 +77,6 @@ def chunk_bwd_dh_packed(q, k, v, do, dht, gk, *, scale, cu_seqlens, chunk_offset
     return dh, dh0
 
 
-__all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA", "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg",
-           "chunk_gla_bwd_dv", "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "gate_cumsum"]
+__all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA",
+           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dv", "chunk_gla_fwd_intra_gk",
+           "chunk_gla_fwd_o_gk", "gate_cumsum"]

@@ -303,7 +303,7 @@ def _fit_op(data: dict, topo: Topology, dev: DeviceArgs, src: dict) -> OpArgs:
             lambda d: op_times(P, Ts[0], replace(op, scan="chain", scan_op_overhead_s=d), topo, dev)["zeco"],
             meas["zeco", Ts[0]], 0.0, 0.05)
         src["op.scan_op_overhead_s"] = f"{how} (zeco row at T={Ts[0]}, with the extra of raw's own bench_fused.json)"
-    fs = [_bisect(lambda f: op_times(P, T, replace(op, lasp1_serial_frac=f), topo, dev)["lasp1"],
+    fs = [_bisect(lambda f, T=T: op_times(P, T, replace(op, lasp1_serial_frac=f), topo, dev)["lasp1"],
                   meas["lasp1", T], 0.0, 1.0) for T in Ts if ("lasp1", T) in meas]
     if fs:
         op.lasp1_serial_frac = statistics.mean(fs)

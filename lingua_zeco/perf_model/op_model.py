@@ -111,7 +111,8 @@ def op_times(P: int, T_local: int, args: OpArgs, topo: Topology, dev: DeviceArgs
         if P <= 1:
             return c, 0.0, algo
         s_op = scan + args.scan_op_overhead_s
-        return c * (1 + extra) + exposed(s_op, c_f, args.zeco_overlap) + exposed(s_op, c_b, args.zeco_overlap), scan, algo
+        return (c * (1 + extra) + exposed(s_op, c_f, args.zeco_overlap) + exposed(s_op, c_b, args.zeco_overlap),
+                scan, algo)
 
     zeco, scan, algo = zeco_time(args.scan)
     zeco_chain = zeco_time("chain")[0]  # the paper's schedule, whatever args.scan picks

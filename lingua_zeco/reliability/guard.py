@@ -23,7 +23,8 @@ class ReliabilityArgs:
 
     def check(self) -> None:
         if self.nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"reliability.nonfinite={self.nonfinite!r}; choose one of {', '.join(NONFINITE_POLICIES)}")
+            raise ConfigError(f"reliability.nonfinite={self.nonfinite!r}; "
+                              f"choose one of {', '.join(NONFINITE_POLICIES)}")
         if self.max_skips < 0:
             raise ConfigError(f"reliability.max_skips={self.max_skips} must be >= 0")
 

@@ -19,4 +19,5 @@ from .gla import sp_gla, sp_gla_carry, sp_simple_gla
 from .validate import METHODS
 from .varlen import Packing, pack
 
-__all__ = ["METHODS", "Packing", "SPContext", "StateCarry", "pack", "sp_gated_delta", "sp_gla", "sp_gla_carry", "sp_simple_gla"]
+__all__ = ["METHODS", "Packing", "SPContext", "StateCarry", "pack", "sp_gated_delta", "sp_gla", "sp_gla_carry",
+           "sp_simple_gla"]

@@ -5,8 +5,8 @@ slice's outgoing state is its last document's final state alone (b_end = 0, the 
 (0, S_last)), and the incoming state S_in reaches only the prefix [0, t0) that continues the previous
 rank's document (t0 = seg.first_end, 0 when a document starts at the slice's first token).
 The boundaries and fla's chunk tables come planned from the host once per step (sp/varlen.py), so
-no stage here syncs with the host. The prefix is fla's first varlen segment, so its chunks are aligned as in the dense layout and the
-dense ZeCO stages apply to it unchanged (prefix views of a B = 1 tensor are contiguous).
+no stage here syncs with the host. The prefix is fla's first varlen segment, so its chunks are aligned
+as in the dense layout and the dense ZeCO stages apply to it unchanged (prefix views of a B = 1 tensor are contiguous).
 
 Forward:  g_cs, h (zero initial states), S_last → scan starts; A and fla's output stage for the whole
           slice meanwhile; after the wait the prefix's outputs are redone with S_in folded in.

@@ -224,6 +224,7 @@ class RingAttention(torch.autograd.Function):
         delta_BHT = (do_BTHD * o_BTHD).sum(-1).transpose(1, 2)
         doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
         dq_BTHD = torch.zeros_like(q_BTHD, dtype=o_BTHD.dtype)
+        dkv_in_BTHC = dkv_works = None  # set by step 0 (there is always one), read from step 1 on and after the loop
         for step, src, kv_BTHC in _visiting_blocks(torch.cat([k_BTHD, v_BTHD], -1).contiguous(), ring):
             dkv_blk_BTHC = None
             if ring.sees(src):
@@ -236,7 +237,8 @@ class RingAttention(torch.autograd.Function):
             # block src's accumulator arrives from the rank that held the block last step (its own share
             # was computed first, while the accumulator was in flight), gains ours, and moves on with it
             if step == 0:
-                dkv_BTHC = kv_BTHC.new_zeros(kv_BTHC.shape, dtype=o_BTHD.dtype) if dkv_blk_BTHC is None else dkv_blk_BTHC
+                dkv_BTHC = (kv_BTHC.new_zeros(kv_BTHC.shape, dtype=o_BTHD.dtype) if dkv_blk_BTHC is None
+                            else dkv_blk_BTHC)
             else:
                 wait_all(dkv_works)
                 dkv_BTHC = dkv_in_BTHC if dkv_blk_BTHC is None else dkv_in_BTHC + dkv_blk_BTHC

@@ -37,7 +37,8 @@ def check_local(q, k, v, g, method, packing, P):
                          f"{q.dtype}, {k.dtype}, {v.dtype}, g {g.dtype}")
     if packing is not None:
         if q.shape[0] != 1:
-            raise ValueError(f"sp_gla: cu_seqlens needs B = 1 (pack the documents into one sequence); got B = {q.shape[0]}")
+            raise ValueError(f"sp_gla: cu_seqlens needs B = 1 (pack the documents into one sequence); "
+                             f"got B = {q.shape[0]}")
 
 
 def _signature(q, v, g, packing) -> list[int]:

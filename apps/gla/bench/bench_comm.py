@@ -129,14 +129,14 @@ def collective_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
             if "chain" in args.methods:
                 for n in args.blocks:
                     scan = AllScanArgs(algorithm="chain", n_blocks=n, transport=tp)
-                    cases[f"{prefix}chain{n}"] = lambda scan=scan: all_scan(x, a, args=scan)
+                    cases[f"{prefix}chain{n}"] = lambda scan=scan, x=x, a=a: all_scan(x, a, args=scan)
             if "tree" in args.methods:
                 scan = AllScanArgs(algorithm="tree", transport=tp)
-                cases[f"{prefix}tree"] = lambda scan=scan: all_scan(x, a, args=scan)
+                cases[f"{prefix}tree"] = lambda scan=scan, x=x, a=a: all_scan(x, a, args=scan)
         if "allgather" in args.methods:
-            cases["allgather"] = lambda: _allgather(gathered, flat)
+            cases["allgather"] = lambda gathered=gathered, flat=flat: _allgather(gathered, flat)
         if "allreduce" in args.methods:
-            cases["allreduce"] = lambda: dist.all_reduce(reduced)
+            cases["allreduce"] = lambda reduced=reduced: dist.all_reduce(reduced)
         for name, fn in cases.items():
             t, host = time_iters(fn, device, args.warmup, args.iters)
             extra = dict(host_us=summarize(host, "us")["median_us"]) if device.type == "cuda" else {}
@@ -161,7 +161,7 @@ def p2p_rows(args: BenchCommArgs, device: torch.device) -> list[dict]:
     for nbytes in args.p2p_sizes:
         buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
 
-        def pingpong():
+        def pingpong(buf=buf):
             if rank == 0:
                 dist.send(buf, peer)
                 dist.recv(buf, peer)

@@ -1,8 +1,9 @@
-"""Training throughput of GLA-1B: the trainer's own step against fla's GLAForCausalLM on one GPU,
+r"""Training throughput of GLA-1B: the trainer's own step against fla's GLAForCausalLM on one GPU,
 and the SP methods against data parallelism under torchrun.
 
     python -m apps.gla.bench.bench_train                                  # fla + ours at 16K
-    python -m apps.gla.bench.bench_train variants=ours,ours_nofsdp seq_len=262144 overrides=model.activation_checkpointing=full
+    python -m apps.gla.bench.bench_train variants=ours,ours_nofsdp seq_len=262144 \
+        overrides=model.activation_checkpointing=full
     python -m apps.gla.bench.bench_train profile=fla,ours                 # + kernel time by category
     torchrun --nproc_per_node=2 -m apps.gla.bench.bench_train variants=ours,sp_zeco,sp_lasp1,sp_lasp2
 

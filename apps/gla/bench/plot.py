@@ -113,10 +113,11 @@ def plot_comm(args: PlotArgs, files: list[str]) -> list[str]:
             pts = sorted((r["P"], r["median_us"]) for r in mine if r["method"] == m and r["P"] > 1)
             if pts:
                 ax.plot(*zip(*pts), "o", color=COLORS[m], label=f"{m} measured")
-            model = {"tree": lambda P: tree_sim(P, st, topo, dev), "allgather": lambda P: allgather_scan(P, st, topo, dev),
-                     "allreduce": lambda P: allreduce_state(P, st, topo)}.get(m)
+            model = {"tree": lambda P, st=st: tree_sim(P, st, topo, dev),
+                     "allgather": lambda P, st=st: allgather_scan(P, st, topo, dev),
+                     "allreduce": lambda P, st=st: allreduce_state(P, st, topo)}.get(m)
             if m.startswith("chain"):
-                model = lambda P, n=int(m[5:]): chain_sim(P, st, n, topo, dev)  # noqa: E731
+                model = lambda P, n=int(m[5:]), st=st: chain_sim(P, st, n, topo, dev)  # noqa: E731
             ax.plot(ps, [model(P) * 1e6 for P in ps], "-", color=COLORS[m], alpha=0.7, label=f"{m} model")
         if cal and topo.args.kind == "hier":
             ax.plot(ps, [hier_scan(P, st, topo, dev) * 1e6 for P in ps], "--", color=COLORS["hier"],

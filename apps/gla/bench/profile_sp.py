@@ -64,8 +64,8 @@ def main(argv=None):
             trace = os.path.join(args.out, f"trace_zeco_P{P}_{name}_rank0.json")
             prof.export_chrome_trace(trace)
             gaps = idle_gaps(trace, per=3, ignore=("nccl",))  # a waiting receive is idle compute
-            print(f"{name}: GPU compute idle {gaps['idle_us'] / 1e3:.3f} ms per fwd+bwd of {gaps['span_us'] / 1e3:.3f}; "
-                  f"largest causes {gaps['by_cause'][:3]}", flush=True)
+            print(f"{name}: GPU compute idle {gaps['idle_us'] / 1e3:.3f} ms per fwd+bwd of "
+                  f"{gaps['span_us'] / 1e3:.3f}; largest causes {gaps['by_cause'][:3]}", flush=True)
             if name == "overlapped":
                 print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=50))
     finish()
