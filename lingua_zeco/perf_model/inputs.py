@@ -133,8 +133,8 @@ def input_keys(link_names: list[str]) -> list[str]:
 
 # inputs that are facts of the configuration the measured runs used, not measurements nor assumptions
 CONFIG_LABEL = "config"
-FROM_CONFIG = {"tput.grad_bytes": f"{CONFIG_LABEL}: configs/gla_1b_dp.yaml reduce_dtype: fp32 (4 bytes; the "
-                                  "measured DP run's setting, the same in every gla_1b config)"}
+FROM_CONFIG = {"tput.grad_bytes": f"{CONFIG_LABEL}: configs/gla_1b_base.yaml reduce_dtype: fp32 (4 bytes; the "
+                                  "measured DP run's setting, the base of every gla_1b config)"}
 
 
 def inputs_rows(targets: dict[str, object], link_names: list[str], sources: dict[str, str]) -> list[dict]:
