@@ -13,6 +13,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOTTOM = ("lingua_zeco.comm", "lingua_zeco.kernels")  # each imports only itself
 CHECKPOINT = "lingua_zeco.checkpoint"
+RELIABILITY = "lingua_zeco.reliability"
 CHECKPOINT_NEEDS = ("lingua_zeco.args", "lingua_zeco.reliability")  # all it imports from the project
 
 
@@ -186,6 +187,16 @@ def test_checkpoint_package_is_one_interface():
     assert any(t == CHECKPOINT for pairs in IMPORTS.values() for t, _ in pairs)  # the check reads real imports
     assert around_the_package(IMPORTS, CHECKPOINT, public) == []
     assert package_needs(project_edges(IMPORTS), CHECKPOINT, CHECKPOINT_NEEDS) == []
+
+
+def test_reliability_package_is_one_interface():
+    """lingua_zeco/reliability/ (split by job) is used through its __init__ only, and needs nothing of the
+    project but args: every module may report its errors through it."""
+    public = package_api(RELIABILITY)
+    assert {"StepGuard", "clean_exit", "ReliabilityArgs"} <= public
+    assert any(t == RELIABILITY for pairs in IMPORTS.values() for t, _ in pairs)
+    assert around_the_package(IMPORTS, RELIABILITY, public) == []
+    assert package_needs(project_edges(IMPORTS), RELIABILITY, ("lingua_zeco.args",)) == []
 
 
 @pytest.mark.parametrize("case", ["up", "cycle", "private", "fla", "package"])
