@@ -53,14 +53,20 @@ def sp_pieces(sp_rank: int, sp_size: int, seq_len: int, segment_len: int) -> lis
             for seg in plan(seq_len, segment_len if sp_size > 1 else 0, sp_size)]
 
 
-def _boundaries(cu_seqlens, seg: Segment):
-    """(the segment's own packed boundaries or None, whether its first document continues from before)."""
+def _host_bounds(cu_seqlens) -> tuple[int, ...] | None:
+    """The packed boundaries of the whole sequence on the host, once per micro-batch (host ints from the loader)."""
     if cu_seqlens is None:
+        return None
+    return tuple(cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)
+
+
+def _boundaries(bounds: tuple[int, ...] | None, seg: Segment):
+    """(the segment's own packed boundaries or None, whether its first document continues from before)."""
+    if bounds is None:
         return None, seg.index > 0
-    bounds = cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else list(cu_seqlens)
     a, b = seg.global_start, seg.global_start + seg.global_len
     inside = sorted({c - a for c in bounds if a < c < b})
-    return [0, *inside, seg.global_len], seg.index > 0 and a not in set(bounds)
+    return [0, *inside, seg.global_len], seg.index > 0 and a not in bounds
 
 
 def _piece(t: torch.Tensor | None, seg: Segment):
@@ -73,9 +79,9 @@ def forward_segments(model, input_ids, labels, cu_seqlens, segments: list[Segmen
     Yields (segment, its StateCarry: states_in and, after the forward, states_out, the model's output: (loss
     sum, tokens) with labels, None with head=False). carry=False: one segment, the whole sequence, through
     the model's plain call (any model; compiled blocks stay compiled)."""
-    states = {}
+    states, bounds = {}, _host_bounds(cu_seqlens)
     for seg in segments:
-        cu, continues = _boundaries(cu_seqlens, seg)
+        cu, continues = _boundaries(bounds, seg)
         state = StateCarry(states, continues) if carry else None
         ids, lab = _piece(input_ids, seg), _piece(labels, seg)
         with torch.no_grad(), autocast or contextlib.nullcontext():
@@ -106,9 +112,9 @@ def forward_backward(model, input_ids, labels, cu_seqlens, segment_len: int, P: 
         stored.append(states)
     order = list(reversed(segments)) if exact else segments
     loss_sum = torch.zeros((), dtype=torch.float64, device=input_ids.device)
-    grads = {}
+    grads, bounds = {}, _host_bounds(cu_seqlens)
     for seg in order:
-        cu, continues = _boundaries(cu_seqlens, seg)
+        cu, continues = _boundaries(bounds, seg)
         leaves = {i: s.detach().requires_grad_(continues and exact)
                   for i, s in (stored[seg.index] if exact else states).items()}
         carry = StateCarry(leaves, continues)
@@ -123,6 +129,7 @@ def forward_backward(model, input_ids, labels, cu_seqlens, segment_len: int, P: 
                 outs_grad.append(g)
         torch.autograd.backward(outs, outs_grad)
         grads = {i: s.grad for i, s in leaves.items() if s.grad is not None}
-        states = {i: s.detach() for i, s in carry.states_out.items()}
+        if not exact:  # truncated: the next segment starts from these, without their graph
+            states = {i: s.detach() for i, s in carry.states_out.items()}
         loss_sum += tok_loss.detach().to(torch.float64)
     return loss_sum

@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from lingua_zeco.kernels import BWD_INTRA, acc_dtype
+from lingua_zeco.segments import SEGMENT_GRADS  # model.segment_grad
 from lingua_zeco.sp import SPContext
 
 
@@ -20,7 +21,6 @@ COMPILE_MODES = ("auto", "blocks", "none")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 SEGMENT_VARIANTS = ("gla", "simple_gla")  # attention variants that carry their state across segments
-SEGMENT_GRADS = ("exact", "truncated")  # model.segment_grad (lingua_zeco/segments.py)
 
 
 @dataclass
