@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -25,7 +26,12 @@ def clean_exit():
     LINGUA_ZECO_DEBUG=1 prints the traceback as well. Bad input found by every rank alike (a typo under
     torchrun) is printed once, by rank 0 (`BadInputOnce`). Ctrl-C outside the training loop (where
     stop signals are not yet, or no longer, turned into a checkpoint) ends with one line and exit 0:
-    nothing is half-written, the newest complete checkpoint stays the one a rerun resumes from."""
+    nothing is half-written, the newest complete checkpoint stays the one a rerun resumes from.
+
+    Leaving, it collects the garbage: process groups that a finished run left in reference cycles (a model
+    holding its SP context) are otherwise freed during the interpreter's shutdown, when gloo's worker
+    threads can no longer take the GIL and abort the process ("terminate called without an active
+    exception", exit 134) after a run that succeeded."""
     try:
         yield
     except (ConfigError, FileNotFoundError, ValueError, NonFiniteError, CollectiveError, StorageError) as e:
@@ -47,6 +53,8 @@ def clean_exit():
         print("stopped by SIGINT (Ctrl-C) outside the training loop: nothing was left half-written; rerun the "
               "same command to start or resume", file=sys.stderr, flush=True)
         sys.exit(0)
+    finally:
+        gc.collect()
 
 
 class BadInputOnce:
