@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from apps.gla import train as trainer
+from apps.gla import train_step
 from apps.gla.model import GLAForCausalLM
 from lingua_zeco import distributed
 from lingua_zeco import reliability
@@ -67,8 +68,8 @@ def _one_step(rank, world, extra):
     data = iter([{"input_ids": x[:, s * L:(s + 1) * L], "labels": y[:, s * L:(s + 1) * L]}
                  for x, y in (_global_batch(env.dp_rank, m, sp) for m in range(ACC))])
     guard = reliability.StepGuard(reliability.ReliabilityArgs())
-    parts = trainer.StepParts(args, env, model, opt, sched, data, contextlib.nullcontext(), guard)
-    loss_sum, n_sum, _, _, _ = trainer.train_step(parts, step=0, sync=True)
+    parts = train_step.StepParts(args, env, model, opt, sched, data, contextlib.nullcontext(), guard)
+    loss_sum, n_sum, _, _, _ = train_step.train_step(parts, step=0, sync=True)
     dist.all_reduce(loss_sum)  # what the trainer logs: all-reduced loss sum / global count
     return {"grads": opt.grads, "loss": (loss_sum / n_sum).item(), "count": n_sum.item()}
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import apps.gla.train as trainer
+import apps.gla.train_step as train_step
 from apps.gla.train import TrainArgs, train
 from lingua_zeco.args import parse_args
 from lingua_zeco.checkpoint import MARKER
@@ -131,7 +132,7 @@ def test_sigterm_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 def _poisoning(monkeypatch, at: dict[int, str]):
     """forward_backward that makes the gradients (or the loss) of the given steps NaN, and records the
     model's weights when each step starts."""
-    real, seen = trainer.forward_backward, []
+    real, seen = train_step.forward_backward, []
 
     def fb(model, data, env, args, autocast):
         seen.append({k: v.detach().clone() for k, v in model.state_dict().items()})
@@ -144,7 +145,7 @@ def _poisoning(monkeypatch, at: dict[int, str]):
             loss_sum = loss_sum * float("inf")
         return loss_sum, n_sum, wait
 
-    monkeypatch.setattr(trainer, "forward_backward", fb)
+    monkeypatch.setattr(train_step, "forward_backward", fb)
     return seen
 
 

@@ -10,7 +10,7 @@ and the SP methods against data parallelism under torchrun.
 Every variant runs in this one process, one after another, on the same random tokens: warm-up
 steps, then `steps` back-to-back steps with a CUDA event after each and no synchronisation in
 between (a host sync inside a step shows as a longer step); the table gives the median step time,
-tok/s and the peak memory. "ours*" variants call `apps.gla.train.train_step` (FSDP2, autocast,
+tok/s and the peak memory. "ours*" variants call `apps.gla.train_step.train_step` (FSDP2, autocast,
 clipping, the non-finite guard, AdamW) on a model built by `apps.gla.train.build_model` from
 `config` plus `overrides` and the variant's own. "fla" is fla's `GLAForCausalLM` of the same shape (fp32
 weights, bf16 autocast, fused AdamW, clipping): the reference of issue 5.

@@ -287,11 +287,11 @@ def trainer_args(argv: list[str]):
 
 
 def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync: bool = False, cu_seqlens=None):
-    """The trainer's step (apps.gla.train.train_step: FSDP2, autocast, clipping, the non-finite guard or
+    """The trainer's step (apps.gla.train_step.train_step: FSDP2, autocast, clipping, the non-finite guard or
     `guard`, AdamW) of the model the trainer's `key=value`s build, on the same seq_len random tokens
     each step, in host memory as the loader gives them (with cu_seqlens, host ints: packed documents
     with those boundaries). Returns (step, args, env, model, optimizer)."""
-    from apps.gla import train
+    from apps.gla import train, train_step
     from lingua_zeco.optim import build_optimizer
     from lingua_zeco.reliability import StepGuard
 
@@ -307,10 +307,10 @@ def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync:
     data = itertools.repeat(batch)
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda" else contextlib.nullcontext()
     counter = itertools.count()
-    parts = train.StepParts(args, env, model, optimizer, scheduler, data, autocast, guard)
+    parts = train_step.StepParts(args, env, model, optimizer, scheduler, data, autocast, guard)
 
     def step():
-        train.train_step(parts, next(counter), sync=sync)
+        train_step.train_step(parts, next(counter), sync=sync)
 
     return step, args, env, model, optimizer
 
