@@ -129,7 +129,25 @@ def chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, cu_seqlens=None, ch
     return dq2, dk2, dg
 
 
+def chunk_fwd_h(k, v, gk, h0, output_final_state, chunk_size, states_in_fp32=False):
+    """Dense sequences: each of the B rows is one document, h0 [B, H, K, V] (or None) its initial state."""
+    rows = [chunk_fwd_h_packed(k[b:b + 1], v[b:b + 1], gk[b:b + 1], None if h0 is None else h0[b:b + 1],
+                               cu_seqlens=None, chunk_offsets=None, n_chunks=None, chunk_size=chunk_size,
+                               output_final_state=True) for b in range(k.shape[0])]
+    return torch.cat([h for h, _ in rows]), (torch.cat([ht for _, ht in rows]) if output_final_state else None)
+
+
+def chunk_bwd_dh(q, k, v, do, h0, dht, scale, gk, chunk_size, states_in_fp32=True):
+    """Dense sequences: dht [B, H, K, V] (or None) the gradient at each row's final state."""
+    rows = [chunk_bwd_dh_packed(q[b:b + 1], k[b:b + 1], v[b:b + 1], do[b:b + 1],
+                                None if dht is None else dht[b:b + 1], gk[b:b + 1], scale=scale, cu_seqlens=None,
+                                chunk_offsets=None, n_chunks=None, chunk_size=chunk_size,
+                                h0=None if h0 is None else h0[b:b + 1]) for b in range(k.shape[0])]
+    return torch.cat([dh for dh, _ in rows]), (None if h0 is None else torch.cat([d for _, d in rows]))
+
+
 STAGES = SimpleNamespace(gate_cumsum=gate_cumsum, chunk_fwd_h_packed=chunk_fwd_h_packed,
+                         chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh,
                          chunk_gla_fwd_intra_gk=chunk_gla_fwd_intra_gk, chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
                          chunk_bwd_dh_packed=chunk_bwd_dh_packed, chunk_gla_bwd_dA=chunk_gla_bwd_dA,
                          chunk_gla_bwd_dv=chunk_gla_bwd_dv, chunk_gla_bwd_dqkg=chunk_gla_bwd_dqkg)

@@ -282,12 +282,18 @@ def tree_scan(x, a, link, transition: Transition = DECAY):
     return y if have else y.zero_()
 
 
+def prefix_scans(pairs, like: torch.Tensor, transition: Transition = DECAY) -> list[torch.Tensor]:
+    """Every prefix of the fold y ← a·y + x of (a, x) pairs, earliest first, from a zero state shaped like
+    `like`: the state before each pair, then the one after the last (one more tensor than pairs)."""
+    ys = [torch.zeros_like(like)]
+    for a, x in pairs:
+        ys.append(transition.apply(a, ys[-1]) + x)
+    return ys
+
+
 def local_scan(pairs, like: torch.Tensor, transition: Transition = DECAY) -> torch.Tensor:
     """Fold (a, x) pairs, earliest first, from a zero state shaped like `like`: y ← a·y + x."""
-    y = torch.zeros_like(like)
-    for a, x in pairs:
-        y = transition.apply(a, y) + x
-    return y
+    return prefix_scans(pairs, like, transition)[-1]
 
 
 def gather_scan(x: torch.Tensor, a: torch.Tensor, group=None, reverse: bool = False,

@@ -240,14 +240,14 @@ def dS_in_reads_raw_gates(q, g) -> bool:
 
 
 def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264, g=None):
-    """D = ∂L/∂S_in of this slice's outputs, [B, H, K, V] fp32. The chunks are split into runs so
-    that about `runs` (sequence, head, run) programs fill the GPU (times the K×V tiles the autotuner
+    """D = ∂L/∂S_in of this slice's outputs, [B, H, K, V] fp32 (fp64 from fp64 inputs). The chunks are
+    split into runs so that about `runs` (sequence, head, run) programs fill the GPU (times the K×V tiles the autotuner
     picks); each run's partial sum is written, and the partials summed. With the raw gates `g` in
     16 bits, the kernel reads them instead of `g_cs` (which may then be None)."""
     raw = g is not None and dS_in_reads_raw_gates(q, g)
     if not _cuda(q, g if raw else g_cs, Gx, do):
         g_cs = chunk_local_cumsum_torch(g, BT) if g_cs is None else g_cs
-        return zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT).float()
+        return zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT)  # fp32 (fp64 for the exactness checks)
     B, T, H, K, V = *q.shape, do.shape[-1]
     NT, CPS, NS, dp, grid = _dS_in_plan(q, do, BT, runs)
     _dS_in_kernel[grid](q, g if raw else g_cs, Gx, do, dp, scale, T, NT, CPS, B, H=H, K=K, V=V, BT=BT, RAW=raw)

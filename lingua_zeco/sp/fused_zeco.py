@@ -38,47 +38,62 @@ from .fused_packed import FusedPackedZeCOGLA
 from .overlap import CHOOSER, post
 
 
+def zeco_forward(q, k, v, g, scale, scan_fn):
+    """The forward stages on contiguous inputs: (o, what zeco_backward reads). scan_fn(x, a, reverse) -> a
+    handle with wait(): the exclusive scan of the slices' (state, decay) pairs, started before the intra-chunk
+    stage and waited for after it."""
+    BT = fla_chunk_size(q.shape[1])
+    g_cs_BTHK = fla.gate_cumsum(g, BT)
+    h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
+    Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs_BTHK, BT)
+    work = scan_fn(S_end_BHKV, b_end_BHK, False)
+    A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, chunk_size=BT)
+    S_in_BHKV = work.wait()
+    o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
+    return o, (A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK)
+
+
+def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"):
+    """(dq, dk, dv, dg) from the forward's inputs, what zeco_forward kept and the output gradient do."""
+    A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK = saved
+    BT = fla_chunk_size(q.shape[1])
+    do = do.contiguous()
+    # D first, so the scan starts as early as possible: from 16-bit gates D makes its own cumsum
+    g_cs_BTHK = None if dS_in_reads_raw_gates(q, g) else fla.gate_cumsum(g, BT)
+    D_BHKV = zeco_dS_in(q, g_cs_BTHK, Gx_BNHK, do, scale, BT, g=g)
+    work = scan_fn(D_BHKV, b_end_BHK, True)
+    if g_cs_BTHK is None:
+        g_cs_BTHK = fla.gate_cumsum(g, BT)
+    h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
+                                 states_in_fp32=True)
+    dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
+    dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, bwd_intra)
+    G_BHKV = work.wait()
+    dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
+                                   chunk_size=BT, states_in_fp32=True)
+    dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
+    dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
+                                        scale=scale, chunk_size=BT)
+    return dq.to(q), dk.to(k), dv.to(v), dg.to(g)
+
+
 class FusedZeCOGLA(torch.autograd.Function):
     """scan_fn(x, a, reverse) -> handle with wait(): the All-Scan over the SP group (injectable so that
-    one GPU can run several virtual ranks in one process for tests and benchmarks)."""
+    one GPU can run several virtual ranks in one process for tests and benchmarks, and the segments of
+    one sequence scan inside the GPU: sp/split.py)."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco"):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-        BT = fla_chunk_size(q.shape[1])
-        g_cs_BTHK = fla.gate_cumsum(g, BT)
-        h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
-        Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs_BTHK, BT)
-        work = scan_fn(S_end_BHKV, b_end_BHK, False)
-        A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, chunk_size=BT)
-        S_in_BHKV = work.wait()
-        o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
-        ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK)
-        ctx.scale, ctx.scan_fn, ctx.BT, ctx.bwd_intra = scale, scan_fn, BT, bwd_intra
+        o, saved = zeco_forward(q, k, v, g, scale, scan_fn)
+        ctx.save_for_backward(q, k, v, g, *saved)
+        ctx.scale, ctx.scan_fn, ctx.bwd_intra = scale, scan_fn, bwd_intra
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, g, A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK = ctx.saved_tensors
-        scale, BT = ctx.scale, ctx.BT
-        do = do.contiguous()
-        # D first, so the scan starts as early as possible: from 16-bit gates D makes its own cumsum
-        g_cs_BTHK = None if dS_in_reads_raw_gates(q, g) else fla.gate_cumsum(g, BT)
-        D_BHKV = zeco_dS_in(q, g_cs_BTHK, Gx_BNHK, do, scale, BT, g=g)
-        work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
-        if g_cs_BTHK is None:
-            g_cs_BTHK = fla.gate_cumsum(g, BT)
-        h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
-                                     states_in_fp32=True)
-        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
-        dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, ctx.bwd_intra)
-        G_BHKV = work.wait()
-        dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
-                                       chunk_size=BT, states_in_fp32=True)
-        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
-        dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
-                                            scale=scale, chunk_size=BT)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None
+        q, k, v, g, *saved = ctx.saved_tensors
+        return (*zeco_backward(q, k, v, g, saved, do, ctx.scale, ctx.scan_fn, ctx.bwd_intra), None, None, None)
 
 
 def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, bwd_intra: str = "zeco"):

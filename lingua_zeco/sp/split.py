@@ -1,0 +1,100 @@
+"""The All-Scan inside the GPU: one sequence cut into S segments that run as a batch (`model.gla_split`).
+
+fla's state recurrences (chunk_fwd_h, chunk_bwd_dh) give each (sequence, head, K×V tile) one program that
+steps through every chunk in order: at B = 1, H = 16, K = V = 128 that is 64 programs for the H200's 132
+SMs, whatever the length. ZeCO's algorithm one level down fills them: the sequence [B, T, ...] is viewed as
+[B·S, T/S, ...] (no copy), each segment runs fused_zeco's stages from a zero state (S times the programs,
+each walking T/S tokens), and the segments' (final state, total decay) pairs are scanned here, in the
+GPU, to give every segment its incoming state; the backward scans the incoming-state gradients D the
+same way in reverse. The stages and their schedule are fused_zeco's (zeco_forward / zeco_backward).
+
+Under sequence parallelism a rank's slice splits the same way: `SegmentScan(S, outer=scan_fn)` scans the
+rank's own segments, hands the slice's total pair to the All-Scan across ranks (started as early as
+before, overlapped as before) and folds the state from the earlier ranks into every segment:
+
+    S_in(segment s) = local prefix(s) + (a_0 ⋯ a_{s−1})·S_in(rank)        forward
+    G(segment s)    = local suffix(s) + (a_{S−1} ⋯ a_{s+1})·G(rank)        backward
+
+Shapes: the scan's x [B·S, H, K, V] and a [B·S, H, K], segment-major inside each sequence (row b·S + s).
+"""
+from __future__ import annotations
+
+import torch
+
+from lingua_zeco.comm import DECAY, ScanWork, prefix_scans
+
+from .fused_zeco import FusedZeCOGLA
+
+MIN_SEGMENT = 256  # tokens (4 of fla's 64-token chunks): shorter segments add more scan than they save
+
+
+def split_rule(B: int, T: int, H: int, K: int, V: int, n_sm: int, fill: float = 0.9) -> int:
+    """Segments per sequence for `model.gla_split=auto`: the fewest (a power of 2) that give fla's state
+    recurrences at least fill × n_sm programs (one per sequence, head and 64×64 tile of the state), keeping
+    segments of whole 64-token chunks and at least MIN_SEGMENT tokens. 1: no split."""
+    programs = B * H * -(-K // 64) * -(-V // 64)
+    S = 1
+    while programs * S < fill * n_sm and T % (2 * S * 64) == 0 and T // (2 * S) >= MIN_SEGMENT:
+        S *= 2
+    return S
+
+
+def check_split(T: int, S: int) -> None:
+    """A split the operator can run: S segments of equal length, each of whole 64-token chunks."""
+    if S < 1 or T % S or (S > 1 and (T // S) % 64):
+        raise ValueError(f"gla_split={S}: {T} tokens per sequence do not cut into {S} equal segments of whole "
+                         f"64-token chunks; use a divisor S of T with T/S a multiple of 64 (or 1: no split, "
+                         f"0: auto)")
+
+
+class SegmentScan:
+    """scan_fn for FusedZeCOGLA over the S segments of each sequence (the rows of [B·S, ...]); with `outer`
+    (the SP group's scan_fn) the slice's total pair goes through it and its result is folded in."""
+
+    def __init__(self, S: int, outer=None, drop_local: bool = False):
+        self.S, self.outer = S, outer
+        self.drop_local = drop_local  # a broken variant for the tests: the segments' own prefix dropped
+
+    def __call__(self, x, a, reverse: bool):
+        S = self.S
+        x_BSHKV, a_BSHK = x.view(-1, S, *x.shape[1:]), a.view(-1, S, *a.shape[1:])
+        order = list(range(S))[::-1] if reverse else list(range(S))  # scan order: the backward walks back
+        ys = prefix_scans([(a_BSHK[:, s], x_BSHKV[:, s]) for s in order], x_BSHKV[:, 0], DECAY)
+        y_BSHKV = torch.stack(ys[:S][::-1] if reverse else ys[:S], 1)
+        if self.drop_local:
+            y_BSHKV = torch.zeros_like(y_BSHKV)
+        if self.outer is None:
+            return ScanWork(y_BSHKV.view_as(x))
+        # decay from the slice's edge (its start forward, its end backward) to each segment's edge
+        decays = [torch.ones_like(a_BSHK[:, 0])]
+        for s in order:
+            decays.append(decays[-1] * a_BSHK[:, s])
+        d_BSHK = torch.stack(decays[:S][::-1] if reverse else decays[:S], 1)
+        work = self.outer(ys[S], decays[S], reverse)  # the slice's own pair, as an unsplit slice would send
+        return _Folded(work, y_BSHKV, d_BSHK, x.shape)
+
+
+class _Folded:
+    """The handle of a split slice's scan: waits for the ranks' scan, then folds its result in."""
+
+    def __init__(self, work, y_BSHKV, d_BSHK, shape):
+        self.work, self.y_BSHKV, self.d_BSHK, self.shape = work, y_BSHKV, d_BSHK, shape
+
+    def wait(self):
+        Y_BHKV = self.work.wait()
+        return torch.addcmul(self.y_BSHKV, self.d_BSHK[..., None], Y_BHKV[:, None]).view(self.shape)
+
+
+def split_gla(q, k, v, g, *, scale: float, segments: int, scan_fn=None, bwd_intra: str = "zeco",
+              drop_local: bool = False):
+    """o [B, T, H, V] of GLA over [B, T, H, *] inputs cut into `segments` per sequence (check_split), from a
+    zero state; scan_fn: the SP group's scan of whole slices (None: one device). fla's stages (CUDA)."""
+    B, T, H = q.shape[:3]
+    check_split(T, segments)
+    S = segments
+    rows = [t.reshape(B * S, T // S, *t.shape[2:]) for t in (q, k, v, g)]
+    o = FusedZeCOGLA.apply(*rows, scale, SegmentScan(S, scan_fn, drop_local), bwd_intra)
+    return o.view(B, T, H, v.shape[-1])
+
+
+__all__ = ["MIN_SEGMENT", "SegmentScan", "check_split", "split_gla", "split_rule"]
