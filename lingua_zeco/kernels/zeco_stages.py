@@ -241,9 +241,9 @@ def dS_in_reads_raw_gates(q, g) -> bool:
 
 def zeco_dS_in(q, g_cs, Gx, do, scale, BT, runs: int = 264, g=None):
     """D = ∂L/∂S_in of this slice's outputs, [B, H, K, V] fp32 (fp64 from fp64 inputs). The chunks are
-    split into runs so that about `runs` (sequence, head, run) programs fill the GPU (times the K×V tiles the autotuner
-    picks); each run's partial sum is written, and the partials summed. With the raw gates `g` in
-    16 bits, the kernel reads them instead of `g_cs` (which may then be None)."""
+    split into runs so that about `runs` (sequence, head, run) programs fill the GPU (times the K×V tiles
+    the autotuner picks); each run's partial sum is written, and the partials summed. With the raw gates
+    `g` in 16 bits, the kernel reads them instead of `g_cs` (which may then be None)."""
     raw = g is not None and dS_in_reads_raw_gates(q, g)
     if not _cuda(q, g if raw else g_cs, Gx, do):
         g_cs = chunk_local_cumsum_torch(g, BT) if g_cs is None else g_cs
