@@ -13,7 +13,7 @@ import torch.nn.functional as F
 import lingua_zeco.sp.fused_zeco as fz
 from lingua_zeco.comm import local_scan, prefix_scans
 from lingua_zeco.kernels import naive_gla
-from lingua_zeco.sp.split import SegmentScan, check_split, split_gla, split_rule
+from lingua_zeco.sp.split import SegmentScan, check_split, gla_split_fwd, split_gla, split_gla_op, split_rule
 from lingua_zeco.sp.virtual_ranks import VirtualScan
 
 import fla_stages_cpu
@@ -135,3 +135,20 @@ def test_split_rule_fills_the_sms():
 def test_check_split_refuses_uneven_segments(T, S):
     with pytest.raises(ValueError, match="gla_split"):
         check_split(T, S)
+
+
+def test_split_op_schema_fake_and_autograd():
+    (q, k, v, g), _ = _inputs(1, 256)
+    torch.library.opcheck(gla_split_fwd, (q, k, v, g, SCALE, 2, "zeco"))
+
+
+def test_split_op_compiles_as_one_node_and_matches_the_oracle():
+    """Off CUDA the op's kernel is the unsplit torch operator (what these checks can reach on CPU): one
+    graph with no break (aot_eager, fullgraph) and the float64 oracle's output and gradients."""
+    ins, do = _inputs(1, 256)
+    leaves = [t.clone().requires_grad_() for t in ins]
+    o = torch.compile(split_gla_op, backend="aot_eager", fullgraph=True)(*leaves, scale=SCALE, segments=2)
+    o.backward(do)
+    assert _max_err([o.detach(), *(t.grad for t in leaves)], _reference(ins, do)) < 1e-10
+    with pytest.raises(ValueError, match="gla_split=3"):
+        split_gla_op(*ins, scale=SCALE, segments=3)

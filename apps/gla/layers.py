@@ -50,6 +50,10 @@ class GLAArgs:
     # CUDA, gla: the intra-chunk dq/dk stage of the GLA backward: zeco (ours, lingua_zeco/kernels/
     # gla_bwd_intra.py) | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
     gla_bwd_intra: str = "zeco"
+    # CUDA, gla, dense sequences: each sequence (each rank's slice under SP) as this many segments in one
+    # batch, the scan between them inside the GPU (lingua_zeco/sp/split.py): 1 = off, 0 = auto (enough
+    # segments to fill the SMs), S = S segments (T/S a multiple of 64)
+    gla_split: int = 1
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     # tokens per GPU of one segment: the step trains the sequence segment by segment with exact gradients,
     # carrying each layer's state (lingua_zeco/segments.py; docs/long_context.md). 0 = the whole sequence
@@ -119,6 +123,8 @@ class GLAArgs:
                              f"without softmax layers, or model.segment_len=0")
         if self.gla_bwd_intra not in BWD_INTRA:
             raise ValueError(f"model.gla_bwd_intra={self.gla_bwd_intra!r}; choose from {BWD_INTRA}")
+        if self.gla_split < 0:
+            raise ValueError(f"model.gla_split={self.gla_split}: give 1 (off), 0 (auto) or the segments per sequence")
 
 
 def _exact(x: float, what: str) -> int:

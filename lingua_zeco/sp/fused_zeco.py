@@ -96,26 +96,22 @@ class FusedZeCOGLA(torch.autograd.Function):
         return (*zeco_backward(q, k, v, g, saved, do, ctx.scale, ctx.scan_fn, ctx.bwd_intra), None, None, None)
 
 
-def fused_zeco_gla(q, k, v, g, *, scale, group, seg, scan: AllScanArgs, bwd_intra: str = "zeco"):
-    """ZeCO: the All-Scan overlapped with the intra-chunk work, or blocking, as scan.overlap says (auto:
-    whichever measured faster, sp/overlap.py). Packed documents: a slice inside one document is the
-    dense case; one where a document starts takes fused_packed."""
-
+def zeco_scan_fn(group, scan: AllScanArgs):
+    """ZeCO's scan_fn: the All-Scan overlapped with the intra-chunk work, or blocking, as scan.overlap says
+    (auto: whichever measured faster, sp/overlap.py)."""
     def scan_fn(x, a, reverse):  # returns a handle; the caller computes until it waits
         if scan.overlap == "auto" and x.is_cuda and dist.get_world_size(group) > 1:
             return CHOOSER.scan(x, a, group, reverse, scan)
         return post(x, a, group, reverse, scan, overlapped=scan.overlap != "off")
+    return scan_fn
 
-    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
 
-
-def fused_lasp2_gla(q, k, v, g, *, scale, group, seg, bwd_intra: str = "zeco"):
-    """LASP-2 on the same stages: the all-gather of every rank's (state, decay) and a local scan,
+def lasp2_scan_fn(group):
+    """LASP-2's scan_fn on the same stages: the all-gather of every rank's (state, decay) and a local scan,
     blocking, as LASP-2 is (its cost is the P-state collective)."""
     def scan_fn(x, a, reverse):
         return ScanWork(gather_scan(x, a, group, reverse=reverse))
-
-    return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
+    return scan_fn
 
 
 def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco"):

@@ -12,30 +12,37 @@ from .carry import add_carried, one_rank_carry
 from .graph import outside_graph
 from .lasp1 import lasp1
 from .reference import scan_then_correct
+from .split import segments_for, split_gla, split_gla_op
 from .validate import check_across_ranks, check_local
 from .varlen import as_packing, local_segments
 
 
 def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
            backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-           bwd_intra: str = "zeco"):
+           bwd_intra: str = "zeco", split: int = 1):
     """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V].
     cu_seqlens: None (one sequence), the boundaries of the whole packed sequence (a tensor or ints, the
     same on every rank; planned on every call), or the step's `Packing` from `pack` (planned once).
     bwd_intra: the intra-chunk dq/dk stage of fla's backward, ours or fla's (kernels.BWD_INTRA), on one
     rank and on the fused dense paths.
+    split: segments per sequence (or per rank's slice) run as one batch with the scan between them inside the
+    GPU (sp/split.py; fla's stages, dense slices): 1 = off, 0 = auto (split_rule), S = S segments.
     Inside torch.compile: one dense sequence on one rank is the opaque custom op kernels.chunk_gla_op (no
     graph break); the exchange with other ranks and packed documents run outside the graph (one break)."""
     if (torch.compiler.is_compiling() and cu_seqlens is None and group_rank_size(group)[1] == 1
             and backend in (None, kernels.pick_backend(q.device))):
         check_local(q, k, v, g, method, None, 1)  # shapes and dtypes: decided while tracing
+        S = segments_for(split, q) if q.is_cuda else 1
+        if S > 1:
+            return split_gla_op(q, k, v, g, scale=q.shape[-1] ** -0.5 if scale is None else scale, segments=S,
+                                bwd_intra=bwd_intra)
         return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra)
     return _sp_gla(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend,
-                   fused=fused, scan=scan, bwd_intra=bwd_intra)
+                   fused=fused, scan=scan, bwd_intra=bwd_intra, split=split)
 
 
 @outside_graph
-def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, scan, bwd_intra):
+def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, scan, bwd_intra, split):
     kernels.check_bwd_intra(bwd_intra)
     rank, P = group_rank_size(group)
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
@@ -43,7 +50,10 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
     check_across_ranks(q, v, g, packing, group, P)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = kernels.pick_backend(q.device, backend)
+    split = segments_for(split, q) if name == "fla" and (packing is None or packing.seg.carries) else 1
     if P == 1:  # nothing to exchange: every method is plain GLA
+        if packing is None and split > 1:
+            return split_gla(q, k, v, g, scale=scale, segments=split, bwd_intra=bwd_intra)
         if packing is None:
             return kernels.chunk_gla(q, k, v, g, scale=scale, backend=name, bwd_intra=bwd_intra)[0]
         seg = packing.seg  # its boundaries leave zero-length documents out (the same output) and its chunk
@@ -59,10 +69,11 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
     # fla's stages reordered around the exchange: dense slices and slices inside one document take
     # fused_zeco's operator, slices where a document starts fused_packed's
     if method in ("zeco", "lasp2") and fused and name == "fla":
-        from .fused_zeco import fused_lasp2_gla, fused_zeco_gla  # imports fla's stages
-        if method == "lasp2":
-            return fused_lasp2_gla(q, k, v, g, scale=scale, group=group, seg=seg, bwd_intra=bwd_intra)
-        return fused_zeco_gla(q, k, v, g, scale=scale, group=group, seg=seg, scan=scan, bwd_intra=bwd_intra)
+        from .fused_zeco import fused_zeco_apply, lasp2_scan_fn, zeco_scan_fn  # imports fla's stages
+        scan_fn = lasp2_scan_fn(group) if method == "lasp2" else zeco_scan_fn(group, scan)
+        if split > 1 and seg.carries:  # a dense slice (or one inside one document): its segments, then the ranks
+            return split_gla(q, k, v, g, scale=scale, segments=split, scan_fn=scan_fn, bwd_intra=bwd_intra)
+        return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
     return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
                              backend=name, scan_args=scan)
 

@@ -20,10 +20,11 @@ Shapes: the scan's x [B·S, H, K, V] and a [B·S, H, K], segment-major inside ea
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from lingua_zeco.comm import DECAY, ScanWork, prefix_scans
-
-from .fused_zeco import FusedZeCOGLA
+from lingua_zeco.kernels.gla_op import gla_bwd, gla_fwd
+from lingua_zeco.kernels.zeco_stages import fla_chunk_size
 
 MIN_SEGMENT = 256  # tokens (4 of fla's 64-token chunks): shorter segments add more scan than they save
 
@@ -45,6 +46,16 @@ def check_split(T: int, S: int) -> None:
         raise ValueError(f"gla_split={S}: {T} tokens per sequence do not cut into {S} equal segments of whole "
                          f"64-token chunks; use a divisor S of T with T/S a multiple of 64 (or 1: no split, "
                          f"0: auto)")
+
+
+def segments_for(split: int, q: Tensor) -> int:
+    """`model.gla_split` for this call's [B, T, H, K] input: 1 = no split, 0 = auto (split_rule with the
+    GPU's SM count), S = S segments (check_split)."""
+    if split == 0:
+        B, T, H, K = q.shape
+        return split_rule(B, T, H, K, K, torch.cuda.get_device_properties(q.device).multi_processor_count)
+    check_split(q.shape[1], split)
+    return split
 
 
 class SegmentScan:
@@ -85,16 +96,95 @@ class _Folded:
         return torch.addcmul(self.y_BSHKV, self.d_BSHK[..., None], Y_BHKV[:, None]).view(self.shape)
 
 
+def _rows(t: Tensor, S: int) -> Tensor:
+    """[B, T, ...] as [B·S, T/S, ...]: segment s of sequence b is row b·S + s (a view of a contiguous t)."""
+    return t.reshape(t.shape[0] * S, t.shape[1] // S, *t.shape[2:])
+
+
 def split_gla(q, k, v, g, *, scale: float, segments: int, scan_fn=None, bwd_intra: str = "zeco",
               drop_local: bool = False):
     """o [B, T, H, V] of GLA over [B, T, H, *] inputs cut into `segments` per sequence (check_split), from a
     zero state; scan_fn: the SP group's scan of whole slices (None: one device). fla's stages (CUDA)."""
+    from .fused_zeco import FusedZeCOGLA  # imports fla's stages
+
     B, T, H = q.shape[:3]
     check_split(T, segments)
-    S = segments
-    rows = [t.reshape(B * S, T // S, *t.shape[2:]) for t in (q, k, v, g)]
-    o = FusedZeCOGLA.apply(*rows, scale, SegmentScan(S, scan_fn, drop_local), bwd_intra)
+    rows = [_rows(t, segments) for t in (q, k, v, g)]
+    o = FusedZeCOGLA.apply(*rows, scale, SegmentScan(segments, scan_fn, drop_local), bwd_intra)
     return o.view(B, T, H, v.shape[-1])
 
 
-__all__ = ["MIN_SEGMENT", "SegmentScan", "check_split", "split_gla", "split_rule"]
+# ---- the same operator as opaque custom ops, for compiled blocks (as kernels/gla_op.py for the unsplit one)
+@torch.library.custom_op("lingua_zeco::gla_split_fwd", mutates_args=())
+def gla_split_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, segments: int,
+                  bwd_intra: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(o, A, S_in, Gx, b_end): the output and what the backward keeps. Off CUDA: the unsplit operator's
+    torch kernel (the same result), the kept tensors empty."""
+    o = gla_fwd(q, k, v, g, scale, bwd_intra)[0]
+    return (o, *(q.new_empty(0, dtype=torch.float) for _ in range(4)))
+
+
+@gla_split_fwd.register_kernel("cuda")
+def _gla_split_fwd_cuda(q, k, v, g, scale, segments, bwd_intra):
+    from .fused_zeco import zeco_forward
+    B, T, H, V = v.shape
+    rows = [_rows(t.contiguous(), segments) for t in (q, k, v, g)]
+    o, saved = zeco_forward(*rows, scale, SegmentScan(segments))
+    return (o.view(B, T, H, V), *saved)
+
+
+@gla_split_fwd.register_fake
+def _gla_split_fwd_fake(q, k, v, g, scale, segments, bwd_intra):
+    if not q.is_cuda:
+        return (torch.empty_like(v), *(q.new_empty(0, dtype=torch.float) for _ in range(4)))
+    B, T, H, K = q.shape
+    R, T_seg, V = B * segments, T // segments, v.shape[-1]
+    BT = fla_chunk_size(T_seg)
+    f32 = dict(dtype=torch.float)
+    return (torch.empty_like(v), q.new_empty(R, T_seg, H, BT, **f32), q.new_empty(R, H, K, V, **f32),
+            q.new_empty(R, -(-T_seg // BT), H, K, **f32), q.new_empty(R, H, K, **f32))
+
+
+@torch.library.custom_op("lingua_zeco::gla_split_bwd", mutates_args=())
+def gla_split_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, A: Tensor, S_in: Tensor, Gx: Tensor, b_end: Tensor,
+                  do: Tensor, scale: float, segments: int, bwd_intra: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dv, dg) of gla_split_fwd's output."""
+    e = q.new_empty(0, dtype=torch.float)
+    return gla_bwd(q, k, v, g, q.new_empty(0), e, do, scale, bwd_intra)
+
+
+@gla_split_bwd.register_kernel("cuda")
+def _gla_split_bwd_cuda(q, k, v, g, A, S_in, Gx, b_end, do, scale, segments, bwd_intra):
+    from .fused_zeco import zeco_backward
+    rows = [_rows(t.contiguous(), segments) for t in (q, k, v, g, do)]
+    grads = zeco_backward(*rows[:4], (A, S_in, Gx, b_end), rows[4], scale, SegmentScan(segments), bwd_intra)
+    return tuple(d.view(t.shape) for d, t in zip(grads, (q, k, v, g), strict=True))
+
+
+@gla_split_bwd.register_fake
+def _gla_split_bwd_fake(q, k, v, g, A, S_in, Gx, b_end, do, scale, segments, bwd_intra):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, g, scale, segments, bwd_intra = inputs
+    ctx.save_for_backward(q, k, v, g, *output[1:])
+    ctx.scale, ctx.segments, ctx.bwd_intra = scale, segments, bwd_intra
+
+
+def _backward(ctx, do, *kept):  # the kept tensors are saved, not results: no gradients
+    grads = gla_split_bwd(*ctx.saved_tensors, do, ctx.scale, ctx.segments, ctx.bwd_intra)
+    return (*grads, None, None, None)
+
+
+gla_split_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def split_gla_op(q, k, v, g, *, scale: float, segments: int, bwd_intra: str = "zeco") -> Tensor:
+    """split_gla (one device) through the custom ops above: one node of a compiled graph."""
+    check_split(q.shape[1], segments)
+    return gla_split_fwd(q, k, v, g, scale, segments, bwd_intra)[0]
+
+
+__all__ = ["MIN_SEGMENT", "SegmentScan", "check_split", "gla_split_bwd", "gla_split_fwd", "segments_for", "split_gla",
+           "split_gla_op", "split_rule"]

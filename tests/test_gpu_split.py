@@ -1,0 +1,97 @@
+"""GPU checks of the All-Scan inside the GPU (lingua_zeco/sp/split.py), pytest -m gpu (skipped without CUDA):
+the split operator (eager and as the compiled custom op) against fla's chunk_gla and the float64 oracle, fp32
+and bf16, head dims 64/128/256; sp_gla routes model.gla_split to it; the GLA model with gla_split=auto equals
+gla_split=1 to rounding; dropping the segments' own prefix is caught. (The operator's own code runs on CPU
+with fla's stages written out in float64: tests/test_split.py.)"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lingua_zeco.kernels import naive_gla
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+def _inputs(T, B=1, H=4, K=128, V=128, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, device="cuda", generator=gen).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen).to(dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, K, device="cuda", generator=gen) + 3.0).to(dtype)
+    do = torch.randn(B, T, H, V, device="cuda", generator=gen).to(dtype)
+    return [q, k, v, g], do
+
+
+def _run(fn, ins, do):
+    leaves = [t.clone().requires_grad_() for t in ins]
+    o = fn(*leaves)
+    o.backward(do)
+    return [o.detach(), *(t.grad for t in leaves)]
+
+
+def _fla(ins, do):
+    from fla.ops.gla import chunk_gla
+    return _run(lambda *x: chunk_gla(*x)[0], ins, do)
+
+
+def _oracle(ins, do):
+    return _run(lambda *x: naive_gla(*x)[0], [t.double() for t in ins], do.double())
+
+
+@pytest.mark.parametrize("T,S,B,K,dtype", [(2048, 2, 1, 128, torch.bfloat16), (2048, 4, 2, 128, torch.float32),
+                                           (4096, 8, 1, 64, torch.bfloat16), (1024, 2, 1, 256, torch.bfloat16)])
+def test_split_operator_matches_fla_and_the_oracle(T, S, B, K, dtype):
+    from lingua_zeco.sp.split import split_gla, split_gla_op
+    ins, do = _inputs(T, B=B, K=K, V=K, dtype=dtype)
+    scale = K ** -0.5
+    ref, fla = _oracle(ins, do), _fla(ins, do)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for fn in (lambda *x: split_gla(*x, scale=scale, segments=S),
+               torch.compile(lambda *x: split_gla_op(*x, scale=scale, segments=S), fullgraph=True)):
+        got = _run(fn, ins, do)
+        for name, a, b, f in zip("o dq dk dv dg".split(), got, ref, fla, strict=True):
+            # as close to the oracle as fla is, within the tolerance of the dtype
+            assert _rel(a, b) < max(tol, 2 * _rel(f, b)), (name, _rel(a, b), _rel(f, b))
+
+
+def test_split_without_the_segments_prefix_is_caught():
+    from lingua_zeco.sp.split import split_gla
+    ins, do = _inputs(2048, dtype=torch.float32)
+    got = _run(lambda *x: split_gla(*x, scale=128 ** -0.5, segments=4, drop_local=True), ins, do)
+    assert _rel(got[0], _oracle(ins, do)[0]) > 1e-2
+
+
+def test_sp_gla_routes_gla_split_and_auto_picks_the_rule():
+    from lingua_zeco.sp import sp_gla
+    from lingua_zeco.sp.split import segments_for, split_rule
+    ins, do = _inputs(4096, H=16)
+    n_sm = torch.cuda.get_device_properties(0).multi_processor_count
+    assert segments_for(0, ins[0]) == split_rule(1, 4096, 16, 128, 128, n_sm)
+    base = _run(lambda *x: sp_gla(*x, split=1), ins, do)
+    for split in (0, 2, 4):
+        got = _run(lambda *x, s=split: sp_gla(*x, split=s), ins, do)
+        assert max(_rel(a, b) for a, b in zip(got, base, strict=True)) < 2e-2, split
+    with pytest.raises(ValueError, match="gla_split=3"):
+        sp_gla(*ins, split=3)
+
+
+def test_model_with_gla_split_auto_equals_unsplit():
+    from apps.gla.model import GLAArgs, GLAForCausalLM
+    torch.manual_seed(0)
+    x = torch.randint(0, 512, (1, 2048), device="cuda")
+    losses, grads = [], []
+    for split in (1, 0):
+        args = GLAArgs(dim=256, n_layers=2, n_heads=2, ffn_hidden=512, vocab_size=512, gla_split=split)
+        m = GLAForCausalLM(args)
+        m.init_weights(0)
+        m.cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, _ = m(x, labels=x)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten().float() for p in m.parameters()]))
+    assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[0])
+    assert _rel(grads[1], grads[0]) < 5e-2
