@@ -12,6 +12,10 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
                      stages, our intra-chunk dq/dk); `staged_vs_fla_pct` against fla_chunk_gla
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco); zeco_fused_fla_intra: with fla's intra-chunk
                      dq/dk stage instead of ours
+  split<S>           the single-device operator as S segments in one batch, the scan inside the GPU
+                     (lingua_zeco/sp/split.py), for each S of `splits` that cuts T_local into whole chunks;
+                     split_auto: S by split_rule; zeco_fused_split: a middle rank's slice split by the rule
+                     (`split<S>_vs_fla_pct`, `zeco_split_vs_split_pct` against split_auto)
   fla_chunk_gla_packed, staged_chunk_gla_packed, zeco_fused_packed (and _fla_intra): the same on packed
                      documents of `doc_len` tokens, the slice starting mid-document (`packed_vs_dense_pct`
                      against zeco_fused; fla's varlen chunk_gla reads sizes back to the host and is
@@ -39,6 +43,7 @@ class BenchFusedArgs(SliceArgs):
     iters: int = 50  # timed calls (medians over these)
     graphs: bool = True  # also time each variant replayed from a CUDA graph
     doc_len: int = 4096  # packed variants: documents of this many tokens (0: none)
+    splits: str = "2,4,8"  # split<S> variants: segments per sequence (comma-separated; empty: none)
 
 
 def check_args(args: BenchFusedArgs, device) -> None:
@@ -83,6 +88,30 @@ def variants(q, k, v, g, do, scale):
             "zeco_fused_fla_intra": zeco_fla_intra}
 
 
+def split_variants(q, k, v, g, do, scale, splits: str) -> dict:
+    """split<S> for each S of `splits` that fits T, split_auto and zeco_fused_split (the rule's S; absent when
+    the rule says 1)."""
+    from lingua_zeco.sp.split import check_split, segments_for, split_gla
+    S_in, G = middle_rank_state(q, v)
+    leaves = (q, k, v, g)
+
+    def run(S, scan_fn=None):
+        return lambda: torch.autograd.grad(split_gla(q, k, v, g, scale=scale, segments=S, scan_fn=scan_fn),
+                                           leaves, do)
+    out = {}
+    for S in (int(x) for x in splits.split(",") if x.strip()):
+        try:
+            check_split(q.shape[1], S)
+        except ValueError:
+            continue
+        out[f"split{S}"] = run(S)
+    auto = segments_for(0, q)
+    if auto > 1:
+        out["split_auto"] = run(auto)
+        out["zeco_fused_split"] = run(auto, middle_rank_scan(S_in, G))
+    return out
+
+
 def packed_variants(q, k, v, g, do, scale, doc_len):
     """Packed documents of doc_len tokens, the slice starting in the middle of one (a middle rank that
     continues a document and ends inside another): fla's varlen chunk_gla, the staged single-device
@@ -115,7 +144,8 @@ def packed_variants(q, k, v, g, do, scale, doc_len):
 
 def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
     q, k, v, g, do = inputs
-    fns = variants(q, k, v, g, do, args.head_k ** -0.5)
+    fns = variants(q, k, v, g, do, args.head_k ** -0.5) | split_variants(q, k, v, g, do, args.head_k ** -0.5,
+                                                                        args.splits)
     packed = packed_variants(q, k, v, g, do, args.head_k ** -0.5, args.doc_len) if args.doc_len else {}
     row = dict(T_local=T)
 
@@ -128,6 +158,11 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
     row["extra_pct"] = pct("zeco_fused", "fla_chunk_gla")
     row["extra_vs_h0_pct"] = pct("zeco_fused", "fla_chunk_gla_h0")
     row["staged_vs_fla_pct"] = pct("staged_chunk_gla", "fla_chunk_gla")
+    splits = [n for n in fns if n.startswith("split")]
+    for name in splits:
+        row[f"{name}_vs_fla_pct"] = pct(name, "fla_chunk_gla")
+    if "zeco_fused_split" in fns:
+        row["zeco_split_vs_split_pct"] = pct("zeco_fused_split", "split_auto")
     if packed:
         row["packed_vs_dense_pct"] = pct("zeco_fused_packed", "zeco_fused")
         row["packed_extra_pct"] = pct("zeco_fused_packed", "fla_chunk_gla_packed")
@@ -145,6 +180,10 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
                 row[f"{name}_graph_ms"] = round(1e3 * statistics.median(gpu_s), 4)
             row["graph_extra_pct"] = pct("zeco_fused_graph", "fla_chunk_gla_graph")
             row["graph_staged_vs_fla_pct"] = pct("staged_chunk_gla_graph", "fla_chunk_gla_graph")
+            for name in splits:
+                row[f"graph_{name}_vs_fla_pct"] = pct(f"{name}_graph", "fla_chunk_gla_graph")
+            if "zeco_fused_split" in fns:
+                row["graph_zeco_split_vs_split_pct"] = pct("zeco_fused_split_graph", "split_auto_graph")
             if packed:
                 row["graph_packed_vs_dense_pct"] = pct("zeco_fused_packed_graph", "zeco_fused_graph")
             del graphed

@@ -47,6 +47,11 @@ VARIANTS = {
     "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
     # fla's intra-chunk dq/dk stage (on one GPU its whole chunk_gla, as before ours)
     "ours_fla_intra": ["model.gla_bwd_intra=fla"],
+    # the GLA operator as segments in one batch, the scan inside the GPU (lingua_zeco/sp/split.py): auto, 2, 4
+    "ours_split": ["model.gla_split=0"],
+    "ours_split2": ["model.gla_split=2"],
+    "ours_split4": ["model.gla_split=4"],
+    "ours_float8_split": ["model.float8=tensorwise", "model.gla_split=0"],
     # packed documents of `doc_len` tokens (boundaries in every batch, as the loader gives them with
     # data.varlen=true): our intra-chunk stage, and fla's for comparison
     "ours_packed": [],  # compiled: the packed GLA operator runs outside the graph (one break per block)

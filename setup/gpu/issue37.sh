@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 37's runs on one H200 (the GLA operator with the All-Scan inside the GPU, lingua_zeco/sp/split.py), one
+# device call of < 10 minutes per part, from the repository root with the wheels carried in .whl/:
+#     bash setup/gpu/issue37.sh A   # GPU tests of the split operator (new shapes: fla autotunes for minutes)
+#     bash setup/gpu/issue37.sh B   # bench_fused at 16K and 32K: fla, staged, split2/4/8/auto, zeco_fused(_split)
+#     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, ours_split(2, 4), float8 with and without
+#     bash setup/gpu/issue37.sh D   # bench_fused at 128K
+# Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
+set -u
+PART=${1:?"usage: issue37.sh A|B|C|D"}
+source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
+case "$PART" in
+A)
+    echo "== GPU tests"; timeout 540 python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q \
+        tests/test_gpu_split.py 2>&1 | tee "$OUT/pytest_gpu_split.txt" | tail -12
+    ;;
+B)
+    echo "== bench_fused 16K, 32K"; timeout 540 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
+        splits=2,4,8 doc_len=0 2>&1 | tee "$OUT/bench_fused.log" | grep -E "^\{|rror|Traceback"
+    ;;
+C)
+    echo "== bench_train 16K"; timeout 540 python3 -m apps.gla.bench.bench_train out=$OUT \
+        variants=fla,ours,ours_split,ours_split2,ours_split4,ours_float8,ours_float8_split 2>&1 \
+        | tee "$OUT/bench_train.log" | grep -E "^\{|rror|Traceback"
+    ;;
+D)
+    echo "== bench_fused 128K"; timeout 540 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=131072 \
+        splits=2,4,8,16 doc_len=0 iters=20 2>&1 | tee "$OUT/bench_fused_128k.log" | grep -E "^\{|rror|Traceback"
+    ;;
+esac
+(cd /tmp/tc && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
