@@ -49,7 +49,7 @@ def test_split_operator_matches_fla_and_the_oracle(T, S, B, K, dtype):
     scale = K ** -0.5
     ref, fla = _oracle(ins, do), _fla(ins, do)
     tol = 2e-5 if dtype == torch.float32 else 2e-2
-    for fn in (lambda *x: split_gla(*x, scale=scale, segments=S),
+    for fn in (lambda *x: split_gla(*x, scale=scale, segments=S)[0],
                torch.compile(lambda *x: split_gla_op(*x, scale=scale, segments=S), fullgraph=True)):
         got = _run(fn, ins, do)
         for name, a, b, f in zip("o dq dk dv dg".split(), got, ref, fla, strict=True):
@@ -60,7 +60,7 @@ def test_split_operator_matches_fla_and_the_oracle(T, S, B, K, dtype):
 def test_split_without_the_segments_prefix_is_caught():
     from lingua_zeco.sp.split import split_gla
     ins, do = _inputs(2048, dtype=torch.float32)
-    got = _run(lambda *x: split_gla(*x, scale=128 ** -0.5, segments=4, drop_local=True), ins, do)
+    got = _run(lambda *x: split_gla(*x, scale=128 ** -0.5, segments=4, drop_local=True)[0], ins, do)
     assert _rel(got[0], _oracle(ins, do)[0]) > 1e-2
 
 
@@ -95,3 +95,41 @@ def test_model_with_gla_split_auto_equals_unsplit():
         grads.append(torch.cat([p.grad.flatten().float() for p in m.parameters()]))
     assert abs(losses[0] - losses[1]) < 1e-2 * abs(losses[0])
     assert _rel(grads[1], grads[0]) < 5e-2
+
+
+# fla's own tests/ops/test_gla.py::test_chunk cases (initial state, final-state gradient, its tolerance check)
+# that cut into S segments of whole 64-token chunks; T = 63 and 64 do not apply
+FLA_CHUNK_CASES = [(2, 1024, 4, 60, 1, torch.float16), (2, 1024, 8, 128, 0.1, torch.float16),
+                   (2, 1024, 8, 128, 1, torch.float16), (2, 1024, 8, 128, 10, torch.float16),
+                   (4, 2048, 8, 64, 1, torch.float16), (1, 128, 4, 256, 1, torch.float16),
+                   (1, 128, 4, 512, 1, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("S", [2, 4])
+@pytest.mark.parametrize("B,T,H,D,gate_logit_normalizer,dtype", FLA_CHUNK_CASES)
+def test_fla_chunk_cases(B, T, H, D, gate_logit_normalizer, dtype, S):
+    from fla.ops.gla import fused_recurrent_gla
+    from fla.utils import assert_close
+
+    from lingua_zeco.sp.split import check_split, split_gla
+    try:
+        check_split(T, S)
+    except ValueError:
+        pytest.skip(f"T={T} does not cut into {S} segments of whole chunks")
+    torch.manual_seed(42)
+    q, k, v = (torch.rand(B, T, H, D, dtype=dtype, device="cuda").requires_grad_() for _ in range(3))
+    g = (F.logsigmoid(torch.rand(B, T, H, D, dtype=dtype, device="cuda")) / gate_logit_normalizer).requires_grad_()
+    h0 = torch.rand(B, H, D, D, device="cuda").requires_grad_()
+    do = torch.randn_like(v)
+    dht = torch.randn(B, H, D, D, device="cuda")
+    results = []
+    for fn in (lambda: split_gla(q, k, v, g, scale=D ** -0.5, segments=S, initial_state=h0, output_final_state=True),
+               lambda: fused_recurrent_gla(q=q, k=k, v=v, gk=g, initial_state=h0, output_final_state=True)):
+        o, ht = fn()
+        ((o * do).sum() + (ht * dht).sum().to(do.dtype)).backward()
+        results.append([o, ht, *(t.grad.clone() for t in (q, k, v, g, h0))])
+        for t in (q, k, v, g, h0):
+            t.grad = None
+    for name, tri, ref, tol in zip(("o", "ht", "dq", "dk", "dv", "dg", "dh0"), *results,
+                                   (0.004, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005), strict=True):
+        assert_close(name, ref, tri, tol)

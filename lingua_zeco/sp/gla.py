@@ -53,7 +53,7 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
     split = segments_for(split, q) if name == "fla" and (packing is None or packing.seg.carries) else 1
     if P == 1:  # nothing to exchange: every method is plain GLA
         if packing is None and split > 1:
-            return split_gla(q, k, v, g, scale=scale, segments=split, bwd_intra=bwd_intra)
+            return split_gla(q, k, v, g, scale=scale, segments=split, bwd_intra=bwd_intra)[0]
         if packing is None:
             return kernels.chunk_gla(q, k, v, g, scale=scale, backend=name, bwd_intra=bwd_intra)[0]
         seg = packing.seg  # its boundaries leave zero-length documents out (the same output) and its chunk
@@ -72,7 +72,7 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
         from .fused_zeco import fused_zeco_apply, lasp2_scan_fn, zeco_scan_fn  # imports fla's stages
         scan_fn = lasp2_scan_fn(group) if method == "lasp2" else zeco_scan_fn(group, scan)
         if split > 1 and seg.carries:  # a dense slice (or one inside one document): its segments, then the ranks
-            return split_gla(q, k, v, g, scale=scale, segments=split, scan_fn=scan_fn, bwd_intra=bwd_intra)
+            return split_gla(q, k, v, g, scale=scale, segments=split, scan_fn=scan_fn, bwd_intra=bwd_intra)[0]
         return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
     return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
                              backend=name, scan_args=scan)

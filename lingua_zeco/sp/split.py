@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from lingua_zeco.comm import DECAY, ScanWork, prefix_scans
+from lingua_zeco.kernels.common import acc_dtype
 from lingua_zeco.kernels.gla_op import gla_bwd, gla_fwd
 from lingua_zeco.kernels.zeco_stages import fla_chunk_size
 
@@ -101,17 +102,71 @@ def _rows(t: Tensor, S: int) -> Tensor:
     return t.reshape(t.shape[0] * S, t.shape[1] // S, *t.shape[2:])
 
 
-def split_gla(q, k, v, g, *, scale: float, segments: int, scan_fn=None, bwd_intra: str = "zeco",
-              drop_local: bool = False):
-    """o [B, T, H, V] of GLA over [B, T, H, *] inputs cut into `segments` per sequence (check_split), from a
-    zero state; scan_fn: the SP group's scan of whole slices (None: one device). fla's stages (CUDA)."""
-    from .fused_zeco import FusedZeCOGLA  # imports fla's stages
+class StateEnds:
+    """The outer scan_fn of one device: the sequence's initial state h0 comes in forward, the gradient of its
+    final state dht backward (zeros when absent); it keeps the totals it is handed, from which the final
+    state ht = x + a·h0 and the initial state's gradient dh0 = x' + a·dht follow."""
 
-    B, T, H = q.shape[:3]
-    check_split(T, segments)
-    rows = [_rows(t, segments) for t in (q, k, v, g)]
-    o = FusedZeCOGLA.apply(*rows, scale, SegmentScan(segments, scan_fn, drop_local), bwd_intra)
-    return o.view(B, T, H, v.shape[-1])
+    def __init__(self, h0, zeros_like: Tensor):
+        self.h0 = torch.zeros_like(zeros_like) if h0 is None else h0
+        self.dht, self.totals = None, {}
+
+    def __call__(self, x, a, reverse: bool):
+        self.totals[reverse] = (x, a)
+        return ScanWork(self.dht if reverse else self.h0)
+
+    def end(self, reverse: bool) -> Tensor:
+        """ht (forward) or dh0 (reverse): the slice's total with the incoming end folded in."""
+        x, a = self.totals[reverse]
+        return torch.addcmul(x, a[..., None], self.dht if reverse else self.h0)
+
+
+class SplitGLA(torch.autograd.Function):
+    """GLA over [B, T, H, *] as S segments per sequence in one batch, through fused_zeco's stages. With an SP
+    group's scan_fn the segments fold in the state from the earlier ranks (no h0 / ht: sp_gla_carry adds
+    those); without, h0 enters the first segment and ht leaves the last (StateEnds)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, h0, scale, S, scan_fn, output_final_state, bwd_intra, drop_local):
+        from .fused_zeco import zeco_forward  # imports fla's stages
+        B, T, H, V = v.shape
+        rows = [_rows(t.contiguous(), S) for t in (q, k, v, g)]
+        ends = None
+        if scan_fn is None and (h0 is not None or output_final_state):  # states in fp32 (fp64 in the exact tests)
+            acc = acc_dtype(q.dtype, *(() if h0 is None else (h0.dtype,)))
+            ends = StateEnds(None if h0 is None else h0.to(acc).contiguous(),
+                             rows[0].new_zeros(B, H, q.shape[-1], V, dtype=acc))
+        o, saved = zeco_forward(*rows, scale, SegmentScan(S, scan_fn or ends, drop_local))
+        ctx.save_for_backward(*rows, *saved)
+        ctx.setup = (scale, S, scan_fn, ends, bwd_intra, drop_local, h0 is not None, None if h0 is None else h0.dtype)
+        ht = ends.end(False) if output_final_state else None
+        return o.view(B, T, H, V), ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        from .fused_zeco import zeco_backward
+        scale, S, scan_fn, ends, bwd_intra, drop_local, has_h0, h0_dtype = ctx.setup
+        q, k, v, g, *saved = ctx.saved_tensors
+        if ends is not None:
+            ends.dht = torch.zeros_like(ends.h0) if dht is None else dht.to(ends.h0.dtype).contiguous()
+        grads = zeco_backward(q, k, v, g, saved, _rows(do.contiguous(), S), scale,
+                              SegmentScan(S, scan_fn or ends, drop_local), bwd_intra)
+        B = q.shape[0] // S
+        grads = [d.reshape(B, -1, *d.shape[2:]) for d in grads]
+        dh0 = ends.end(True).to(h0_dtype) if has_h0 else None
+        return (*grads, dh0, None, None, None, None, None, None)
+
+
+def split_gla(q, k, v, g, *, scale: float, segments: int, scan_fn=None, initial_state=None,
+              output_final_state: bool = False, bwd_intra: str = "zeco", drop_local: bool = False):
+    """GLA over [B, T, H, *] inputs cut into `segments` per sequence (check_split), with fla's chunk_gla
+    contract: (o [B, T, H, V], final state [B, H, K, V] fp32 or None) from initial_state (None: zeros). Under
+    SP, scan_fn is the group's scan of whole slices (no initial or final state then). fla's stages (CUDA)."""
+    check_split(q.shape[1], segments)
+    if scan_fn is not None and (initial_state is not None or output_final_state):
+        raise ValueError("split_gla: an SP slice takes no initial or final state (sp_gla_carry adds them)")
+    return SplitGLA.apply(q, k, v, g, initial_state, scale, segments, scan_fn, output_final_state, bwd_intra,
+                          drop_local)
 
 
 # ---- the same operator as opaque custom ops, for compiled blocks (as kernels/gla_op.py for the unsplit one)

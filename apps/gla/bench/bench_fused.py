@@ -96,7 +96,7 @@ def split_variants(q, k, v, g, do, scale, splits: str) -> dict:
     leaves = (q, k, v, g)
 
     def run(S, scan_fn=None):
-        return lambda: torch.autograd.grad(split_gla(q, k, v, g, scale=scale, segments=S, scan_fn=scan_fn),
+        return lambda: torch.autograd.grad(split_gla(q, k, v, g, scale=scale, segments=S, scan_fn=scan_fn)[0],
                                            leaves, do)
     out = {}
     for S in (int(x) for x in splits.split(",") if x.strip()):
