@@ -133,3 +133,20 @@ def test_fla_chunk_cases(B, T, H, D, gate_logit_normalizer, dtype, S):
     for name, tri, ref, tol in zip(("o", "ht", "dq", "dk", "dv", "dg", "dh0"), *results,
                                    (0.004, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005), strict=True):
         assert_close(name, ref, tri, tol)
+
+
+def test_carried_state_through_the_split_operator():
+    """Segment-recurrent training's call (sp_gla_carry on one GPU): split=2 equals split=1 to rounding, and
+    without the carried state it does not."""
+    from lingua_zeco.sp import sp_gla_carry
+    ins, do = _inputs(2048, dtype=torch.float32)
+    S0 = torch.randn(1, 4, 128, 128, device="cuda")
+    out = {}
+    for split in (1, 2):
+        leaves = [t.clone().requires_grad_() for t in (*ins, S0)]
+        o, ht = sp_gla_carry(*leaves[:4], leaves[4], split=split)
+        ((o * do).sum() + ht.sum()).backward()
+        out[split] = [o.detach(), ht.detach(), *(t.grad for t in leaves)]
+    assert max(_rel(a, b) for a, b in zip(out[2], out[1], strict=True)) < 1e-4
+    o, _ = sp_gla_carry(*ins, None, split=2)
+    assert _rel(o, out[1][0]) > 1e-3

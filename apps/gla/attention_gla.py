@@ -42,7 +42,7 @@ class GatedLinearAttention(LinearAttention):
         sp = dict(group=self.sp.group, method=self.sp.method, cu_seqlens=cu_seqlens, scan=self.sp.scan,
                   bwd_intra=self.bwd_intra)
         if carry is not None:
-            o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), **sp)
+            o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), split=self.split, **sp)
             carry.put(self.layer_idx, state)
         elif self.variant == "simple_gla":
             o = sp_simple_gla(q, k, v, gk, **sp)

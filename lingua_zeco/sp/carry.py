@@ -26,6 +26,8 @@ import torch.distributed.nn.functional as dist_nn
 from lingua_zeco import kernels
 from lingua_zeco.kernels.common import doc_ids, doc_of
 
+from .split import segments_for, split_gla
+
 
 class StateCarry:
     """The recurrent states of every linear-attention layer across one segment boundary.
@@ -47,8 +49,14 @@ class StateCarry:
         self.states_out.setdefault(layer, state)
 
 
-def one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra):
-    """sp_gla_carry on a group of one rank: the kernel's own initial and final state."""
+def one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split: int = 1):
+    """sp_gla_carry on a group of one rank: the kernel's own initial and final state (split: model.gla_split,
+    the split operator's on dense GLA on CUDA, sp/split.py)."""
+    if split != 1 and packing is None and g.dim() == 4 and kernels.pick_backend(q.device, backend) == "fla":
+        S = segments_for(split, q)
+        if S > 1:
+            return split_gla(q, k, v, g, scale=scale, segments=S, initial_state=S0, output_final_state=True,
+                             bwd_intra=bwd_intra)
     cu, tables, h0 = None, None, S0
     if packing is not None:
         seg = packing.seg

@@ -102,17 +102,18 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
 
 def sp_gla_carry(q, k, v, g, S0, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
                  backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-                 bwd_intra: str = "zeco"):
+                 bwd_intra: str = "zeco", split: int = 1):
     """sp_gla (g [B, T_local, H, K]) or sp_simple_gla (g [B, T_local, H]) from the incoming state S0
     [B, H, K, V] (None: zeros) of the whole group's segment. Returns (o, S_end): S_end [B, H, K, V] (fp32 at
     least) the state after the segment's last token, on every rank. Packed documents (B = 1): S0 enters the
-    first document, S_end is the last one's (lingua_zeco/sp/carry.py)."""
+    first document, S_end is the last one's (lingua_zeco/sp/carry.py). split: as sp_gla's."""
     rank, P = group_rank_size(group)
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if P == 1:
-        return one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra)
+        return one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split)
     simple = g.dim() == 3
-    o = (sp_simple_gla if simple else sp_gla)(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=packing,
-                                              backend=backend, fused=fused, scan=scan, bwd_intra=bwd_intra)
+    sp = dict(group=group, method=method, scale=scale, cu_seqlens=packing, backend=backend, fused=fused, scan=scan,
+              bwd_intra=bwd_intra)
+    o = sp_simple_gla(q, k, v, g, **sp) if simple else sp_gla(q, k, v, g, split=split, **sp)
     return add_carried(q, k, v, g[..., None].expand_as(q) if simple else g, S0, o, packing, scale, group, rank, P)
