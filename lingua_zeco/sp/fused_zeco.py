@@ -19,7 +19,7 @@ the output stage: no pass rewrites the chunk states h or dh. fla's stages come t
 lingua_zeco/kernels/fla_stages.py, ours from lingua_zeco/kernels/zeco_stages.py.
 The scan runs on a side stream (overlapped) or on the caller's stream at the same points, as
 `AllScanArgs.overlap` says: on, off, or auto = whichever measured faster in the run's first calls.
-LASP-2 runs on the same stages (fused_lasp2_gla): the exchange is its all-gather instead.
+LASP-2 runs on the same stages (lasp2_scan_fn): the exchange is its all-gather instead.
 Shapes: q, k, g, dq, dk, dg [B, T, H, K] and v, do, o, dv [B, T, H, V] (fla's names, as its stages take
 them); suffixes elsewhere, with N = the NT chunks and C = the BT tokens of a chunk.
 """
