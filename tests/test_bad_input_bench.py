@@ -14,7 +14,7 @@ from test_entry_points import assert_one_error_line, run_cases
 TINY = ["heads=2", "head_k=16", "head_v=16", "iters=2", "warmup=0"]
 TRAIN = ["config=debug.yaml", "overrides=model.vocab_size=258", "variants=ours", "seq_len=16", "warmup=0", "steps=1"]
 PERF = "lingua_zeco.perf_model"
-GPU_ONLY = ("bench_fused", "bench_stages", "profile_fused", "profile_sp")
+GPU_ONLY = ("bench_fused", "bench_stages", "profile_fused", "profile_sp", "roofline")
 
 
 def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:

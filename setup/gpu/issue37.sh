@@ -5,9 +5,10 @@
 #     bash setup/gpu/issue37.sh B   # bench_fused at 16K and 32K: fla, staged, split2/4/8/auto, zeco_fused(_split)
 #     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, ours_split(2, 4), float8 with and without
 #     bash setup/gpu/issue37.sh D   # bench_fused at 128K
+#     bash setup/gpu/issue37.sh E   # the roofline table at 16K and 32K (fla, staged, split_auto)
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
-PART=${1:?"usage: issue37.sh A|B|C|D"}
+PART=${1:?"usage: issue37.sh A|B|C|D|E"}
 source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
@@ -26,6 +27,10 @@ C)
 D)
     echo "== bench_fused 128K"; timeout 540 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=131072 \
         splits=2,4,8,16 doc_len=0 iters=20 2>&1 | tee "$OUT/bench_fused_128k.log" | grep -E "^\{|rror|Traceback"
+    ;;
+E)
+    echo "== roofline"; timeout 540 python3 -m apps.gla.bench.roofline out=$OUT t_local=16384,32768 2>&1 \
+        | tee "$OUT/roofline.log" | grep -E "^\||ceilings|rror|Traceback"
     ;;
 esac
 (cd /tmp/tc && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
