@@ -161,3 +161,23 @@ def test_float8_head_and_bad_keys():
                      (dict(float8_head=True), "float8_head")):
         with pytest.raises(ValueError, match=msg):
             GLAForCausalLM(GLAArgs(**{**SMALL, **bad}))
+
+
+def test_compile_mode_reaches_torch_compile(monkeypatch):
+    """model.compile_mode goes to torch.compile with inductor (reduce-overhead: the CUDA-graph replay measured
+    by bench_train's ours_cudagraphs); other backends take no mode."""
+    import apps.gla.compile as compile_module
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or fn)
+    compile_module._compiled_run.cache_clear()
+    try:
+        blocks = _model().blocks
+        compile_blocks(blocks, "inductor", "reduce-overhead")
+        compile_blocks(blocks, "aot_eager", "reduce-overhead")
+        compile_blocks(blocks, "inductor")
+    finally:
+        compile_module._compiled_run.cache_clear()
+    assert seen == [dict(backend="inductor", dynamic=False, mode="reduce-overhead"),
+                    dict(backend="aot_eager", dynamic=False), dict(backend="inductor", dynamic=False)]
+    with pytest.raises(ValueError, match="compile_mode='fast'"):
+        GLAArgs(compile_mode="fast").check()

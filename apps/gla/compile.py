@@ -34,15 +34,17 @@ def compile_enabled(args: GLAArgs, device: torch.device, sp_size: int = 1) -> bo
 
 
 @functools.cache
-def _compiled_run(backend: str):
+def _compiled_run(backend: str, mode: str):
     # dynamic=False: a new sequence length recompiles rather than tracing symbolic sizes through the
     # custom op's chunk-size rule
-    return torch.compile(GLABlock.run, backend=backend, dynamic=False)
+    modes = dict(mode=mode) if backend == "inductor" and mode != "default" else {}  # other backends take none
+    return torch.compile(GLABlock.run, backend=backend, dynamic=False, **modes)
 
 
-def compile_blocks(blocks, backend: str = "inductor") -> None:
-    """Every block's forward through one compiled function (backend: torch.compile's; tests use aot_eager)."""
-    fn = _compiled_run(backend)
+def compile_blocks(blocks, backend: str = "inductor", mode: str = "default") -> None:
+    """Every block's forward through one compiled function (backend, mode: torch.compile's; tests use
+    aot_eager)."""
+    fn = _compiled_run(backend, mode)
     for block in blocks:
         block.compiled = fn
 
@@ -78,7 +80,7 @@ def apply_speedups(model, args: GLAArgs, device: torch.device, sp_size: int = 1)
     if args.float8 != "none":
         done["float8"] = convert_float8(model, args.float8, args.float8_head, device)
     if compile_enabled(args, device, sp_size):
-        compile_blocks(model.blocks, args.compile_backend)
+        compile_blocks(model.blocks, args.compile_backend, args.compile_mode)
         done["compiled"] = True
     return done
 

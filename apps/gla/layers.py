@@ -19,6 +19,9 @@ from lingua_zeco.sp import SPContext
 
 COMPILE_MODES = ("auto", "blocks", "none")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+# torch.compile's mode for the blocks (inductor): reduce-overhead replays each compiled block from a CUDA graph
+# (static shapes and parameter addresses: one GPU with distributed.fsdp=false)
+TORCH_COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")
 SEGMENT_VARIANTS = ("gla", "simple_gla")  # attention variants that carry their state across segments
 
@@ -44,6 +47,7 @@ class GLAArgs:
     # opaque custom op (lingua_zeco.kernels.chunk_gla_op); fused_kernels then applies outside the blocks only.
     compile: str = "auto"
     compile_backend: str = "inductor"  # torch.compile's backend (aot_eager: tracing and autograd only, for tests)
+    compile_mode: str = "default"  # torch.compile's mode (TORCH_COMPILE_MODES; inductor only)
     # torchao float8 training of the block linears (apps/gla/compile.py): none | tensorwise | rowwise
     float8: str = "none"
     float8_head: bool = False  # the LM head in float8 too (its loss then materialises the logits)
@@ -106,6 +110,8 @@ class GLAArgs:
             raise ValueError(f"model.compile={self.compile!r}; choose from {COMPILE_MODES}")
         if self.compile_backend not in COMPILE_BACKENDS:
             raise ValueError(f"model.compile_backend={self.compile_backend!r}; choose from {COMPILE_BACKENDS}")
+        if self.compile_mode not in TORCH_COMPILE_MODES:
+            raise ValueError(f"model.compile_mode={self.compile_mode!r}; choose from {TORCH_COMPILE_MODES}")
         if self.float8 not in FLOAT8_RECIPES:
             raise ValueError(f"model.float8={self.float8!r}; choose from {FLOAT8_RECIPES}")
         if self.float8_head and self.float8 == "none":

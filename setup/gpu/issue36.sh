@@ -6,9 +6,10 @@
 #     bash setup/gpu/issue36.sh B   # 32K step; the float8 recipes and the head at 16K; packed documents
 #     bash setup/gpu/issue36.sh C   # loss parity: GLA-1B 300 steps bf16 vs float8 (run 40 ran a shorter C: cut)
 #     bash setup/gpu/issue36.sh D   # the 16K step: fla, compiled bf16, float8 with / without FSDP and head
+#     bash setup/gpu/issue36.sh E   # the 16K step: no FSDP, CUDA-graph replay of the blocks, the split GLA operator
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
-PART=${1:?"usage: issue36.sh A|B|C|D"}
+PART=${1:?"usage: issue36.sh A|B|C|D|E"}
 source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 PYTEST="python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q"
 BENCH="python3 -m apps.gla.bench.bench_train out=$OUT"
@@ -39,6 +40,11 @@ D)
     echo "== bench_train 16K"; timeout 240 $BENCH stem=train_16k_d seq_len=16384 steps=6 \
         variants=fla,ours,ours_float8,ours_float8_nofsdp,ours_float8_head_nofsdp 2>&1 | tee "$OUT/train_16k_d.log" \
         | grep -E "^\{|rror|Traceback"
+    ;;
+E)
+    echo "== bench_train 16K"; timeout 540 $BENCH stem=train_16k_e seq_len=16384 steps=6 \
+        variants=fla,ours,ours_nofsdp,ours_cudagraphs,ours_split,ours_float8_nofsdp,ours_float8_cudagraphs,ours_float8_split \
+        2>&1 | tee "$OUT/train_16k_e.log" | grep -E "^\{|rror|Traceback"
     ;;
 esac
 (cd /tmp/tc && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)

@@ -42,6 +42,10 @@ VARIANTS = {
     "ours_float8_nofsdp": ["model.float8=tensorwise", "distributed.fsdp=false"],
     "ours_float8_head_nofsdp": ["model.float8=tensorwise", "model.float8_head=true", "distributed.fsdp=false"],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
+    # compiled blocks replayed from CUDA graphs (static parameter addresses: no FSDP)
+    "ours_cudagraphs": ["distributed.fsdp=false", "model.compile_mode=reduce-overhead"],
+    "ours_float8_cudagraphs": ["model.float8=tensorwise", "distributed.fsdp=false",
+                               "model.compile_mode=reduce-overhead"],
     "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
     "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
