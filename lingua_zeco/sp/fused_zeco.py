@@ -79,8 +79,8 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"
 
 class FusedZeCOGLA(torch.autograd.Function):
     """scan_fn(x, a, reverse) -> handle with wait(): the All-Scan over the SP group (injectable so that
-    one GPU can run several virtual ranks in one process for tests and benchmarks, and the segments of
-    one sequence scan inside the GPU: sp/split.py)."""
+    one GPU can run several virtual ranks in one process for tests and benchmarks). sp/split.py runs the
+    same stages (zeco_forward / zeco_backward) on the segments of each sequence."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco"):

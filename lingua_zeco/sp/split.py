@@ -15,6 +15,8 @@ before, overlapped as before) and folds the state from the earlier ranks into ev
     S_in(segment s) = local prefix(s) + (a_0 ⋯ a_{s−1})·S_in(rank)        forward
     G(segment s)    = local suffix(s) + (a_{S−1} ⋯ a_{s+1})·G(rank)        backward
 
+One device: SplitGLA, with fla's chunk_gla contract (an initial state enters the first segment through the
+same fold, the final state leaves the last). Compiled blocks: the custom ops lingua_zeco::gla_split_fwd / _bwd.
 Shapes: the scan's x [B·S, H, K, V] and a [B·S, H, K], segment-major inside each sequence (row b·S + s).
 """
 from __future__ import annotations
@@ -60,8 +62,9 @@ def segments_for(split: int, q: Tensor) -> int:
 
 
 class SegmentScan:
-    """scan_fn for FusedZeCOGLA over the S segments of each sequence (the rows of [B·S, ...]); with `outer`
-    (the SP group's scan_fn) the slice's total pair goes through it and its result is folded in."""
+    """The scan_fn of fused_zeco's stages over the S segments of each sequence (the rows of [B·S, ...]); with
+    `outer` (the SP group's scan_fn, or StateEnds) the slice's total pair goes through it and its result is
+    folded into every segment."""
 
     def __init__(self, S: int, outer=None, drop_local: bool = False):
         self.S, self.outer = S, outer
