@@ -43,7 +43,7 @@ D)
     ;;
 E)
     echo "== bench_train 16K"; timeout 540 $BENCH stem=train_16k_e seq_len=16384 steps=6 \
-        variants=fla,ours,ours_nofsdp,ours_cudagraphs,ours_split,ours_float8_nofsdp,ours_float8_cudagraphs,ours_float8_split \
+        variants=fla,ours,ours_nofsdp,ours_cudagraphs,ours_cudagraphs_fsdp,ours_split,ours_float8_nofsdp,ours_float8_cudagraphs,ours_float8_split \
         2>&1 | tee "$OUT/train_16k_e.log" | grep -E "^\{|rror|Traceback"
     ;;
 esac

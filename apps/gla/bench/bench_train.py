@@ -42,8 +42,10 @@ VARIANTS = {
     "ours_float8_nofsdp": ["model.float8=tensorwise", "distributed.fsdp=false"],
     "ours_float8_head_nofsdp": ["model.float8=tensorwise", "model.float8_head=true", "distributed.fsdp=false"],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
-    # compiled blocks replayed from CUDA graphs (static parameter addresses: no FSDP)
+    # compiled blocks replayed from CUDA graphs (static parameter addresses: no FSDP; _fsdp: whether FSDP2's
+    # re-gathered parameters keep theirs)
     "ours_cudagraphs": ["distributed.fsdp=false", "model.compile_mode=reduce-overhead"],
+    "ours_cudagraphs_fsdp": ["model.compile_mode=reduce-overhead"],
     "ours_float8_cudagraphs": ["model.float8=tensorwise", "distributed.fsdp=false",
                                "model.compile_mode=reduce-overhead"],
     "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
