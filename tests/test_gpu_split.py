@@ -69,7 +69,7 @@ def test_sp_gla_routes_gla_split_and_auto_picks_the_rule():
     from lingua_zeco.sp.split import segments_for, split_rule
     ins, do = _inputs(4096, H=16)
     n_sm = torch.cuda.get_device_properties(0).multi_processor_count
-    assert segments_for(0, ins[0]) == split_rule(1, 4096, 16, 128, 128, n_sm)
+    assert segments_for(0, ins[0], ins[2]) == split_rule(1, 4096, 16, 128, 128, n_sm)
     base = _run(lambda *x: sp_gla(*x, split=1), ins, do)
     for split in (0, 2, 4):
         got = _run(lambda *x, s=split: sp_gla(*x, split=s), ins, do)

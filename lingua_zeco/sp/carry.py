@@ -53,7 +53,7 @@ def one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split: in
     """sp_gla_carry on a group of one rank: the kernel's own initial and final state (split: model.gla_split,
     the split operator's on dense GLA on CUDA, sp/split.py)."""
     if split != 1 and packing is None and g.dim() == 4 and kernels.pick_backend(q.device, backend) == "fla":
-        S = segments_for(split, q)
+        S = segments_for(split, q, v)
         if S > 1:
             return split_gla(q, k, v, g, scale=scale, segments=S, initial_state=S0, output_final_state=True,
                              bwd_intra=bwd_intra)

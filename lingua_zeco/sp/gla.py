@@ -32,7 +32,7 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     if (torch.compiler.is_compiling() and cu_seqlens is None and group_rank_size(group)[1] == 1
             and backend in (None, kernels.pick_backend(q.device))):
         check_local(q, k, v, g, method, None, 1)  # shapes and dtypes: decided while tracing
-        S = segments_for(split, q) if q.is_cuda else 1
+        S = segments_for(split, q, v) if q.is_cuda else 1
         if S > 1:
             return split_gla_op(q, k, v, g, scale=q.shape[-1] ** -0.5 if scale is None else scale, segments=S,
                                 bwd_intra=bwd_intra)
@@ -50,7 +50,7 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
     check_across_ranks(q, v, g, packing, group, P)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = kernels.pick_backend(q.device, backend)
-    split = segments_for(split, q) if name == "fla" and (packing is None or packing.seg.carries) else 1
+    split = segments_for(split, q, v) if name == "fla" and (packing is None or packing.seg.carries) else 1
     if P == 1:  # nothing to exchange: every method is plain GLA
         if packing is None and split > 1:
             return split_gla(q, k, v, g, scale=scale, segments=split, bwd_intra=bwd_intra)[0]

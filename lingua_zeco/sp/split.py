@@ -51,12 +51,12 @@ def check_split(T: int, S: int) -> None:
                          f"0: auto)")
 
 
-def segments_for(split: int, q: Tensor) -> int:
-    """`model.gla_split` for this call's [B, T, H, K] input: 1 = no split, 0 = auto (split_rule with the
-    GPU's SM count), S = S segments (check_split)."""
+def segments_for(split: int, q: Tensor, v: Tensor) -> int:
+    """`model.gla_split` for this call's q [B, T, H, K] and v [B, T, H, V]: 1 = no split, 0 = auto (split_rule
+    with the GPU's SM count), S = S segments (check_split)."""
     if split == 0:
         B, T, H, K = q.shape
-        return split_rule(B, T, H, K, K, torch.cuda.get_device_properties(q.device).multi_processor_count)
+        return split_rule(B, T, H, K, v.shape[-1], torch.cuda.get_device_properties(q.device).multi_processor_count)
     check_split(q.shape[1], split)
     return split
 

@@ -105,7 +105,7 @@ def split_variants(q, k, v, g, do, scale, splits: str) -> dict:
         except ValueError:
             continue
         out[f"split{S}"] = run(S)
-    auto = segments_for(0, q)
+    auto = segments_for(0, q, v)
     if auto > 1:
         out["split_auto"] = run(auto)
         out["zeco_fused_split"] = run(auto, middle_rank_scan(S_in, G))

@@ -88,7 +88,7 @@ def measure(args: RooflineArgs, device):
                 continue
             for _ in range(args.warmup):
                 fns[name]()
-            S = segments_for(0, q) if name == "split_auto" else 1  # split: a batch of S shorter sequences
+            S = segments_for(0, q, v) if name == "split_auto" else 1  # split: a batch of S shorter sequences
             costs = gla_kernel_costs(S, T // S, args.heads, args.head_k, args.head_v)
             rows = table_rows(kernel_times(profiled(fns[name], args.calls, host_ops=False)), costs, ceil,
                               args.calls)
