@@ -74,6 +74,9 @@ def test_sp_gla_routes_gla_split_and_auto_picks_the_rule():
     for split in (0, 2, 4):
         got = _run(lambda *x, s=split: sp_gla(*x, split=s), ins, do)
         assert max(_rel(a, b) for a, b in zip(got, base, strict=True)) < 2e-2, split
+    # a packed batch that is one document runs the split operator too (the same result as dense)
+    one_doc = _run(lambda *x: sp_gla(*x, split=2, cu_seqlens=torch.tensor([0, 4096], device="cuda")), ins, do)
+    assert max(_rel(a, b) for a, b in zip(one_doc, base, strict=True)) < 2e-2
     with pytest.raises(ValueError, match="gla_split=3"):
         sp_gla(*ins, split=3)
 

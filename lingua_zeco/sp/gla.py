@@ -50,9 +50,12 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
     check_across_ranks(q, v, g, packing, group, P)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     name = kernels.pick_backend(q.device, backend)
-    split = segments_for(split, q, v) if name == "fla" and (packing is None or packing.seg.carries) else 1
+    # the split operator takes dense slices: no boundary inside (a slice inside one document, or on one rank a
+    # packed batch that is one document)
+    one_doc = packing is None or packing.seg.carries or (P == 1 and packing.seg.n_segments == 1)
+    split = segments_for(split, q, v) if name == "fla" and one_doc else 1
     if P == 1:  # nothing to exchange: every method is plain GLA
-        if packing is None and split > 1:
+        if split > 1:
             return split_gla(q, k, v, g, scale=scale, segments=split, bwd_intra=bwd_intra)[0]
         if packing is None:
             return kernels.chunk_gla(q, k, v, g, scale=scale, backend=name, bwd_intra=bwd_intra)[0]
