@@ -153,3 +153,10 @@ def test_carried_state_through_the_split_operator():
     assert max(_rel(a, b) for a, b in zip(out[2], out[1], strict=True)) < 1e-4
     o, _ = sp_gla_carry(*ins, None, split=2)
     assert _rel(o, out[1][0]) > 1e-3
+
+
+def test_split_custom_op_schema_and_fake_shapes_on_cuda():
+    """The fake kernel's shapes and dtypes are the CUDA kernel's (what compiled blocks are traced with)."""
+    from lingua_zeco.sp.split import gla_split_fwd
+    ins, _ = _inputs(1024)
+    torch.library.opcheck(gla_split_fwd, (*(t.requires_grad_() for t in ins), 128 ** -0.5, 2, "zeco"))
