@@ -44,6 +44,9 @@ def test_costs_count_the_state_products_and_the_state_traffic():
     assert c["chunk_fwd_kernel_h"].flops == 2 * B * T * H * K * V  # k^T v over every chunk
     assert c["chunk_bwd_kernel_dh"].bytes - c["chunk_fwd_kernel_h"].bytes == pytest.approx(states)  # fp32 dh vs avg
     assert c["chunk_gla_bwd_kernel_inter"].flops == 2 * c["chunk_bwd_kernel_dh"].flops  # dq and dk both
+    # fla's A: 6 of the 16 sub-chunk blocks below the diagonal, 4 on it: 10 of 16 of the full products
+    A = c["chunk_gla_fwd_A_kernel_intra_sub_inter"].flops + c["chunk_gla_fwd_A_kernel_intra_sub_intra"].flops
+    assert A == pytest.approx(2 * B * T * H * BT * K * 10 / 16)
     # linear in T and in B: twice the tokens, twice of everything
     c2 = gla_kernel_costs(B, 2 * T, H, K, V, BT)
     assert all(c2[n].bytes == pytest.approx(2 * c[n].bytes) and c2[n].flops == 2 * c[n].flops for n in c)

@@ -33,12 +33,15 @@ def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: in
     state = 2 * B * T * H * K * V  # FLOPs of one product through the K×V states (k^T v, q h, do h^T, ...)
     scores_k, scores_v = 2 * NA * K, 2 * NA * V  # one product inside the chunks over K (q k^T) or V (do v^T)
     fwd_h = dict(r=e * NK + e * NV + 4 * NK, f=state)
+    NC = max(1, BT // 16)
+    below = NC * (NC - 1) / 2 / NC ** 2  # the share of a chunk's sub-chunk blocks strictly below the diagonal
     costs = {
         "chunk_local_cumsum_vector_kernel": (e * NK + 4 * NK, 0),
         # h: 16-bit in the forward, fp32 in the backward's recompute (the average of the two calls)
         "chunk_fwd_kernel_h": (fwd_h["r"] + (e * NS + 4 * NS) / 2, fwd_h["f"]),
-        "chunk_gla_fwd_A_kernel_intra_sub_inter": (2 * e * NK + 4 * NK + 4 * NA, scores_k),
-        "chunk_gla_fwd_A_kernel_intra_sub_intra": (2 * e * NK + 4 * NK + 4 * NA, scores_k),
+        # fla's A in 16-token sub-chunks (NC per chunk): the blocks below the diagonal, then the diagonal ones
+        "chunk_gla_fwd_A_kernel_intra_sub_inter": (2 * e * NK + 4 * NK + 4 * NA * below, scores_k * below),
+        "chunk_gla_fwd_A_kernel_intra_sub_intra": (2 * e * NK + 4 * NK + 4 * NA / NC, scores_k / NC),
         "chunk_gla_fwd_kernel_o": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),
         "_fwd_o_kernel": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),  # + S_in: tiny
         "_decay_prefix_kernel": (8 * B * NT * H * K, 0),
