@@ -34,8 +34,7 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
         check_local(q, k, v, g, method, None, 1)  # shapes and dtypes: decided while tracing
         S = segments_for(split, q, v) if q.is_cuda else 1
         if S > 1:
-            return split_gla_op(q, k, v, g, scale=q.shape[-1] ** -0.5 if scale is None else scale, segments=S,
-                                bwd_intra=bwd_intra)
+            return split_gla_op(q, k, v, g, scale=scale, segments=S, bwd_intra=bwd_intra)
         return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra)
     return _sp_gla(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend,
                    fused=fused, scan=scan, bwd_intra=bwd_intra, split=split)

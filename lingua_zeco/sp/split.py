@@ -238,9 +238,10 @@ def _backward(ctx, do, *kept):  # the kept tensors are saved, not results: no gr
 gla_split_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def split_gla_op(q, k, v, g, *, scale: float, segments: int, bwd_intra: str = "zeco") -> Tensor:
-    """split_gla (one device) through the custom ops above: one node of a compiled graph."""
+def split_gla_op(q, k, v, g, *, scale: float | None = None, segments: int, bwd_intra: str = "zeco") -> Tensor:
+    """split_gla (one device, zero state) through the custom ops above: one node of a compiled graph."""
     check_split(q.shape[1], segments)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return gla_split_fwd(q, k, v, g, scale, segments, bwd_intra)[0]
 
 
