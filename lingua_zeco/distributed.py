@@ -37,7 +37,7 @@ class DistributedArgs:
     dp_shard: int = -1  # FSDP shard degree; -1 = whatever is left of the world
     dp_replicate: int = 1  # HSDP replicas (full copies of the sharded model)
     fsdp: bool = True  # False: replicate parameters and all-reduce gradients (debugging)
-    meta_init: bool = False  # build on the meta device, shard, then allocate and init (lingua_zeco/meta_init.py)
+    meta_init: bool = True  # build on the meta device, shard, then allocate and init (lingua_zeco/meta_init.py)
     # block: one FSDP unit per block (weights gathered a block at a time: the least memory);
     # model: one unit for the whole model. On a one-rank mesh sharding saves nothing, and the per-block
     # units' host work made GLA-1B's forward host-bound on an H200 (docs/results/performance.md); the

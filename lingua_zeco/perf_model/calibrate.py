@@ -48,7 +48,7 @@ from .throughput import ThroughputArgs, tokens_per_gpu
 REPO = Path(__file__).resolve().parents[2]
 RAW = "docs/results/raw/2026-11-30-h200x2"  # 2 x H200, NVLink: comm_P2, op_P2, bench_fused, metrics_*.jsonl
 # one H200, the newest session: bench_fused JSON (run*/bench_fused.json) and bench_train JSON of our trainer
-RAW_FUSED = "docs/results/raw/2026-12-02-h200"  # the newest bench_fused (one H200)
+RAW_FUSED = "docs/results/raw/2026-12-03-h200"  # the newest bench_fused (one H200)
 RAW_1GPU = "docs/results/raw/2026-12-03-h200"  # the newest one-GPU step: compiled blocks, bf16
 
 
