@@ -129,6 +129,12 @@ def chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, cu_seqlens=None, ch
     return dq2, dk2, dg
 
 
+def chunk_gla_bwd_dqkg_to(q, k, v, h, g, do, dh, dq, dk, scale, *, dtypes, cu_seqlens=None, chunk_size=64,
+                          chunk_indices=None):
+    out = chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, cu_seqlens, chunk_size, chunk_indices)
+    return tuple(x.to(d) for x, d in zip(out, dtypes, strict=True))
+
+
 def chunk_fwd_h(k, v, gk, h0, output_final_state, chunk_size, states_in_fp32=False):
     """Dense sequences: each of the B rows is one document, h0 [B, H, K, V] (or None) its initial state."""
     rows = [chunk_fwd_h_packed(k[b:b + 1], v[b:b + 1], gk[b:b + 1], None if h0 is None else h0[b:b + 1],
@@ -150,4 +156,5 @@ STAGES = SimpleNamespace(gate_cumsum=gate_cumsum, chunk_fwd_h_packed=chunk_fwd_h
                          chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh,
                          chunk_gla_fwd_intra_gk=chunk_gla_fwd_intra_gk, chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
                          chunk_bwd_dh_packed=chunk_bwd_dh_packed, chunk_gla_bwd_dA=chunk_gla_bwd_dA,
-                         chunk_gla_bwd_dv=chunk_gla_bwd_dv, chunk_gla_bwd_dqkg=chunk_gla_bwd_dqkg)
+                         chunk_gla_bwd_dv=chunk_gla_bwd_dv, chunk_gla_bwd_dqkg=chunk_gla_bwd_dqkg,
+                         chunk_gla_bwd_dqkg_to=chunk_gla_bwd_dqkg_to)

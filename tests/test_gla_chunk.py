@@ -29,7 +29,7 @@ def _recording_stages(monkeypatch, B, T, H, K, V, BT):
     stage("chunk_bwd_dh", lambda **kw: (z(B, NT, H, K, V), None if kw["h0"] is None else z(B, H, K, V)))
     stage("chunk_gla_bwd_dv", lambda **kw: z(B, T, H, V))
     stage("chunk_gla_bwd_dA", lambda **kw: z(B, T, H, BT))
-    stage("chunk_gla_bwd_dqkg", lambda **kw: (z(B, T, H, K), z(B, T, H, K), z(B, T, H, K)))
+    stage("chunk_gla_bwd_dqkg_to", lambda **kw: tuple(z(B, T, H, K, dtype=d) for d in kw["dtypes"]))
     seen_intra = []
 
     def intra(q, k, g_cs, dA, BT, **kw):
@@ -49,5 +49,36 @@ def test_every_stage_receives_contiguous_tensors(monkeypatch):
     o, ht = gla_chunk.chunk_gla_staged(q, k, v, g, initial_state=h0, output_final_state=True)
     (o.sum() + ht.sum()).backward()  # ht.sum(): its gradient is ones expanded, stride 0
     names = {name for name, _ in seen}
-    assert {"chunk_fwd_h", "chunk_bwd_dh", "chunk_gla_bwd_dqkg"} <= names and seen_intra == [True]
+    assert {"chunk_fwd_h", "chunk_bwd_dh", "chunk_gla_bwd_dqkg_to"} <= names and seen_intra == [True]
     assert [name for name, ok in seen if not ok] == []
+
+
+def test_dqkg_launcher_passes_every_argument_of_flas_kernel(monkeypatch):
+    """fla_stages.chunk_gla_bwd_dqkg_to launches fla's chunk_gla_bwd_kernel_inter itself (to store the gradients
+    in their own dtypes): every argument of the kernel is given except those fla's autotuner and heuristics
+    set, into buffers of the asked dtypes, over fla's grid; a renamed argument in a new fla fails here."""
+    from lingua_zeco.kernels import fla_stages
+
+    kernel = fla_stages.chunk_gla_bwd_kernel_inter
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda **kw: calls.append((grid, kw))
+    monkeypatch.setattr(fla_stages, "chunk_gla_bwd_kernel_inter", Recorder())
+    B, T, H, K, V, BT = 2, 100, 3, 64, 32, 64
+    z = torch.zeros
+    args = dict(q=z(B, T, H, K, dtype=torch.bfloat16), k=z(B, T, H, K, dtype=torch.bfloat16),
+                v=z(B, T, H, V, dtype=torch.bfloat16), h=z(B, 2, H, K, V), g=z(B, T, H, K), do=z(B, T, H, V),
+                dh=z(B, 2, H, K, V), dq=z(B, T, H, K), dk=z(B, T, H, K))
+    out = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.5, dtypes=(torch.bfloat16, torch.float16, torch.float),
+                                           chunk_size=BT)
+    (grid, kw), = calls
+    tuned = {"BK", "BV", "IS_VARLEN"}  # fla's autotune configs and heuristics
+    assert set(kw) | tuned == set(kernel.arg_names) and not set(kw) & tuned
+    assert [t.dtype for t in out] == [torch.bfloat16, torch.float16, torch.float]
+    assert kw["dq2"] is out[0] and kw["dk2"] is out[1] and kw["dg"] is out[2] and kw["dq"] is args["dq"]
+    assert grid({"BK": 32}) == (2 * 2, B * H) and kw["BT"] == BT and kw["scale"] == 0.5
+    with pytest.raises(ValueError, match="chunk_indices"):
+        fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.5, dtypes=(torch.float,) * 3,
+                                         cu_seqlens=torch.tensor([0, T]), chunk_size=BT)

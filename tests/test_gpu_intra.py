@@ -160,3 +160,35 @@ def test_single_rank_packed_documents_make_no_host_sync():
     torch.cuda.synchronize()
     for a, b in zip(captured, step()):
         assert _rel(a, b) < 1e-3
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
+def test_dqkg_stored_in_the_gradients_dtypes_equals_fla_then_cast(packed):
+    """fla_stages.chunk_gla_bwd_dqkg_to (fla's inter-chunk kernel storing dq, dk, dg in bf16) gives bit for bit
+    what fla's chunk_gla_bwd_dqkg (fp32) followed by .to(bf16) gives; a wrong scale is caught."""
+    from lingua_zeco.kernels import fla_stages
+    from lingua_zeco.kernels.zeco_stages import fla_chunk_size
+    q, k, v, g, do = _inputs(PACKED_BOUNDS[-1] if packed else 1000)
+    BT = fla_chunk_size(q.shape[1])
+    cu, ci, co, NT = _packed(BT) if packed else (None, None, None, None)
+    vl = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+    g_cs = fla_stages.gate_cumsum(g, BT, cu, ci)
+    if packed:
+        h, _ = fla_stages.chunk_fwd_h_packed(k, v, g_cs, None, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
+                                             chunk_size=BT, output_final_state=False, states_in_fp32=True)
+        dh, _ = fla_stages.chunk_bwd_dh_packed(q, k, v, do, None, g_cs, scale=0.1, cu_seqlens=cu, chunk_offsets=co,
+                                               n_chunks=NT, chunk_size=BT)
+    else:
+        h, _ = fla_stages.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=False, chunk_size=BT,
+                                      states_in_fp32=True)
+        dh, _ = fla_stages.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT,
+                                        states_in_fp32=True)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dq, dk = (torch.randn(q.shape, device="cuda", generator=gen) for _ in range(2))  # the intra parts, fp32
+    args = dict(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk)
+    ref = [x.to(torch.bfloat16) for x in fla_stages.chunk_gla_bwd_dqkg(**args, scale=0.1, **vl)]
+    ours = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.1, dtypes=(torch.bfloat16,) * 3, **vl)
+    for a, b in zip(ours, ref, strict=True):
+        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+    wrong = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.2, dtypes=(torch.bfloat16,) * 3, **vl)
+    assert not torch.equal(wrong[0], ref[0])

@@ -26,8 +26,9 @@ from fla.ops.gla.chunk import chunk_gla_bwd_dA
 from fla.ops.gla.chunk import chunk_gla_bwd_dqk_intra
 # dv = Aᵀ do (intra) + (k ⊙ 2^(g_cs_end − g_cs)) dh_n (inter)
 from fla.ops.gla.chunk import chunk_gla_bwd_dv
-# the inter-chunk parts of dq, dk (from h, dh) added to the intra ones, and dg
-from fla.ops.gla.chunk import chunk_gla_bwd_dqkg
+# the inter-chunk parts of dq, dk (from h, dh) added to the intra ones, and dg (fp32; chunk_gla_bwd_dqkg_to below
+# stores them in the gradients' own dtypes instead)
+from fla.ops.gla.chunk import chunk_gla_bwd_dqkg, chunk_gla_bwd_kernel_inter
 from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
 # ---- the kernels behind chunk_fwd_h / chunk_bwd_dh, launched directly for packed documents
@@ -77,6 +78,25 @@ def chunk_bwd_dh_packed(q, k, v, do, dht, gk, *, scale, cu_seqlens, chunk_offset
     return dh, dh0
 
 
+def chunk_gla_bwd_dqkg_to(q, k, v, h, g, do, dh, dq, dk, scale, *, dtypes, cu_seqlens=None, chunk_size=64,
+                          chunk_indices=None):
+    """= (x.to(d) for x, d in zip(chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, ...), dtypes)) without
+    the three casts: fla's kernel already rounds each output to its buffer's dtype as it stores it, so buffers in
+    the dtypes the caller returns (dq's, dk's and the raw gate's: 16 bits in training) hold the same values
+    (both casts round to nearest even) while the fp32 buffers, and the three cast kernels that read them back,
+    are not needed. Packed documents need fla's chunk table (chunk_indices) with cu_seqlens."""
+    B, T, H, K, V = *k.shape, v.shape[-1]
+    if cu_seqlens is not None and chunk_indices is None:
+        raise ValueError("chunk_gla_bwd_dqkg_to: packed documents need chunk_indices (plan it on the host)")
+    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    dq2, dk2 = torch.empty_like(dq, dtype=dtypes[0]), torch.empty_like(dk, dtype=dtypes[1])
+    dg = torch.empty_like(g, dtype=dtypes[2])
+    chunk_gla_bwd_kernel_inter[lambda meta: (triton.cdiv(K, meta["BK"]) * NT, B * H)](
+        q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dg=dg, cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+    return dq2, dk2, dg
+
+
 __all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA",
-           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dv", "chunk_gla_fwd_intra_gk",
+           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv", "chunk_gla_fwd_intra_gk",
            "chunk_gla_fwd_o_gk", "gate_cumsum"]

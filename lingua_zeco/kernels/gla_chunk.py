@@ -72,8 +72,10 @@ def staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, scale: float, bwd_intra: str, p
     dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, **vl)
     dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **vl)
     dq, dk = dqk_intra(q, k, g_cs, dA, BT, bwd_intra, cu_seqlens=cu, chunk_indices=ci)
-    dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale, **vl)
-    return dq.to(q), dk.to(k), dv.to(v), dg, dh0
+    g_dtype = (g if g is not None else g_cs).dtype  # g is None when its fp32 cumsum was kept instead
+    dq, dk, dg = fla.chunk_gla_bwd_dqkg_to(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale,
+                                           dtypes=(q.dtype, k.dtype, g_dtype), **vl)
+    return dq, dk, dv.to(v), dg, dh0
 
 
 class ChunkGLA(torch.autograd.Function):

@@ -87,6 +87,7 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
                                               chunk_offsets=co, n_chunks=NT, chunk_size=BT)
         dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, cu_seqlens=cu, chunk_size=BT,
                                   chunk_indices=ci)
-        dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
-                                            scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-        return dq.to(q), dk.to(k), dv.to(v), dg.to(g), None, None, None, None
+        dq, dk, dg = fla.chunk_gla_bwd_dqkg_to(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq,
+                                               dk=dk, scale=scale, dtypes=(q.dtype, k.dtype, g.dtype), cu_seqlens=cu,
+                                               chunk_size=BT, chunk_indices=ci)
+        return dq, dk, dv.to(v), dg, None, None, None, None

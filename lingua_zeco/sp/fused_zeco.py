@@ -72,9 +72,9 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"
     dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
                                    chunk_size=BT, states_in_fp32=True)
     dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
-    dq, dk, dg = fla.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
-                                        scale=scale, chunk_size=BT)
-    return dq.to(q), dk.to(k), dv.to(v), dg.to(g)
+    dq, dk, dg = fla.chunk_gla_bwd_dqkg_to(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
+                                           scale=scale, dtypes=(q.dtype, k.dtype, g.dtype), chunk_size=BT)
+    return dq, dk, dv.to(v), dg
 
 
 class FusedZeCOGLA(torch.autograd.Function):

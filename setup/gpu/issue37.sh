@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 37's runs on one H200 (the GLA operator with the All-Scan inside the GPU, lingua_zeco/sp/split.py), one
 # device call of < 10 minutes per part, from the repository root with the wheels carried in .whl/:
-#     bash setup/gpu/issue37.sh A   # GPU tests of the split operator (new shapes: fla autotunes for minutes)
+#     bash setup/gpu/issue37.sh A   # GPU tests: the intra/inter stages, the split operator (fla autotunes new shapes)
 #     bash setup/gpu/issue37.sh B   # bench_fused at 16K and 32K: fla, staged, split2/4/8/auto, zeco_fused(_split)
 #     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, ours_split(2, 4), float8 with and without
 #     bash setup/gpu/issue37.sh D   # bench_fused at 128K
@@ -13,7 +13,7 @@ source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
     echo "== GPU tests"; timeout 540 python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q \
-        tests/test_gpu_split.py 2>&1 | tee "$OUT/pytest_gpu_split.txt" | tail -12
+        tests/test_gpu_intra.py tests/test_gpu_split.py 2>&1 | tee "$OUT/pytest_gpu_split.txt" | tail -12
     ;;
 B)
     echo "== bench_fused 16K, 32K"; timeout 540 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
