@@ -46,14 +46,20 @@ B, T, H, K = 2, 150, 2, 64
 gen = torch.Generator().manual_seed(0)
 q, k = torch.randn(B, T, H, K, generator=gen).half(), torch.randn(B, T, H, K, generator=gen).half()
 g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
-# (chunk, key block, gate multiplier, SPAN): the reference-gate path at every chunk size fla picks;
+# (chunk, key block, gate multiplier, SPAN, WHOLE): the reference-gate path at every chunk size fla picks;
 # SPAN=0 forces the exact fallback everywhere; gates × 40 (≈ 60 bits of decay per token) take the
-# fallback where the reference would overflow. "broken": one token's gates changed after the oracle,
-# and the steep gates with the fallback switched off (SPAN huge: 2^(g_r − g_j) overflows)
-cases = {"exact": [(64, 32, 1, 64.0), (32, 64, 1, 64.0), (16, 64, 1, 64.0), (64, 64, 1, 0.0), (64, 64, 40, 64.0)],
-         "broken": [(64, 64, 1, 64.0), (64, 64, 40, 1e9)]}[sys.argv[1]]
+# fallback where the reference would overflow. WHOLE: the whole-chunk path first; gates × 15 (≈ 4 bits a
+# token) are too steep for one reference per chunk but not per sub-chunk. "broken": one token's gates
+# changed after the oracle, and the steep gates with the fallbacks switched off (SPAN huge: 2^(g_r − g_j)
+# overflows), each for the sub-chunk and the whole-chunk path
+cases = {"exact": [(64, 32, 1, 64.0, False), (32, 64, 1, 64.0, False), (16, 64, 1, 64.0, False),
+                   (64, 64, 1, 0.0, False), (64, 64, 40, 64.0, False),
+                   (64, 32, 1, 64.0, True), (32, 64, 1, 64.0, True), (16, 64, 1, 64.0, True),
+                   (64, 64, 15, 64.0, True), (64, 64, 40, 64.0, True)],
+         "broken": [(64, 64, 1, 64.0, False), (64, 64, 40, 1e9, False),
+                    (64, 64, 1, 64.0, True), (64, 64, 40, 1e9, True)]}[sys.argv[1]]
 worst, caught = 0.0, float("inf")
-for BT, BK, mult, SPAN in cases:
+for BT, BK, mult, SPAN, WHOLE in cases:
     g_cs = chunk_local_cumsum_torch(g * mult, BT)
     dA = torch.randn(B, T, H, BT, generator=gen)  # upper triangle non-zero: the kernel must ignore it
     ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
@@ -62,10 +68,10 @@ for BT, BK, mult, SPAN in cases:
     dq, dk = torch.empty(B, T, H, K), torch.empty(B, T, H, K)
     grid = (triton.cdiv(K, BK) * triton.cdiv(T, BT), B * H)
     gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, None, None, T, H=H, K=K, BT=BT, BC=min(16, BT), BK=BK,
-                                  SPAN=SPAN)
+                                  SPAN=SPAN, WHOLE=WHOLE)
     errs = [((a.double() - r).abs().max() / r.abs().max()).nan_to_num(float("inf")).item()
             for a, r in zip((dq, dk), ref)]
-    print(BT, BK, mult, SPAN, errs, file=sys.stderr)
+    print(BT, BK, mult, SPAN, WHOLE, errs, file=sys.stderr)
     worst, caught = max(worst, *errs), min(caught, *errs)
 print(worst if sys.argv[1] == "exact" else caught)  # broken: the least any output moved (each must)
 """
@@ -100,11 +106,13 @@ ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA
 if sys.argv[1] == "broken":  # the documents read as one dense sequence: chunks cross document boundaries
     bounds = [0, T]
 ci, _, NT = varlen_chunk_tables(bounds, BT, "cpu")
-dq, dk = torch.empty(1, T, H, K), torch.empty(1, T, H, K)
 cu = torch.tensor(bounds, dtype=torch.long)
-gi._dqk_intra_kernel.fn[(triton.cdiv(K, BK) * NT, H)](q, k, g_cs, dA, dq, dk, cu, ci, T, H=H, K=K, BT=BT, BC=16,
-                                                      BK=BK, IS_VARLEN=True)
-errs = [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((dq, dk), ref)]
+errs = []
+for whole in (False, True):  # the sub-chunk and the whole-chunk paths
+    dq, dk = torch.empty(1, T, H, K), torch.empty(1, T, H, K)
+    gi._dqk_intra_kernel.fn[(triton.cdiv(K, BK) * NT, H)](q, k, g_cs, dA, dq, dk, cu, ci, T, H=H, K=K, BT=BT, BC=16,
+                                                          BK=BK, IS_VARLEN=True, WHOLE=whole)
+    errs += [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((dq, dk), ref)]
 print(errs, file=sys.stderr)
 print(max(errs) if sys.argv[1] == "exact" else min(errs))
 """

@@ -38,16 +38,18 @@ def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
     BT = fla_chunk_size(T)
     g_cs = fla_stages.gate_cumsum(g, BT)
     dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, chunk_size=BT)
-    ours, theirs = dqk_intra(q, k, g_cs, dA, BT, "zeco"), dqk_intra(q, k, g_cs, dA, BT, "fla")
+    theirs = dqk_intra(q, k, g_cs, dA, BT, "fla")
     exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
-    for a, b, ref in zip(ours, theirs, exact):
-        assert a.dtype == torch.float and torch.isfinite(a).all()
-        assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3  # tf32 products off the diagonal, as fla's
-        assert _rel(a, b) < 3e-3
+    for name in ("zeco", "zeco_chunk"):  # ours by sub-chunks, and by whole chunks where the gates allow
+        for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, BT, name), theirs, exact):
+            assert a.dtype == torch.float and torch.isfinite(a).all()
+            assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3, name  # tf32 products off the diagonal, as fla's
+            assert _rel(a, b) < 3e-3, name
     if gate_mult == 1.0:  # (steep gates: a token sees almost only itself, whatever its gate)
         g_cs[0, T // 2] += 0.5  # one token's gates changed: ours must move away from the unchanged oracle
-        moved = dqk_intra(q, k, g_cs, dA, BT, "zeco")
-        assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2
+        for name in ("zeco", "zeco_chunk"):
+            moved = dqk_intra(q, k, g_cs, dA, BT, name)
+            assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2, name
 
 
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
@@ -97,13 +99,14 @@ def test_intra_stage_on_packed_documents_matches_fla_and_the_oracle():
     cu, ci, _, _ = _packed(BT)
     g_cs = fla_stages.gate_cumsum(g, BT, cu, ci)
     dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-    ours, theirs = (dqk_intra(q, k, g_cs, dA, BT, name, cu_seqlens=cu, chunk_indices=ci) for name in ("zeco", "fla"))
+    theirs = dqk_intra(q, k, g_cs, dA, BT, "fla", cu_seqlens=cu, chunk_indices=ci)
     exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT,
                                           cu_seqlens=PACKED_BOUNDS)
-    for a, b, ref in zip(ours, theirs, exact):
-        assert torch.isfinite(a).all()
-        assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3
-        assert _rel(a, b) < 3e-3
+    for name in ("zeco", "zeco_chunk"):
+        for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, BT, name, cu_seqlens=cu, chunk_indices=ci), theirs, exact):
+            assert torch.isfinite(a).all()
+            assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3, name
+            assert _rel(a, b) < 3e-3, name
     dense = dqk_intra(q, k, g_cs, dA, BT, "zeco")  # the documents' chunks read as one sequence's: caught
     assert max(_rel(a, ref) for a, ref in zip(dense, exact)) > 1e-2
 

@@ -24,13 +24,15 @@ def _cases():
     hop = {"x_ptr": "*fp32", "a_ptr": "*fp32", "y_ptr": "*fp32", "recv_ptr": "*fp32", "send_ptr": "*fp32",
            "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32,
            "max_spins": i32}
-    cases = {f"dqk_intra_BT{BT}_BK{BK}": (gla_bwd_intra._dqk_intra_kernel, intra,
-                                          dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
-                                               chunk_indices=None, IS_VARLEN=False))
-             for BT, BK in ((64, 32), (64, 64), (16, 64))}
-    cases["dqk_intra_varlen"] = (gla_bwd_intra._dqk_intra_kernel,
-                                 intra | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
-                                 dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True))
+    cases = {f"dqk_intra_BT{BT}_BK{BK}_whole{w}": (gla_bwd_intra._dqk_intra_kernel, intra,
+                                                   dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
+                                                        chunk_indices=None, IS_VARLEN=False, WHOLE=w))
+             for BT, BK in ((64, 32), (64, 64), (16, 64)) for w in (False, True)}
+    cases |= {f"dqk_intra_varlen_whole{w}": (gla_bwd_intra._dqk_intra_kernel,
+                                             intra | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
+                                             dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True,
+                                                  WHOLE=w))
+              for w in (False, True)}
     cases["decay_prefix"] = (zeco_stages._decay_prefix_kernel, prefix, dict(H=16, K=128, BT=64, BK=32, BN=64))
     cases |= {f"fwd_o_BK{BK}_BV{BV}": (zeco_stages._fwd_o_kernel, fwd_o,
                                        dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV))

@@ -28,11 +28,11 @@ def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=
     gives them; planned from cu_seqlens when None); bwd_intra="fla": fla's chunk_gla itself."""
     check_bwd_intra(bwd_intra)
     name = pick_backend(q.device, backend)
-    if name == "fla" and bwd_intra == "zeco":
+    if name == "fla" and bwd_intra != "fla":
         from .gla_chunk import chunk_gla_staged
         return chunk_gla_staged(q, k, v, g, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                chunk_tables=chunk_tables)
+                                bwd_intra=bwd_intra, chunk_tables=chunk_tables)
     if name == "fla":
         from fla.ops.gla import chunk_gla as fla_chunk_gla
         return fla_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,

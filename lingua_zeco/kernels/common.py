@@ -14,7 +14,7 @@ import torch
 
 BACKENDS = ("fla", "torch")
 # the intra-chunk dq/dk stage of the GLA backward on the fla backend: ours (kernels/gla_bwd_intra.py) or fla's
-BWD_INTRA = ("zeco", "fla")
+BWD_INTRA = ("zeco", "fla", "zeco_chunk")  # zeco_chunk: ours with whole-chunk products where gates allow
 
 
 def check_bwd_intra(bwd_intra: str) -> None:

@@ -98,5 +98,5 @@ def chunk_gla_bwd_dqkg_to(q, k, v, h, g, do, dh, dq, dk, scale, *, dtypes, cu_se
 
 
 __all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA",
-           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv", "chunk_gla_fwd_intra_gk",
-           "chunk_gla_fwd_o_gk", "gate_cumsum"]
+           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv",
+           "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "gate_cumsum"]

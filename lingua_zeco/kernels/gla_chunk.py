@@ -2,6 +2,7 @@
 (kernels/fla_stages.py) with the intra-chunk dq/dk stage chosen by `bwd_intra`:
   "zeco"  ours (kernels/gla_bwd_intra.py), one program per chunk
   "fla"   fla's chunk_gla_bwd_dqk_intra
+  "zeco_chunk"  ours, each chunk as two whole-chunk products where its gates allow (gla_bwd_intra.py)
 Every other stage, the saved tensors and the precisions are fla's (ChunkGLAFunction): h in 16 bits in
 the forward, recomputed in fp32 in the backward; the gate cumsum kept when g is fp32, recomputed from
 16-bit gates. Dense sequences, or packed documents (B = 1) with fla's chunk tables planned on the host
@@ -22,8 +23,9 @@ def dqk_intra(q, k, g_cs, dA, BT: int, bwd_intra: str = "zeco", cu_seqlens=None,
     """The intra-chunk parts of (dq, dk), fp32, by the chosen stage (one of BWD_INTRA); packed documents
     with fla's chunk table."""
     check_bwd_intra(bwd_intra)
-    if bwd_intra == "zeco":
-        return chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, BT, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    if bwd_intra in ("zeco", "zeco_chunk"):
+        return chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, BT, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                       whole=bwd_intra == "zeco_chunk")
     return fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT, cu_seqlens=cu_seqlens,
                                        chunk_indices=chunk_indices)
 

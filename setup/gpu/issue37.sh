@@ -2,8 +2,8 @@
 # Issue 37's runs on one H200 (the GLA operator with the All-Scan inside the GPU, lingua_zeco/sp/split.py), one
 # device call of < 10 minutes per part, from the repository root with the wheels carried in .whl/:
 #     bash setup/gpu/issue37.sh A   # GPU tests: the intra/inter stages, the split operator (fla autotunes new shapes)
-#     bash setup/gpu/issue37.sh B   # bench_fused at 16K and 32K: fla, staged, split2/4/8/auto, zeco_fused(_split)
-#     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, ours_split(2, 4), float8 with and without
+#     bash setup/gpu/issue37.sh B   # bench_stages (intra stages alone), bench_fused 16K/32K: fla, staged, split, chunk intra
+#     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, chunk intra, split, float8 with and without
 #     bash setup/gpu/issue37.sh D   # bench_fused at 128K
 #     bash setup/gpu/issue37.sh E   # the roofline table at 16K and 32K (fla, staged, split_auto)
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
@@ -16,12 +16,14 @@ A)
         tests/test_gpu_intra.py tests/test_gpu_split.py 2>&1 | tee "$OUT/pytest_gpu_split.txt" | tail -12
     ;;
 B)
-    echo "== bench_fused 16K, 32K"; timeout 540 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
-        splits=2,4,8 doc_len=0 2>&1 | tee "$OUT/bench_fused.log" | grep -E "^\{|rror|Traceback"
+    echo "== bench_stages 16K"; timeout 150 python3 -m apps.gla.bench.bench_stages out=$OUT t_local=16384 \
+        per_config=false 2>&1 | tee "$OUT/bench_stages.log" | grep -E "^\{|rror|Traceback"
+    echo "== bench_fused 16K, 32K"; timeout 420 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
+        splits=2,4 doc_len=0 2>&1 | tee "$OUT/bench_fused.log" | grep -E "^\{|rror|Traceback"
     ;;
 C)
     echo "== bench_train 16K"; timeout 540 python3 -m apps.gla.bench.bench_train out=$OUT \
-        variants=fla,ours,ours_split,ours_split2,ours_split4,ours_float8,ours_float8_split 2>&1 \
+        variants=fla,ours,ours_chunk_intra,ours_split,ours_split_chunk_intra,ours_float8,ours_float8_split 2>&1 \
         | tee "$OUT/bench_train.log" | grep -E "^\{|rror|Traceback"
     ;;
 D)

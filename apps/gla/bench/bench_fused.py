@@ -10,11 +10,14 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
   fla_chunk_gla_h0   fla's chunk_gla from S_in with final-state gradient G (what LASP-1 computes)
   staged_chunk_gla   the single-device operator the model runs on CUDA (kernels/gla_chunk.py: fla's
                      stages, our intra-chunk dq/dk); `staged_vs_fla_pct` against fla_chunk_gla
+  staged_chunk_intra the same with the whole-chunk intra stage (bwd_intra "zeco_chunk");
+                     `chunk_intra_vs_staged_pct` against staged_chunk_gla
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco); zeco_fused_fla_intra: with fla's intra-chunk
                      dq/dk stage instead of ours
   split<S>           the single-device operator as S segments in one batch, the scan inside the GPU
                      (lingua_zeco/sp/split.py), for each S of `splits` that cuts T_local into whole chunks;
-                     split_auto: S by split_rule; zeco_fused_split: a middle rank's slice split by the rule
+                     split_auto: S by split_rule (split_auto_chunk_intra: with the whole-chunk intra stage);
+                     zeco_fused_split: a middle rank's slice split by the rule
                      (`split<S>_vs_fla_pct`, `zeco_split_vs_split_pct` against split_auto)
   fla_chunk_gla_packed, staged_chunk_gla_packed, zeco_fused_packed (and _fla_intra): the same on packed
                      documents of `doc_len` tokens, the slice starting mid-document (`packed_vs_dense_pct`
@@ -75,8 +78,8 @@ def variants(q, k, v, g, do, scale):
         o, ht = chunk_gla(q, k, v, g, scale=scale, initial_state=S_in, output_final_state=True)
         return torch.autograd.grad((o, ht), leaves, (do, G))
 
-    def staged():
-        return torch.autograd.grad(chunk_gla_staged(q, k, v, g, scale=scale)[0], leaves, do)
+    def staged(bwd_intra="zeco"):
+        return torch.autograd.grad(chunk_gla_staged(q, k, v, g, scale=scale, bwd_intra=bwd_intra)[0], leaves, do)
 
     def zeco():
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G)), leaves, do)
@@ -84,7 +87,8 @@ def variants(q, k, v, g, do, scale):
     def zeco_fla_intra():
         scan = middle_rank_scan(S_in, G)
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, scan, "fla"), leaves, do)
-    return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "staged_chunk_gla": staged, "zeco_fused": zeco,
+    return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "staged_chunk_gla": staged,
+            "staged_chunk_intra": lambda: staged("zeco_chunk"), "zeco_fused": zeco,
             "zeco_fused_fla_intra": zeco_fla_intra}
 
 
@@ -95,9 +99,9 @@ def split_variants(q, k, v, g, do, scale, splits: str) -> dict:
     S_in, G = middle_rank_state(q, v)
     leaves = (q, k, v, g)
 
-    def run(S, scan_fn=None):
-        return lambda: torch.autograd.grad(split_gla(q, k, v, g, scale=scale, segments=S, scan_fn=scan_fn)[0],
-                                           leaves, do)
+    def run(S, scan_fn=None, bwd_intra="zeco"):
+        return lambda: torch.autograd.grad(split_gla(q, k, v, g, scale=scale, segments=S, scan_fn=scan_fn,
+                                                     bwd_intra=bwd_intra)[0], leaves, do)
     out = {}
     for S in (int(x) for x in splits.split(",") if x.strip()):
         try:
@@ -108,6 +112,7 @@ def split_variants(q, k, v, g, do, scale, splits: str) -> dict:
     auto = segments_for(0, q, v)
     if auto > 1:
         out["split_auto"] = run(auto)
+        out["split_auto_chunk_intra"] = run(auto, bwd_intra="zeco_chunk")
         out["zeco_fused_split"] = run(auto, middle_rank_scan(S_in, G))
     return out
 
@@ -158,6 +163,7 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
     row["extra_pct"] = pct("zeco_fused", "fla_chunk_gla")
     row["extra_vs_h0_pct"] = pct("zeco_fused", "fla_chunk_gla_h0")
     row["staged_vs_fla_pct"] = pct("staged_chunk_gla", "fla_chunk_gla")
+    row["chunk_intra_vs_staged_pct"] = pct("staged_chunk_intra", "staged_chunk_gla")
     splits = [n for n in fns if n.startswith("split")]
     for name in splits:
         row[f"{name}_vs_fla_pct"] = pct(name, "fla_chunk_gla")
@@ -180,6 +186,7 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
                 row[f"{name}_graph_ms"] = round(1e3 * statistics.median(gpu_s), 4)
             row["graph_extra_pct"] = pct("zeco_fused_graph", "fla_chunk_gla_graph")
             row["graph_staged_vs_fla_pct"] = pct("staged_chunk_gla_graph", "fla_chunk_gla_graph")
+            row["graph_chunk_intra_vs_staged_pct"] = pct("staged_chunk_intra_graph", "staged_chunk_gla_graph")
             for name in splits:
                 row[f"graph_{name}_vs_fla_pct"] = pct(f"{name}_graph", "fla_chunk_gla_graph")
             if "zeco_fused_split" in fns:

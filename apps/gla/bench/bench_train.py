@@ -53,6 +53,8 @@ VARIANTS = {
     "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
     # fla's intra-chunk dq/dk stage (on one GPU its whole chunk_gla, as before ours)
     "ours_fla_intra": ["model.gla_bwd_intra=fla"],
+    "ours_chunk_intra": ["model.gla_bwd_intra=zeco_chunk"],  # ours, whole-chunk products where the gates allow
+    "ours_split_chunk_intra": ["model.gla_split=0", "model.gla_bwd_intra=zeco_chunk"],
     # the GLA operator as segments in one batch, the scan inside the GPU (lingua_zeco/sp/split.py): auto, 2, 4
     "ours_split": ["model.gla_split=0"],
     "ours_split2": ["model.gla_split=2"],
