@@ -105,6 +105,10 @@ def chunk_gla_bwd_dv(k, g, A, do, dh, cu_seqlens=None, chunk_size=64, chunk_indi
     return dv
 
 
+def fwd_A(q, k, g_cs, scale, BT, intra="zeco", cu_seqlens=None, chunk_indices=None):
+    return chunk_gla_fwd_intra_gk(q, k, g_cs, scale, cu_seqlens, BT, chunk_indices)
+
+
 def dqk_intra(q, k, g_cs, dA, BT, bwd_intra="zeco", cu_seqlens=None, chunk_indices=None):
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
     for _, _, s, e in _chunks(q.shape[1], BT, cu_seqlens):

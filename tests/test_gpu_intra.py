@@ -52,8 +52,9 @@ def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
             assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2, name
 
 
+@pytest.mark.parametrize("intra", ["zeco", "zeco_chunk"])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
-def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype):
+def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra):
     """The staged operator (our intra stage) against fla's chunk_gla and the float64 recurrence, with an
     initial state and a final-state gradient (every input and output of fla's dense contract)."""
     from fla.ops.gla import chunk_gla
@@ -70,8 +71,8 @@ def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype):
         o, ht = fn(*tensors[:4], scale=0.1, initial_state=tensors[4], output_final_state=True)
         return [o, ht, *torch.autograd.grad((o, ht), tensors, (do.to(o.dtype), dht.to(ht.dtype)))]
 
-    ours, fla = run(chunk_gla_staged, *leaves), run(chunk_gla, *leaves)
-    exact = run(naive_gla, *(t.detach().double().requires_grad_() for t in leaves))
+    ours = run(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, **kw), *leaves)
+    fla, exact = run(chunk_gla, *leaves), run(naive_gla, *(t.detach().double().requires_grad_() for t in leaves))
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dh0"]
     for name, a, b, ref in zip(names, ours, fla, exact):
         assert a.dtype == b.dtype, name
@@ -195,3 +196,34 @@ def test_dqkg_stored_in_the_gradients_dtypes_equals_fla_then_cast(packed):
         assert a.dtype == torch.bfloat16 and torch.equal(a, b)
     wrong = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.2, dtypes=(torch.bfloat16,) * 3, **vl)
     assert not torch.equal(wrong[0], ref[0])
+
+
+@pytest.mark.parametrize("T,gate_shift,gate_mult,packed", [(1000, 2.0, 1.0, False), (4096, -4.0, 1.0, False),
+                                                           (4096, -4.0, 4.0, False), (40, 2.0, 1.0, False),
+                                                           (PACKED_BOUNDS[-1], 2.0, 1.0, True)])
+def test_fwd_A_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult, packed):
+    """Our forward intra-chunk attention (kernels/gla_fwd_intra.py: whole chunks, fla's block scheme where the
+    gates are too steep) against fla's chunk_gla_fwd_intra_gk and the float64 oracle, on and below the
+    diagonal (fla leaves the entries above it unwritten; ours are zero); a changed gate is caught."""
+    from lingua_zeco.kernels import fla_stages
+    from lingua_zeco.kernels.gla_fwd_intra import chunk_gla_fwd_A, chunk_gla_fwd_A_torch
+    from lingua_zeco.kernels.zeco_stages import fla_chunk_size
+    q, k, v, g, do = _inputs(T, gate_shift=gate_shift, gate_mult=gate_mult)
+    BT = fla_chunk_size(T)
+    cu, ci = _packed(BT)[:2] if packed else (None, None)
+    g_cs = fla_stages.gate_cumsum(g, BT, cu, ci)
+    ours = chunk_gla_fwd_A(q, k, g_cs, 0.1, BT, cu_seqlens=cu, chunk_indices=ci)
+    theirs = fla_stages.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=0.1, cu_seqlens=cu, chunk_size=BT,
+                                              chunk_indices=ci)
+    exact = chunk_gla_fwd_A_torch(q.double(), k.double(), g_cs.double(), 0.1, BT,
+                                  cu_seqlens=PACKED_BOUNDS if packed else None)
+    starts = torch.tensor(PACKED_BOUNDS[:-1] if packed else [0], device="cuda")
+    t = torch.arange(T, device="cuda")
+    t_rel = t - starts[torch.searchsorted(starts, t, right=True) - 1]  # the position in its document
+    lower = (t_rel[:, None] % BT >= torch.arange(BT, device="cuda")[None, :])[None, :, None, :]
+    assert torch.isfinite(ours).all() and (ours.masked_fill(lower, 0) == 0).all()
+    assert _rel(ours, exact) < 2e-3 and _rel(theirs.masked_fill(~lower, 0), exact) < 2e-3
+    assert _rel(ours, theirs.masked_fill(~lower, 0)) < 3e-3
+    if gate_mult == 1.0:  # (steep gates: a token's scores are almost only its own, whatever its gate)
+        g_cs[0, T // 2] += 0.5  # one token's gates changed: ours must move away from the unchanged oracle
+        assert _rel(chunk_gla_fwd_A(q, k, g_cs, 0.1, BT, cu_seqlens=cu, chunk_indices=ci), exact) > 1e-3

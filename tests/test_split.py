@@ -25,6 +25,7 @@ H, K, V, SCALE = 2, 8, 6, 0.35
 def cpu_stages(monkeypatch):
     monkeypatch.setattr(fz, "fla", fla_stages_cpu.STAGES)
     monkeypatch.setattr(fz, "dqk_intra", fla_stages_cpu.dqk_intra)
+    monkeypatch.setattr(fz, "fwd_A", fla_stages_cpu.fwd_A)
 
 
 def _inputs(B, T, seed=3):

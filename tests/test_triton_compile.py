@@ -11,7 +11,7 @@ pytest.importorskip("triton.backends.nvidia")
 
 def _cases():
     from lingua_zeco.comm import symm_hop
-    from lingua_zeco.kernels import gla_bwd_intra, zeco_stages
+    from lingua_zeco.kernels import gla_bwd_intra, gla_fwd_intra, zeco_stages
     i32, f32 = "i32", "fp32"
     intra = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "dA": "*fp32", "dq": "*fp32", "dk": "*fp32", "T": i32}
     prefix = {"g_cs": "*fp32", "gx": "*fp32", "b_end": "*fp32", "T": i32, "NT": i32}
@@ -33,6 +33,13 @@ def _cases():
                                              dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True,
                                                   WHOLE=w))
               for w in (False, True)}
+    fwd_A = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "A": "*fp32", "scale": f32, "T": i32}
+    cases |= {f"fwd_A_BT{BT}_BK{BK}": (gla_fwd_intra._fwd_A_kernel, fwd_A,
+                                       dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
+                                            chunk_indices=None, IS_VARLEN=False))
+              for BT, BK in ((64, 32), (64, 64), (16, 64))}
+    cases["fwd_A_varlen"] = (gla_fwd_intra._fwd_A_kernel, fwd_A | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
+                             dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True))
     cases["decay_prefix"] = (zeco_stages._decay_prefix_kernel, prefix, dict(H=16, K=128, BT=64, BK=32, BN=64))
     cases |= {f"fwd_o_BK{BK}_BV{BV}": (zeco_stages._fwd_o_kernel, fwd_o,
                                        dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV))

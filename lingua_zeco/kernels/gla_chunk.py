@@ -2,7 +2,8 @@
 (kernels/fla_stages.py) with the intra-chunk dq/dk stage chosen by `bwd_intra`:
   "zeco"  ours (kernels/gla_bwd_intra.py), one program per chunk
   "fla"   fla's chunk_gla_bwd_dqk_intra
-  "zeco_chunk"  ours, each chunk as two whole-chunk products where its gates allow (gla_bwd_intra.py)
+  "zeco_chunk"  ours, whole chunks where the gates allow: the backward's dq/dk (gla_bwd_intra.py) and the
+               forward's intra-chunk attention A (gla_fwd_intra.py) instead of fla's
 Every other stage, the saved tensors and the precisions are fla's (ChunkGLAFunction): h in 16 bits in
 the forward, recomputed in fp32 in the backward; the gate cumsum kept when g is fp32, recomputed from
 16-bit gates. Dense sequences, or packed documents (B = 1) with fla's chunk tables planned on the host
@@ -16,6 +17,7 @@ import torch
 from . import fla_stages as fla
 from .common import check_bwd_intra, varlen_chunk_tables
 from .gla_bwd_intra import chunk_gla_bwd_dqk_intra
+from .gla_fwd_intra import chunk_gla_fwd_A
 from .zeco_stages import fla_chunk_size
 
 
@@ -30,6 +32,16 @@ def dqk_intra(q, k, g_cs, dA, BT: int, bwd_intra: str = "zeco", cu_seqlens=None,
                                        chunk_indices=chunk_indices)
 
 
+def fwd_A(q, k, g_cs, scale: float, BT: int, intra: str = "zeco", cu_seqlens=None, chunk_indices=None):
+    """The forward's intra-chunk attention A [B, T, H, BT] fp32 by the intra stages chosen (one of BWD_INTRA):
+    ours for "zeco_chunk", fla's otherwise; packed documents with fla's chunk table."""
+    check_bwd_intra(intra)
+    if intra == "zeco_chunk":
+        return chunk_gla_fwd_A(q, k, g_cs, scale, BT, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
+    return fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, cu_seqlens=cu_seqlens, chunk_size=BT,
+                                      chunk_indices=chunk_indices)
+
+
 def _states(k, v, g_cs, h0, BT, packed, final: bool, fp32: bool):
     """(h [B, NT, H, K, V], final states or None): fla's chunk_fwd_h, dense or over the packed documents."""
     if packed is None:
@@ -40,15 +52,16 @@ def _states(k, v, g_cs, h0, BT, packed, final: bool, fp32: bool):
                                   output_final_state=final, states_in_fp32=fp32)
 
 
-def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, packed):
+def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, packed, intra: str = "zeco"):
     """The forward stages on contiguous inputs: (o, final state(s) or None, A, g_cs or None). A [B, T, H, BT]
-    fp32 is the intra-chunk attention the backward reuses; g_cs (the fp32 gate cumsum) is kept only when g
-    is fp32 (as fla: it then costs no more memory than g), else the backward recomputes it."""
+    fp32 is the intra-chunk attention the backward reuses (by the stage `intra` picks: fwd_A); g_cs (the fp32
+    gate cumsum) is kept only when g is fp32 (as fla: it then costs no more memory than g), else the backward
+    recomputes it."""
     BT = fla_chunk_size(q.shape[1])
     cu, ci = (None, None) if packed is None else packed[:2]
     g_cs = fla.gate_cumsum(g, BT, cu, ci)
     h, ht = _states(k, v, g_cs, h0, BT, packed, output_final_state, fp32=False)
-    A = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+    A = fwd_A(q, k, g_cs, scale, BT, intra, cu_seqlens=cu, chunk_indices=ci)
     o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
                                chunk_indices=ci)
     return o, ht, A, g_cs if g.dtype == torch.float else None
@@ -88,7 +101,7 @@ class ChunkGLA(torch.autograd.Function):
         # fla's kernels assume contiguous tensors (fla's own wrapper makes every input so)
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         h0 = None if h0 is None else h0.contiguous()
-        o, ht, A, g_cs = staged_fwd(q, k, v, g, scale, h0, output_final_state, packed)
+        o, ht, A, g_cs = staged_fwd(q, k, v, g, scale, h0, output_final_state, packed, bwd_intra)
         ctx.save_for_backward(q, k, v, None if g_cs is not None else g, g_cs, h0, A)
         ctx.scale, ctx.bwd_intra, ctx.packed = scale, bwd_intra, packed
         return o, ht
@@ -116,4 +129,4 @@ def chunk_gla_staged(q, k, v, g, *, scale=None, initial_state=None, output_final
     return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, bwd_intra, packed)
 
 
-__all__ = ["ChunkGLA", "chunk_gla_staged", "dqk_intra", "staged_bwd", "staged_fwd"]
+__all__ = ["ChunkGLA", "chunk_gla_staged", "dqk_intra", "fwd_A", "staged_bwd", "staged_fwd"]

@@ -30,7 +30,7 @@ def gla_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, bwd_intra:
 def _gla_fwd_cuda(q, k, v, g, scale, bwd_intra):
     from .gla_chunk import staged_fwd  # imports fla and Triton
     q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-    o, _, A, g_cs = staged_fwd(q, k, v, g, scale, None, False, None)
+    o, _, A, g_cs = staged_fwd(q, k, v, g, scale, None, False, None, bwd_intra)
     return o, A, g_cs if g_cs is not None else q.new_empty(0, dtype=torch.float)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from lingua_zeco.kernels import fla_stages as fla
-from lingua_zeco.kernels.gla_chunk import dqk_intra
+from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -42,8 +42,7 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
                                                   n_chunks=NT, chunk_size=BT, output_final_state=True)
         b_end_BHK = ht_NHKV.new_zeros(ht_NHKV[-1:].shape[:-1])  # a document starts here: S_in stops
         work = scan_fn(ht_NHKV[-1:].contiguous(), b_end_BHK, False)
-        A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, cu_seqlens=cu, chunk_size=BT,
-                                            chunk_indices=ci)
+        A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, BT, bwd_intra, cu_seqlens=cu, chunk_indices=ci)
         o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs_BTHK, A=A_BTHC, h=h_BNHKV, scale=scale, cu_seqlens=cu,
                                    chunk_size=BT, chunk_indices=ci)
         S_in_BHKV = work.wait()

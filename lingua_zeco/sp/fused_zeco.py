@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import fla_stages as fla
-from lingua_zeco.kernels.gla_chunk import dqk_intra
+from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -38,16 +38,16 @@ from .fused_packed import FusedPackedZeCOGLA
 from .overlap import CHOOSER, post
 
 
-def zeco_forward(q, k, v, g, scale, scan_fn):
+def zeco_forward(q, k, v, g, scale, scan_fn, intra: str = "zeco"):
     """The forward stages on contiguous inputs: (o, what zeco_backward reads). scan_fn(x, a, reverse) -> a
     handle with wait(): the exclusive scan of the slices' (state, decay) pairs, started before the intra-chunk
-    stage and waited for after it."""
+    stage and waited for after it. intra: the intra-chunk stages (kernels.BWD_INTRA; fwd_A picks A's)."""
     BT = fla_chunk_size(q.shape[1])
     g_cs_BTHK = fla.gate_cumsum(g, BT)
     h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
     Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs_BTHK, BT)
     work = scan_fn(S_end_BHKV, b_end_BHK, False)
-    A_BTHC = fla.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs_BTHK, scale=scale, chunk_size=BT)
+    A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, BT, intra)
     S_in_BHKV = work.wait()
     o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
     return o, (A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK)
@@ -85,7 +85,7 @@ class FusedZeCOGLA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco"):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-        o, saved = zeco_forward(q, k, v, g, scale, scan_fn)
+        o, saved = zeco_forward(q, k, v, g, scale, scan_fn, bwd_intra)
         ctx.save_for_backward(q, k, v, g, *saved)
         ctx.scale, ctx.scan_fn, ctx.bwd_intra = scale, scan_fn, bwd_intra
         return o

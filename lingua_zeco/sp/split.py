@@ -139,7 +139,7 @@ class SplitGLA(torch.autograd.Function):
             acc = acc_dtype(q.dtype, *(() if h0 is None else (h0.dtype,)))
             ends = StateEnds(None if h0 is None else h0.to(acc).contiguous(),
                              rows[0].new_zeros(B, H, q.shape[-1], V, dtype=acc))
-        o, saved = zeco_forward(*rows, scale, SegmentScan(S, scan_fn or ends, drop_local))
+        o, saved = zeco_forward(*rows, scale, SegmentScan(S, scan_fn or ends, drop_local), bwd_intra)
         ctx.save_for_backward(*rows, *saved)
         ctx.setup = (scale, S, scan_fn, ends, bwd_intra, drop_local, h0 is not None, None if h0 is None else h0.dtype)
         ht = ends.end(False) if output_final_state else None
@@ -187,7 +187,7 @@ def _gla_split_fwd_cuda(q, k, v, g, scale, segments, bwd_intra):
     from .fused_zeco import zeco_forward
     B, T, H, V = v.shape
     rows = [_rows(t.contiguous(), segments) for t in (q, k, v, g)]
-    o, saved = zeco_forward(*rows, scale, SegmentScan(segments))
+    o, saved = zeco_forward(*rows, scale, SegmentScan(segments), bwd_intra)
     return (o.view(B, T, H, V), *saved)
 
 

@@ -1,8 +1,9 @@
 """The stages of our own alone: time and effective bandwidth of `zeco_dS_in` (the backward's
 local ∂L/∂S_in, memory-bound: it reads q, the gates and dO once) at several `runs` (programs per
 call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw 16-bit gates;
-and the intra-chunk dq/dk stage of the backward, ours (`intra_zeco`, kernels/gla_bwd_intra.py) beside
-fla's (`intra_fla`) on the same inputs, with the largest difference between them.
+and the intra-chunk dq/dk stage of the backward, ours (`intra_zeco`, `intra_zeco_chunk`: kernels/gla_bwd_intra.py)
+beside fla's (`intra_fla`) on the same inputs, with the largest difference between them; the forward's
+intra-chunk attention A, fla's (`fwdA_fla`) and ours by whole chunks (`fwdA_zeco_chunk`, kernels/gla_fwd_intra.py).
 
     python -m apps.gla.bench.bench_stages          # writes docs/results/raw/<date>-<gpu>/bench_stages.json
 
@@ -53,12 +54,15 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     k = inputs[1].detach()
     fns |= {f"intra_{name}": (lambda name=name: gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name))
             for name in BWD_INTRA}
+    # the forward's intra-chunk attention A: fla's two block kernels, ours by whole chunks
+    fns |= {f"fwdA_{name}": (lambda name=name: gla_chunk.fwd_A(q, k, g_cs, 0.1, BT, name))
+            for name in ("fla", "zeco_chunk")}
     timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, best_config=zeco_stages.dS_in_best_config())
     ours, theirs = (gla_chunk.dqk_intra(q, k, g_cs, dA, BT, name) for name in ("zeco", "fla"))
     row["intra_max_rel_diff"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
     for name, us in timed_us.items():
-        if name.startswith("intra_"):
+        if name.startswith(("intra_", "fwdA_")):
             row[f"{name}_us"] = round(us, 2)
             continue
         nbytes = q.nbytes + (g if "raw" in name else g_cs).nbytes + do.nbytes + Gx.nbytes
