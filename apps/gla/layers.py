@@ -52,7 +52,8 @@ class GLAArgs:
     float8: str = "none"
     float8_head: bool = False  # the LM head in float8 too (its loss then materialises the logits)
     # CUDA, gla: the intra-chunk dq/dk stage of the GLA backward: zeco (ours, lingua_zeco/kernels/
-    # gla_bwd_intra.py) | zeco_chunk (ours, whole-chunk products where the gates allow; not yet measured)
+    # gla_bwd_intra.py) | zeco_chunk (ours by whole chunks where the gates allow, forward A included:
+    # gla_fwd_intra.py; not yet measured)
     # | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
     gla_bwd_intra: str = "zeco"
     # CUDA, gla, dense sequences: each sequence (each rank's slice under SP) as this many segments in one
