@@ -66,13 +66,7 @@ def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int, cu_seqlens=None):
 
 
 if triton is not None:
-    @triton.jit
-    def _tile(x, t_x, bos, i_h, o_k, m_k, T, H: tl.constexpr, K: tl.constexpr):
-        """Rows t_x [BC] (of the sequence starting at row bos, T long) of x [B·T, H, K] for keys o_k,
-        fp32, zero past T (and the row mask)."""
-        m = (t_x < T)[:, None] & m_k[None, :]
-        rows = (bos + t_x) * H + i_h  # int64
-        return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32), m
+    from .triton_chunks import chunk_origin, load_rows
 
     @triton.jit
     def _dA_block(dA, t_rows, c0, T, bos, i_h, o_c, H: tl.constexpr, BT: tl.constexpr, CAUSAL: tl.constexpr):
@@ -90,7 +84,7 @@ if triton is not None:
         o_c = tl.arange(0, BC)
         for s in tl.static_range(NC):
             t_s = t0 + s * BC + o_c
-            g_s, m_sk = _tile(g, t_s, bos, i_h, o_k, m_k, T, H, K)
+            g_s, m_sk = load_rows(g, t_s, bos, i_h, o_k, m_k, T, H, K)
             # reference: the gate at the middle token of s (the last one when T ends before it)
             mid = tl.minimum(BC // 2, T - 1 - (t0 + s * BC))
             g_r = tl.sum(tl.where(o_c[:, None] == mid, g_s, 0.), axis=0)
@@ -98,8 +92,8 @@ if triton is not None:
             if span <= SPAN:  # 2^(g_t − g_j) = 2^(g_t − g_r)·2^(g_r − g_j), every factor within 2^±SPAN
                 acc = tl.zeros([BC, BK], dtype=tl.float32)
                 for j in tl.static_range(s + 1):  # dq_t: the keys j ≤ t of this and the earlier sub-chunks
-                    k_j, m_jk = _tile(k, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
-                    g_j, _ = _tile(g, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
+                    k_j, m_jk = load_rows(k, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
+                    g_j, _ = load_rows(g, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
                     kg_j = tl.where(m_jk, k_j * tl.exp2(g_r[None, :] - g_j), 0.)
                     dA_sj = _dA_block(dA, t_s, j * BC, T, bos, i_h, o_c, H, BT, j == s)
                     acc = tl.dot(dA_sj, kg_j, acc, input_precision="tf32x3" if j == s else "tf32")
@@ -107,15 +101,15 @@ if triton is not None:
                 acc = tl.zeros([BC, BK], dtype=tl.float32)
                 for u in tl.static_range(s, NC):  # dk_j: the queries t ≥ j of this and the later sub-chunks
                     t_u = t0 + u * BC + o_c
-                    q_u, m_uk = _tile(q, t_u, bos, i_h, o_k, m_k, T, H, K)
-                    g_u, _ = _tile(g, t_u, bos, i_h, o_k, m_k, T, H, K)
+                    q_u, m_uk = load_rows(q, t_u, bos, i_h, o_k, m_k, T, H, K)
+                    g_u, _ = load_rows(g, t_u, bos, i_h, o_k, m_k, T, H, K)
                     qg_u = tl.where(m_uk, q_u * tl.exp2(g_u - g_r[None, :]), 0.)
                     dA_us = _dA_block(dA, t_u, s * BC, T, bos, i_h, o_c, H, BT, u == s)
                     acc = tl.dot(tl.trans(dA_us), qg_u, acc, input_precision="tf32x3" if u == s else "tf32")
                 b_dk = acc * tl.exp2(tl.where(m_sk, g_r[None, :] - g_s, 0.))
             else:  # steep gates: exact decays on the diagonal block, boundary references off it
-                q_s, _ = _tile(q, t_s, bos, i_h, o_k, m_k, T, H, K)
-                k_s, _ = _tile(k, t_s, bos, i_h, o_k, m_k, T, H, K)
+                q_s, _ = load_rows(q, t_s, bos, i_h, o_k, m_k, T, H, K)
+                k_s, _ = load_rows(k, t_s, bos, i_h, o_k, m_k, T, H, K)
                 dA_ss = _dA_block(dA, t_s, s * BC, T, bos, i_h, o_c, H, BT, True)
                 keep = (o_c[:, None] >= o_c[None, :]) & (t_s < T)[:, None]  # j ≤ t < T (2^(0 - g_j) past T overflows)
                 E = tl.exp2(tl.where(keep[:, :, None], g_s[:, None, :] - g_s[None, :, :], float("-inf")))
@@ -126,8 +120,8 @@ if triton is not None:
                     g_first = tl.sum(tl.where(o_c[:, None] == 0, g_s, 0.), axis=0)
                     acc = tl.zeros([BC, BK], dtype=tl.float32)
                     for j in tl.static_range(s):
-                        k_j, m_jk = _tile(k, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
-                        g_j, _ = _tile(g, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
+                        k_j, m_jk = load_rows(k, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
+                        g_j, _ = load_rows(g, t0 + j * BC + o_c, bos, i_h, o_k, m_k, T, H, K)
                         kg_j = tl.where(m_jk, k_j * tl.exp2(g_first[None, :] - g_j), 0.)
                         acc = tl.dot(_dA_block(dA, t_s, j * BC, T, bos, i_h, o_c, H, BT, False), kg_j, acc)
                     b_dq += acc * tl.exp2(tl.where(m_sk, g_s - g_first[None, :], 0.))
@@ -137,8 +131,8 @@ if triton is not None:
                     acc = tl.zeros([BC, BK], dtype=tl.float32)
                     for u in tl.static_range(s + 1, NC):
                         t_u = t0 + u * BC + o_c
-                        q_u, m_uk = _tile(q, t_u, bos, i_h, o_k, m_k, T, H, K)
-                        g_u, _ = _tile(g, t_u, bos, i_h, o_k, m_k, T, H, K)
+                        q_u, m_uk = load_rows(q, t_u, bos, i_h, o_k, m_k, T, H, K)
+                        g_u, _ = load_rows(g, t_u, bos, i_h, o_k, m_k, T, H, K)
                         qg_u = tl.where(m_uk, q_u * tl.exp2(g_u - g_last[None, :]), 0.)
                         acc = tl.dot(tl.trans(_dA_block(dA, t_u, s * BC, T, bos, i_h, o_c, H, BT, False)), qg_u, acc)
                     b_dk += acc * tl.exp2(tl.where(m_sk, g_last[None, :] - g_s, 0.))
@@ -158,26 +152,20 @@ if triton is not None:
         i_kn, i_bh = tl.program_id(0), tl.program_id(1)  # chunks on axis 0: no 65535 limit on T
         i_k, i_n = i_kn % NK, i_kn // NK
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-        if IS_VARLEN:  # packed documents (B = 1): fla's table gives chunk i_n's document and its place there
-            i_d = tl.load(chunk_indices + i_n * 2).to(tl.int32)
-            i_n = tl.load(chunk_indices + i_n * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_d).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_d + 1).to(tl.int64) - bos).to(tl.int32)  # from here on: the document's
-        else:
-            bos = i_b * T
+        i_n, bos, T = chunk_origin(i_n, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)  # T: the document's if packed
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         t0 = i_n * BT
         if WHOLE:  # the whole chunk through one reference gate (its middle token), when the gates allow
             o_t = tl.arange(0, BT)
             t_c = t0 + o_t
-            g_c, m_ck = _tile(g, t_c, bos, i_h, o_k, m_k, T, H, K)
+            g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
             mid = tl.minimum(BT // 2, T - 1 - t0)
             g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
             span = tl.max(tl.max(tl.where(m_ck, tl.abs(g_c - g_r[None, :]), 0.), axis=1), axis=0)
             if span <= SPAN:  # two [BT, BT] x [BT, BK] products, 3xTF32: the diagonal's largest terms are in them
-                q_c, _ = _tile(q, t_c, bos, i_h, o_k, m_k, T, H, K)
-                k_c, _ = _tile(k, t_c, bos, i_h, o_k, m_k, T, H, K)
+                q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
+                k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
                 kg_c = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
                 qg_c = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
                 dA_c = _dA_block(dA, t_c, 0, T, bos, i_h, o_t, H, BT, True)

@@ -50,12 +50,7 @@ def chunk_gla_fwd_A_torch(q, k, g_cs, scale: float, BT: int, cu_seqlens=None):
 
 
 if triton is not None:
-    @triton.jit
-    def _rows(x, t_x, bos, i_h, o_k, m_k, T, H: tl.constexpr, K: tl.constexpr):
-        """Rows t_x of x [B·T, H, K] (the sequence starting at row bos, T long) for keys o_k, fp32, zero past T."""
-        m = (t_x < T)[:, None] & m_k[None, :]
-        rows = (bos + t_x) * H + i_h  # int64
-        return tl.load(x + rows[:, None] * K + o_k[None, :], mask=m, other=0.).to(tl.float32), m
+    from .triton_chunks import chunk_origin, load_rows
 
     @triton.jit
     def _blocks(q, k, g, A, bos, i_h, t0, T, scale, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
@@ -74,10 +69,10 @@ if triton is not None:
                     for i_k in range(tl.cdiv(K, BK)):
                         o_k = i_k * BK + tl.arange(0, BK)
                         m_k = o_k < K
-                        q_i, m_ik = _rows(q, t_i, bos, i_h, o_k, m_k, T, H, K)
-                        g_i, _ = _rows(g, t_i, bos, i_h, o_k, m_k, T, H, K)
-                        k_j, m_jk = _rows(k, t_j, bos, i_h, o_k, m_k, T, H, K)
-                        g_j, _ = _rows(g, t_j, bos, i_h, o_k, m_k, T, H, K)
+                        q_i, m_ik = load_rows(q, t_i, bos, i_h, o_k, m_k, T, H, K)
+                        g_i, _ = load_rows(g, t_i, bos, i_h, o_k, m_k, T, H, K)
+                        k_j, m_jk = load_rows(k, t_j, bos, i_h, o_k, m_k, T, H, K)
+                        g_j, _ = load_rows(g, t_j, bos, i_h, o_k, m_k, T, H, K)
                         if j < i:  # t after every j: 2^(g_t − g_n) ≤ 1 and 2^(g_n − g_j) ≤ 1
                             g_n = tl.sum(tl.where(o_c[:, None] == 0, g_i, 0.), axis=0)
                             qg = tl.where(m_ik, q_i * tl.exp2(g_i - g_n[None, :]), 0.)
@@ -99,13 +94,7 @@ if triton is not None:
                       SPAN: tl.constexpr = 64.0):
         i_n, i_bh = tl.program_id(0), tl.program_id(1)  # chunks on axis 0: no 65535 limit on T
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-        if IS_VARLEN:  # packed documents (B = 1): fla's table gives chunk i_n's document and its place there
-            i_d = tl.load(chunk_indices + i_n * 2).to(tl.int32)
-            i_n = tl.load(chunk_indices + i_n * 2 + 1).to(tl.int32)
-            bos = tl.load(cu_seqlens + i_d).to(tl.int64)
-            T = (tl.load(cu_seqlens + i_d + 1).to(tl.int64) - bos).to(tl.int32)  # from here on: the document's
-        else:
-            bos = i_b * T
+        i_n, bos, T = chunk_origin(i_n, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)  # T: the document's if packed
         t0 = i_n * BT
         o_t = tl.arange(0, BT)
         t_c = t0 + o_t
@@ -113,7 +102,7 @@ if triton is not None:
         span = tl.zeros([], dtype=tl.float32)
         for i_k in range(tl.cdiv(K, BK)):  # how far the chunk's gates reach from the reference, over all keys
             o_k = i_k * BK + tl.arange(0, BK)
-            g_c, m_ck = _rows(g, t_c, bos, i_h, o_k, o_k < K, T, H, K)
+            g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, o_k < K, T, H, K)
             g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
             span = tl.maximum(span, tl.max(tl.max(tl.where(m_ck, tl.abs(g_c - g_r[None, :]), 0.), axis=1), axis=0))
         if span <= SPAN:
@@ -121,9 +110,9 @@ if triton is not None:
             for i_k in range(tl.cdiv(K, BK)):
                 o_k = i_k * BK + tl.arange(0, BK)
                 m_k = o_k < K
-                g_c, m_ck = _rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
-                q_c, _ = _rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
-                k_c, _ = _rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
+                g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
+                q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
+                k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
                 g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
                 qg = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
                 kg = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
