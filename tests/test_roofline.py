@@ -18,7 +18,7 @@ def _launched_kernels() -> set[str]:
     """Triton kernels our stages launch (kernels/*.py: `name[grid](`) and fla's stages that kernels/fla_stages.py
     and gla_chunk.py call, read from fla's installed source."""
     ours = set()
-    for f in ("zeco_stages.py", "gla_bwd_intra.py"):
+    for f in ("zeco_stages.py", "gla_bwd_intra.py", "gla_fwd_intra.py"):
         ours |= set(re.findall(r"(_\w+_kernel)\[", (ROOT / "lingua_zeco/kernels" / f).read_text()))
     fla = pytest.importorskip("fla")
     ops = Path(fla.__file__).parent / "ops"

@@ -42,6 +42,8 @@ def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: in
         # fla's A in 16-token sub-chunks (NC per chunk): the blocks below the diagonal, then the diagonal ones
         "chunk_gla_fwd_A_kernel_intra_sub_inter": (2 * e * NK + 4 * NK + 4 * NA * below, scores_k * below),
         "chunk_gla_fwd_A_kernel_intra_sub_intra": (2 * e * NK + 4 * NK + 4 * NA / NC, scores_k / NC),
+        # ours: the whole chunk's A at once (gla_fwd_intra.py), every score computed (the upper triangle too)
+        "_fwd_A_kernel": (2 * e * NK + 4 * NK + 4 * NA, scores_k),
         "chunk_gla_fwd_kernel_o": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),
         "_fwd_o_kernel": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),  # + S_in: tiny
         "_decay_prefix_kernel": (8 * B * NT * H * K, 0),
