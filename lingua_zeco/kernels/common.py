@@ -49,6 +49,23 @@ def acc_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes, torch.float32)
 
 
+def chunked(x: torch.Tensor, BT: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, X] -> [B, N, BT, H, X] in dtype, the last chunk padded with zero rows (the intra-chunk oracles)."""
+    B, T, H, X = x.shape
+    return torch.nn.functional.pad(x.to(dtype), (0, 0, 0, 0, 0, (-T) % BT)).view(B, -1, BT, H, X)
+
+
+def intra_chunk_decays(g_BNCHK: torch.Tensor, T: int) -> torch.Tensor:
+    """E [B, N, t, j, H, K] = 2^(g_t − g_j) for j ≤ t inside each chunk of the chunked base-2 gate cumsum, 0 above
+    the diagonal and for the padded rows past T (the intra-chunk oracles)."""
+    BT = g_BNCHK.shape[2]
+    t_C = torch.arange(BT, device=g_BNCHK.device)
+    valid_NC = (torch.arange(g_BNCHK.shape[1] * BT, device=g_BNCHK.device) < T).view(-1, BT)
+    keep_NTJ = (t_C[:, None] >= t_C[None, :]) & valid_NC[:, :, None] & valid_NC[:, None, :]
+    diff = g_BNCHK[:, :, :, None] - g_BNCHK[:, :, None, :]
+    return torch.exp2(diff.masked_fill(~keep_NTJ[None, :, :, :, None, None], float("-inf")))
+
+
 def segments(B: int, T: int, cu_seqlens) -> list[tuple[int, int, int]]:
     """(batch row, start, end) of each sequence: the B rows, or the documents of a packed row (B = 1)."""
     if cu_seqlens is None:

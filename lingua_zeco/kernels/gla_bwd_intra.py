@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import acc_dtype
+from .common import acc_dtype, chunked, intra_chunk_decays
 
 try:
     import triton
@@ -47,18 +47,8 @@ def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int, cu_seqlens=None):
         return tuple(torch.cat(p, dim=1) for p in zip(*parts))
     B, T, H, K = q.shape
     acc = acc_dtype(q.dtype, g_cs.dtype, dA.dtype)
-    pad = (-T) % BT
-
-    def chunks(x):  # [B, T, H, X] -> [B, N, BT, H, X], zero rows past T
-        x = torch.nn.functional.pad(x.to(acc), (0, 0, 0, 0, 0, pad))
-        return x.view(B, -1, BT, H, x.shape[-1])
-
-    q_BNCHK, k_BNCHK, g_BNCHK, dA_BNCHJ = chunks(q), chunks(k), chunks(g_cs), chunks(dA)
-    t_C = torch.arange(BT, device=q.device)
-    valid_NC = (torch.arange(q_BNCHK.shape[1] * BT, device=q.device) < T).view(-1, BT)
-    keep_NTJ = (t_C[:, None] >= t_C[None, :]) & valid_NC[:, :, None] & valid_NC[:, None, :]
-    diff = g_BNCHK[:, :, :, None] - g_BNCHK[:, :, None, :]  # [B, N, t, j, H, K]
-    E = torch.exp2(diff.masked_fill(~keep_NTJ[None, :, :, :, None, None], float("-inf")))
+    q_BNCHK, k_BNCHK, dA_BNCHJ = (chunked(x, BT, acc) for x in (q, k, dA))
+    E = intra_chunk_decays(chunked(g_cs, BT, acc), T)  # [B, N, t, j, H, K]
     W = dA_BNCHJ.permute(0, 1, 2, 4, 3)[..., None] * E  # dA[t, j] · 2^(g_t − g_j)
     dq = torch.einsum("bntjhk,bnjhk->bnthk", W, k_BNCHK)
     dk = torch.einsum("bntjhk,bnthk->bnjhk", W, q_BNCHK)

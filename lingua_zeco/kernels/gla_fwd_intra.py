@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from .common import acc_dtype, chunked, intra_chunk_decays
+
 try:
     import triton
     import triton.language as tl
@@ -33,18 +35,9 @@ def chunk_gla_fwd_A_torch(q, k, g_cs, scale: float, BT: int, cu_seqlens=None):
                  for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a]
         return torch.cat(parts, dim=1)
     B, T, H, K = q.shape
-    acc = torch.promote_types(torch.promote_types(q.dtype, g_cs.dtype), torch.float)
-    pad = (-T) % BT
-
-    def chunks(x):  # [B, T, H, K] -> [B, N, BT, H, K], zero rows past T
-        return torch.nn.functional.pad(x.to(acc), (0, 0, 0, 0, 0, pad)).view(B, -1, BT, H, K)
-
-    q_BNCHK, k_BNCHK, g_BNCHK = chunks(q), chunks(k), chunks(g_cs)
-    t_C = torch.arange(BT, device=q.device)
-    valid_NC = (torch.arange(q_BNCHK.shape[1] * BT, device=q.device) < T).view(-1, BT)
-    keep_NTJ = (t_C[:, None] >= t_C[None, :]) & valid_NC[:, :, None] & valid_NC[:, None, :]
-    diff = g_BNCHK[:, :, :, None] - g_BNCHK[:, :, None, :]  # [B, N, t, j, H, K]
-    E = torch.exp2(diff.masked_fill(~keep_NTJ[None, :, :, :, None, None], float("-inf")))
+    acc = acc_dtype(q.dtype, g_cs.dtype)
+    q_BNCHK, k_BNCHK = chunked(q, BT, acc), chunked(k, BT, acc)
+    E = intra_chunk_decays(chunked(g_cs, BT, acc), T)  # [B, N, t, j, H, K]
     A = scale * torch.einsum("bnthk,bnjhk,bntjhk->bnthj", q_BNCHK, k_BNCHK, E)
     return A.reshape(B, -1, H, BT)[:, :T]
 
@@ -99,24 +92,22 @@ if triton is not None:
         o_t = tl.arange(0, BT)
         t_c = t0 + o_t
         mid = tl.minimum(BT // 2, T - 1 - t0)  # the middle token, or the last one of a short last chunk
+        # one pass over the key blocks: the products through the reference gate, and how far the chunk's gates reach
+        # from it; past 2^±SPAN the products may have overflowed and the chunk is redone by blocks (rare)
         span = tl.zeros([], dtype=tl.float32)
-        for i_k in range(tl.cdiv(K, BK)):  # how far the chunk's gates reach from the reference, over all keys
+        b_A = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_k in range(tl.cdiv(K, BK)):
             o_k = i_k * BK + tl.arange(0, BK)
-            g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, o_k < K, T, H, K)
+            m_k = o_k < K
+            g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
+            q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
+            k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
             g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
             span = tl.maximum(span, tl.max(tl.max(tl.where(m_ck, tl.abs(g_c - g_r[None, :]), 0.), axis=1), axis=0))
+            qg = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
+            kg = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
+            b_A = tl.dot(qg, tl.trans(kg), b_A, input_precision="tf32x3")
         if span <= SPAN:
-            b_A = tl.zeros([BT, BT], dtype=tl.float32)
-            for i_k in range(tl.cdiv(K, BK)):
-                o_k = i_k * BK + tl.arange(0, BK)
-                m_k = o_k < K
-                g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
-                q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
-                k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
-                g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
-                qg = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
-                kg = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
-                b_A = tl.dot(qg, tl.trans(kg), b_A, input_precision="tf32x3")
             rows = (bos + t_c) * H + i_h
             keep = o_t[:, None] >= o_t[None, :]
             tl.store(A + rows[:, None] * BT + o_t[None, :], tl.where(keep, b_A * scale, 0.), mask=(t_c < T)[:, None])
