@@ -57,7 +57,8 @@ def test_packed_documents_leave_the_graph_once():
 
 def test_gla_op_schema_fake_and_autograd():
     q, k, v, g = _gla_inputs()
-    torch.library.opcheck(gla_fwd, (q, k, v, g, 8 ** -0.5, "zeco"))
+    torch.library.opcheck(gla_fwd, (q, k, v, g, 8 ** -0.5, "zeco", False))
+    torch.library.opcheck(gla_fwd, (q, k, v, g, 8 ** -0.5, "zeco", True))
 
 
 def test_gla_op_matches_float64_oracle_and_catches_a_dropped_gradient():

@@ -82,3 +82,64 @@ def test_dqkg_launcher_passes_every_argument_of_flas_kernel(monkeypatch):
     with pytest.raises(ValueError, match="chunk_indices"):
         fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.5, dtypes=(torch.float,) * 3,
                                          cu_seqlens=torch.tensor([0, T]), chunk_size=BT)
+
+
+def _cpu_staged(monkeypatch, calls):
+    """gla_chunk's own code over fla's stages written out in float64 (tests/fla_stages_cpu.py); chunk_fwd_h
+    calls are counted."""
+    import fla_stages_cpu
+    stages = fla_stages_cpu.STAGES
+
+    def fwd_h(**kw):
+        calls.append(kw["states_in_fp32"])
+        return fla_stages_cpu.chunk_fwd_h(**kw)
+    monkeypatch.setattr(gla_chunk, "fla", type(stages)(**{**vars(stages), "chunk_fwd_h": fwd_h}))
+    monkeypatch.setattr(gla_chunk, "dqk_intra", fla_stages_cpu.dqk_intra)
+    monkeypatch.setattr(gla_chunk, "fwd_A", fla_stages_cpu.fwd_A)
+
+
+def _staged_and_oracle(save_h, B=2, T=150, H=2, K=8, V=8):
+    """(ours, the float64 recurrence): [o, ht, dq, dk, dv, dg, dh0] with an initial state and a final-state
+    gradient."""
+    import torch.nn.functional as F
+
+    from lingua_zeco.kernels import naive_gla
+    gen = torch.Generator().manual_seed(5)
+    d = dict(generator=gen, dtype=torch.float64)
+    q, k = (torch.randn(B, T, H, K, **d) for _ in range(2))
+    v, do = (torch.randn(B, T, H, V, **d) for _ in range(2))
+    g = F.logsigmoid(torch.randn(B, T, H, K, **d) + 2)
+    h0, dht = torch.randn(B, H, K, V, **d), torch.randn(B, H, K, V, **d)
+
+    def run(fn, **kw):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, g, h0)]
+        o, ht = fn(*leaves[:4], scale=0.3, initial_state=leaves[4], output_final_state=True, **kw)
+        return [o.detach(), ht.detach(), *torch.autograd.grad((o, ht), leaves, (do, dht))]
+    return run(gla_chunk.chunk_gla_staged, save_h=save_h), run(naive_gla)
+
+
+def test_save_h_keeps_the_forward_states_and_equals_the_recurrence(monkeypatch):
+    """model.gla_save_h: the backward reads the forward's h (one chunk_fwd_h per step, not two) and every
+    output and gradient is the float64 recurrence's; without save_h the backward recomputes h in fp32."""
+    for save_h, expected in ((False, [False, True]), (True, [False])):
+        calls = []
+        _cpu_staged(monkeypatch, calls)
+        ours, exact = _staged_and_oracle(save_h)
+        assert calls == expected, save_h
+        for name, a, b in zip(["o", "ht", "dq", "dk", "dv", "dg", "dh0"], ours, exact, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=name)
+
+
+def test_save_h_with_the_wrong_states_is_caught(monkeypatch):
+    """A broken save_h (the forward keeps the states one chunk late) changes dq and dg by far more than the
+    tolerance above: the test of the kept states can fail."""
+    calls = []
+    _cpu_staged(monkeypatch, calls)
+    fwd = gla_chunk.staged_fwd
+
+    def late_states(*a, **kw):
+        o, ht, A, g_cs, h = fwd(*a, **kw)
+        return o, ht, A, g_cs, h.roll(1, dims=1)
+    monkeypatch.setattr(gla_chunk, "staged_fwd", late_states)
+    ours, exact = _staged_and_oracle(True)
+    assert (ours[2] - exact[2]).abs().max() > 1e-3 and (ours[5] - exact[5]).abs().max() > 1e-3

@@ -21,13 +21,14 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("save_h", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gla_op_on_fla_stages(dtype):
+def test_gla_op_on_fla_stages(dtype, save_h):
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 300, 2, 64, generator=gen).to("cuda", dtype) for _ in range(2))
     v = torch.randn(1, 300, 2, 64, generator=gen).to("cuda", dtype)
     g = torch.nn.functional.logsigmoid(torch.randn(1, 300, 2, 64, generator=gen)).to("cuda", dtype) / 16
-    torch.library.opcheck(gla_fwd, (q, k, v, g, 0.125, "zeco"),
+    torch.library.opcheck(gla_fwd, (q, k, v, g, 0.125, "zeco", save_h),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 

@@ -52,11 +52,12 @@ def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
             assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2, name
 
 
-@pytest.mark.parametrize("intra", ["zeco", "zeco_chunk"])
+@pytest.mark.parametrize("intra,save_h", [("zeco", False), ("zeco_chunk", False), ("zeco_chunk", True)])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
-def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra):
-    """The staged operator (our intra stage) against fla's chunk_gla and the float64 recurrence, with an
-    initial state and a final-state gradient (every input and output of fla's dense contract)."""
+def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra, save_h):
+    """The staged operator (our intra stage; save_h: the forward's states kept for the backward) against fla's
+    chunk_gla and the float64 recurrence, with an initial state and a final-state gradient (every input and
+    output of fla's dense contract)."""
     from fla.ops.gla import chunk_gla
 
     from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
@@ -71,7 +72,7 @@ def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra):
         o, ht = fn(*tensors[:4], scale=0.1, initial_state=tensors[4], output_final_state=True)
         return [o, ht, *torch.autograd.grad((o, ht), tensors, (do.to(o.dtype), dht.to(ht.dtype)))]
 
-    ours = run(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, **kw), *leaves)
+    ours = run(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, save_h=save_h, **kw), *leaves)
     fla, exact = run(chunk_gla, *leaves), run(naive_gla, *(t.detach().double().requires_grad_() for t in leaves))
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dh0"]
     for name, a, b, ref in zip(names, ours, fla, exact):
@@ -112,8 +113,9 @@ def test_intra_stage_on_packed_documents_matches_fla_and_the_oracle():
     assert max(_rel(a, ref) for a, ref in zip(dense, exact)) > 1e-2
 
 
+@pytest.mark.parametrize("save_h", [False, True])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
-def test_staged_chunk_gla_on_packed_documents_equals_fla_and_the_oracle(gate_dtype):
+def test_staged_chunk_gla_on_packed_documents_equals_fla_and_the_oracle(gate_dtype, save_h):
     """The staged operator on packed documents with host-planned chunk tables, one initial state and
     one final-state gradient per document, against fla's varlen chunk_gla and the float64 recurrence."""
     from fla.ops.gla import chunk_gla
@@ -133,7 +135,7 @@ def test_staged_chunk_gla_on_packed_documents_equals_fla_and_the_oracle(gate_dty
         o, ht = fn(*tensors[:4], scale=0.1, initial_state=tensors[4], output_final_state=True, cu_seqlens=cu, **kw)
         return [o, ht, *torch.autograd.grad((o, ht), tensors, (do.to(o.dtype), dht.to(ht.dtype)))]
 
-    ours = run(chunk_gla_staged, *leaves, chunk_tables=lambda BT: (ci, co, NT))
+    ours = run(chunk_gla_staged, *leaves, chunk_tables=lambda BT: (ci, co, NT), save_h=save_h)
     fla = run(chunk_gla, *leaves)
     exact = run(naive_gla, *(t.detach().double().requires_grad_() for t in leaves))
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dh0"]

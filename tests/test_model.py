@@ -172,3 +172,14 @@ def test_simple_gla_variant():
     assert n == 40 and m.model.layers[0].attn.gk_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="attn_variant"):
         GLAForCausalLM(dataclasses.replace(TINY, attn_variant="deltanet"))
+
+
+def test_gla_operator_options_are_checked():
+    """model.gla_save_h keeps the unsplit operator's states: asked together with the split operator (which
+    recomputes its own) it is refused with both keys named; a bad split count or intra stage too."""
+    for bad, match in ((dict(gla_save_h=True, gla_split=2), "gla_save_h.*gla_split=2"),
+                       (dict(gla_save_h=True, gla_split=0), "gla_save_h.*gla_split=0"),
+                       (dict(gla_split=-1), "gla_split=-1"), (dict(gla_bwd_intra="triton"), "gla_bwd_intra")):
+        with pytest.raises(ValueError, match=match):
+            GLAForCausalLM(dataclasses.replace(TINY, **bad))
+    GLAForCausalLM(dataclasses.replace(TINY, gla_save_h=True))  # alone: accepted (on CPU the torch kernel runs)

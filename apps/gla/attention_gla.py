@@ -26,7 +26,7 @@ class GatedLinearAttention(LinearAttention):
         self.o_proj = nn.Linear(vd, d, bias=False)
         self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
         self.compile_gates = args.compile_gates
-        self.bwd_intra, self.split = args.gla_bwd_intra, args.gla_split
+        self.bwd_intra, self.split, self.save_h = args.gla_bwd_intra, args.gla_split, args.gla_save_h
 
     def _inputs(self, x):
         """q, k, v (_qkv) and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
@@ -42,12 +42,13 @@ class GatedLinearAttention(LinearAttention):
         sp = dict(group=self.sp.group, method=self.sp.method, cu_seqlens=cu_seqlens, scan=self.sp.scan,
                   bwd_intra=self.bwd_intra)
         if carry is not None:
-            o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), split=self.split, **sp)
+            o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), split=self.split, save_h=self.save_h,
+                                    **sp)
             carry.put(self.layer_idx, state)
         elif self.variant == "simple_gla":
             o = sp_simple_gla(q, k, v, gk, **sp)
         else:
-            o = sp_gla(q, k, v, gk, split=self.split, **sp)
+            o = sp_gla(q, k, v, gk, split=self.split, save_h=self.save_h, **sp)
         return self._output(o, x)
 
     def _state_inputs(self, x):

@@ -60,6 +60,10 @@ class GLAArgs:
     # batch, the scan between them inside the GPU (lingua_zeco/sp/split.py): 1 = off, 0 = auto (enough
     # segments to fill the SMs), S = S segments (T/S a multiple of 64)
     gla_split: int = 1
+    # CUDA, gla, one rank's whole sequence (no SP, gla_split=1): keep the forward's chunk states h (16 bits) for
+    # the backward instead of recomputing them: one state scan fewer per layer, 2·T·H·K·V/64 bytes more per
+    # layer until its backward (lingua_zeco/kernels/gla_chunk.py; the SP operators recompute theirs)
+    gla_save_h: bool = False
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     # tokens per GPU of one segment: the step trains the sequence segment by segment with exact gradients,
     # carrying each layer's state (lingua_zeco/segments.py; docs/long_context.md). 0 = the whole sequence
@@ -133,6 +137,9 @@ class GLAArgs:
             raise ValueError(f"model.gla_bwd_intra={self.gla_bwd_intra!r}; choose from {BWD_INTRA}")
         if self.gla_split < 0:
             raise ValueError(f"model.gla_split={self.gla_split}: give 1 (off), 0 (auto) or the segments per sequence")
+        if self.gla_save_h and self.gla_split != 1:
+            raise ValueError(f"model.gla_save_h=true keeps the unsplit operator's states; the split operator "
+                             f"(model.gla_split={self.gla_split}) recomputes its own: set one of them off")
 
 
 def _exact(x: float, what: str) -> int:

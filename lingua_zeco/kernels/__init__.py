@@ -21,18 +21,21 @@ from .torch_chunk import torch_chunk_gla
 
 
 def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, backend: str | None = None, bwd_intra: str = "zeco", chunk_tables=None):
+              cu_seqlens=None, backend: str | None = None, bwd_intra: str = "zeco", chunk_tables=None,
+              save_h: bool = False):
     """GLA over [B, T, H, *] tensors with fla's contract; returns (o, final_state or None).
     fla backend: fla's stages with the intra-chunk dq/dk stage `bwd_intra` (kernels/gla_chunk.py), dense
     or packed (`chunk_tables(BT)`: fla's chunk tables planned on the host, as LocalSegments.chunk_index
-    gives them; planned from cu_seqlens when None); bwd_intra="fla": fla's chunk_gla itself."""
+    gives them; planned from cu_seqlens when None); bwd_intra="fla": fla's chunk_gla itself. save_h: the
+    staged operator keeps the forward's states for the backward (kernels/gla_chunk.py; other backends
+    recompute or keep what they always do)."""
     check_bwd_intra(bwd_intra)
     name = pick_backend(q.device, backend)
     if name == "fla" and bwd_intra != "fla":
         from .gla_chunk import chunk_gla_staged
         return chunk_gla_staged(q, k, v, g, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                bwd_intra=bwd_intra, chunk_tables=chunk_tables)
+                                bwd_intra=bwd_intra, chunk_tables=chunk_tables, save_h=save_h)
     if name == "fla":
         from fla.ops.gla import chunk_gla as fla_chunk_gla
         return fla_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,

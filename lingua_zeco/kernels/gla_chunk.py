@@ -6,7 +6,11 @@
                forward's intra-chunk attention A (gla_fwd_intra.py) instead of fla's
 Every other stage, the saved tensors and the precisions are fla's (ChunkGLAFunction): h in 16 bits in
 the forward, recomputed in fp32 in the backward; the gate cumsum kept when g is fp32, recomputed from
-16-bit gates. Dense sequences, or packed documents (B = 1) with fla's chunk tables planned on the host
+16-bit gates. `save_h` keeps the forward's h (in k's dtype: 16 bits in training) for the backward
+instead of recomputing it: one chunk_fwd_h fewer, 2·B·T·H·K·V/BT bytes held from forward to backward in
+16 bits. The backward reads h in two places: its dq product, which rounds h to 16 bits anyway (the same
+values), and dg's Σ h ⊙ dh, where h then carries the forward's 16-bit rounding (a relative 2^-9 a term).
+Dense sequences, or packed documents (B = 1) with fla's chunk tables planned on the host
 (`chunk_tables`), so that no stage reads the boundaries back from the GPU as fla's own varlen path does.
 Shapes as fla names them: q, k, g [B, T, H, K], v [B, T, H, V], h0 and ht [B or N documents, H, K, V].
 """
@@ -52,11 +56,12 @@ def _states(k, v, g_cs, h0, BT, packed, final: bool, fp32: bool):
                                   output_final_state=final, states_in_fp32=fp32)
 
 
-def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, packed, intra: str = "zeco"):
-    """The forward stages on contiguous inputs: (o, final state(s) or None, A, g_cs or None). A [B, T, H, BT]
-    fp32 is the intra-chunk attention the backward reuses (by the stage `intra` picks: fwd_A); g_cs (the fp32
-    gate cumsum) is kept only when g is fp32 (as fla: it then costs no more memory than g), else the backward
-    recomputes it."""
+def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, packed, intra: str = "zeco",
+               save_h: bool = False):
+    """The forward stages on contiguous inputs: (o, final state(s) or None, A, g_cs or None, h or None). A
+    [B, T, H, BT] fp32 is the intra-chunk attention the backward reuses (by the stage `intra` picks: fwd_A);
+    g_cs (the fp32 gate cumsum) is kept only when g is fp32 (as fla: it then costs no more memory than g), else
+    the backward recomputes it; h [B, NT, H, K, V] (k's dtype) is returned for the backward when save_h."""
     BT = fla_chunk_size(q.shape[1])
     cu, ci = (None, None) if packed is None else packed[:2]
     g_cs = fla.gate_cumsum(g, BT, cu, ci)
@@ -64,12 +69,13 @@ def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, packed, i
     A = fwd_A(q, k, g_cs, scale, BT, intra, cu_seqlens=cu, chunk_indices=ci)
     o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, cu_seqlens=cu, chunk_size=BT,
                                chunk_indices=ci)
-    return o, ht, A, g_cs if g.dtype == torch.float else None
+    return o, ht, A, g_cs if g.dtype == torch.float else None, h if save_h else None
 
 
-def staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, scale: float, bwd_intra: str, packed):
+def staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, scale: float, bwd_intra: str, packed, h=None):
     """The backward stages: (dq, dk, dv, dg, dh0) from staged_fwd's inputs and saved tensors (g_cs None:
-    recomputed from g) and the gradients of o and of the final state(s) (dht None: zero)."""
+    recomputed from g; h None: recomputed in fp32) and the gradients of o and of the final state(s) (dht None:
+    zero)."""
     BT = fla_chunk_size(q.shape[1])
     cu, ci = (None, None) if packed is None else packed[:2]
     vl = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
@@ -77,7 +83,8 @@ def staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, scale: float, bwd_intra: str, p
     dht = None if dht is None else dht.contiguous()  # e.g. ht.sum()'s gradient: ones expanded, stride 0
     if g_cs is None:
         g_cs = fla.gate_cumsum(g, BT, cu, ci)
-    h, _ = _states(k, v, g_cs, h0, BT, packed, final=False, fp32=True)
+    if h is None:
+        h, _ = _states(k, v, g_cs, h0, BT, packed, final=False, fp32=True)
     if packed is None:
         dh, dh0 = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=g_cs, chunk_size=BT,
                                    states_in_fp32=True)
@@ -97,28 +104,28 @@ class ChunkGLA(torch.autograd.Function):
     """packed: None (dense) or (cu_seqlens, chunk_indices, chunk_offsets, NT) for chunk size BT."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, h0, output_final_state, bwd_intra, packed):
+    def forward(ctx, q, k, v, g, scale, h0, output_final_state, bwd_intra, packed, save_h):
         # fla's kernels assume contiguous tensors (fla's own wrapper makes every input so)
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         h0 = None if h0 is None else h0.contiguous()
-        o, ht, A, g_cs = staged_fwd(q, k, v, g, scale, h0, output_final_state, packed, bwd_intra)
-        ctx.save_for_backward(q, k, v, None if g_cs is not None else g, g_cs, h0, A)
+        o, ht, A, g_cs, h = staged_fwd(q, k, v, g, scale, h0, output_final_state, packed, bwd_intra, save_h)
+        ctx.save_for_backward(q, k, v, None if g_cs is not None else g, g_cs, h0, A, h)
         ctx.scale, ctx.bwd_intra, ctx.packed = scale, bwd_intra, packed
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, g_cs, h0, A = ctx.saved_tensors
-        dq, dk, dv, dg, dh0 = staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, ctx.scale, ctx.bwd_intra, ctx.packed)
-        return dq, dk, dv, dg, None, dh0, None, None, None
+        q, k, v, g, g_cs, h0, A, h = ctx.saved_tensors
+        dq, dk, dv, dg, dh0 = staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, ctx.scale, ctx.bwd_intra, ctx.packed, h)
+        return dq, dk, dv, dg, None, dh0, None, None, None, None
 
 
 def chunk_gla_staged(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-                     bwd_intra: str = "zeco", cu_seqlens=None, chunk_tables=None):
+                     bwd_intra: str = "zeco", cu_seqlens=None, chunk_tables=None, save_h: bool = False):
     """fla's chunk_gla contract: (o [B, T, H, V], final state(s) or None). Packed documents: cu_seqlens
     (a long tensor on q's device) and `chunk_tables(BT) -> (chunk_indices, chunk_offsets, NT)` planned on
     the host (lingua_zeco.sp.varlen.LocalSegments.chunk_index); without it they are planned here from
-    cu_seqlens, which reads it back once."""
+    cu_seqlens, which reads it back once. save_h: keep the forward's states for the backward (module doc)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     packed = None
     if cu_seqlens is not None:
@@ -126,7 +133,7 @@ def chunk_gla_staged(q, k, v, g, *, scale=None, initial_state=None, output_final
         tables = (chunk_tables(BT) if chunk_tables is not None
                   else varlen_chunk_tables([int(b) for b in cu_seqlens.tolist()], BT, q.device))
         packed = (cu_seqlens, *tables)
-    return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, bwd_intra, packed)
+    return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, bwd_intra, packed, save_h)
 
 
 __all__ = ["ChunkGLA", "chunk_gla_staged", "dqk_intra", "fwd_A", "staged_bwd", "staged_fwd"]

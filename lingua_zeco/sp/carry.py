@@ -49,9 +49,9 @@ class StateCarry:
         self.states_out.setdefault(layer, state)
 
 
-def one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split: int = 1):
+def one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split: int = 1, save_h: bool = False):
     """sp_gla_carry on a group of one rank: the kernel's own initial and final state (split: model.gla_split,
-    the split operator's on dense GLA on CUDA, sp/split.py)."""
+    the split operator's on dense GLA on CUDA, sp/split.py; save_h: sp_gla's)."""
     if split != 1 and packing is None and g.dim() == 4 and kernels.pick_backend(q.device, backend) == "fla":
         S = segments_for(split, q, v)
         if S > 1:
@@ -68,7 +68,7 @@ def one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split: in
                                          cu_seqlens=cu, backend=backend)
     else:
         o, ht = kernels.chunk_gla(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                  backend=backend, bwd_intra=bwd_intra, chunk_tables=tables)
+                                  backend=backend, bwd_intra=bwd_intra, chunk_tables=tables, save_h=save_h)
     return o, ht[-1:] if packing is not None else ht
 
 

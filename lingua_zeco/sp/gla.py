@@ -19,7 +19,7 @@ from .varlen import as_packing, local_segments
 
 def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
            backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-           bwd_intra: str = "zeco", split: int = 1):
+           bwd_intra: str = "zeco", split: int = 1, save_h: bool = False):
     """q, k, g [B, T_local, H, K]; v [B, T_local, H, V]; g = log forget gate (≤ 0). Returns o [B, T_local, H, V].
     cu_seqlens: None (one sequence), the boundaries of the whole packed sequence (a tensor or ints, the
     same on every rank; planned on every call), or the step's `Packing` from `pack` (planned once).
@@ -27,6 +27,8 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     rank and on the fused dense paths.
     split: segments per sequence (or per rank's slice) run as one batch with the scan between them inside the
     GPU (sp/split.py; fla's stages, dense slices): 1 = off, 0 = auto (split_rule), S = S segments.
+    save_h: on a group of one rank without split, the operator keeps the forward's states h for the backward
+    (kernels/gla_chunk.py); the SP and split operators recompute them (their forward starts from zero).
     Inside torch.compile: one dense sequence on one rank is the opaque custom op kernels.chunk_gla_op (no
     graph break); the exchange with other ranks and packed documents run outside the graph (one break)."""
     if (torch.compiler.is_compiling() and cu_seqlens is None and group_rank_size(group)[1] == 1
@@ -35,13 +37,13 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
         S = segments_for(split, q, v) if q.is_cuda else 1
         if S > 1:
             return split_gla_op(q, k, v, g, scale=scale, segments=S, bwd_intra=bwd_intra)
-        return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra)
+        return kernels.chunk_gla_op(q, k, v, g, scale=scale, bwd_intra=bwd_intra, save_h=save_h)
     return _sp_gla(q, k, v, g, group=group, method=method, scale=scale, cu_seqlens=cu_seqlens, backend=backend,
-                   fused=fused, scan=scan, bwd_intra=bwd_intra, split=split)
+                   fused=fused, scan=scan, bwd_intra=bwd_intra, split=split, save_h=save_h)
 
 
 @outside_graph
-def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, scan, bwd_intra, split):
+def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, scan, bwd_intra, split, save_h):
     kernels.check_bwd_intra(bwd_intra)
     rank, P = group_rank_size(group)
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
@@ -57,11 +59,11 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
         if split > 1:
             return split_gla(q, k, v, g, scale=scale, segments=split, bwd_intra=bwd_intra)[0]
         if packing is None:
-            return kernels.chunk_gla(q, k, v, g, scale=scale, backend=name, bwd_intra=bwd_intra)[0]
+            return kernels.chunk_gla(q, k, v, g, scale=scale, backend=name, bwd_intra=bwd_intra, save_h=save_h)[0]
         seg = packing.seg  # its boundaries leave zero-length documents out (the same output) and its chunk
         # tables are planned once per step for every layer
         return kernels.chunk_gla(q, k, v, g, scale=scale, cu_seqlens=seg.cu_seqlens, chunk_tables=seg.chunk_index,
-                                 backend=name, bwd_intra=bwd_intra)[0]
+                                 backend=name, bwd_intra=bwd_intra, save_h=save_h)[0]
     seg = local_segments(None, rank, q.shape[1], q.device) if packing is None else packing.seg
     scan = scan or AllScanArgs()
     if method == "lasp1":
@@ -104,16 +106,16 @@ def sp_simple_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float 
 
 def sp_gla_carry(q, k, v, g, S0, *, group=None, method: str = "zeco", scale: float | None = None, cu_seqlens=None,
                  backend: str | None = None, fused: bool = True, scan: AllScanArgs | None = None,
-                 bwd_intra: str = "zeco", split: int = 1):
+                 bwd_intra: str = "zeco", split: int = 1, save_h: bool = False):
     """sp_gla (g [B, T_local, H, K]) or sp_simple_gla (g [B, T_local, H]) from the incoming state S0
     [B, H, K, V] (None: zeros) of the whole group's segment. Returns (o, S_end): S_end [B, H, K, V] (fp32 at
     least) the state after the segment's last token, on every rank. Packed documents (B = 1): S0 enters the
-    first document, S_end is the last one's (lingua_zeco/sp/carry.py). split: as sp_gla's."""
+    first document, S_end is the last one's (lingua_zeco/sp/carry.py). split, save_h: as sp_gla's."""
     rank, P = group_rank_size(group)
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if P == 1:
-        return one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split)
+        return one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split, save_h)
     simple = g.dim() == 3
     sp = dict(group=group, method=method, scale=scale, cu_seqlens=packing, backend=backend, fused=fused, scan=scan,
               bwd_intra=bwd_intra)

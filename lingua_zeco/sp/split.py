@@ -178,7 +178,7 @@ def gla_split_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, scale: float, segm
                   bwd_intra: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(o, A, S_in, Gx, b_end): the output and what the backward keeps. Off CUDA: the unsplit operator's
     torch kernel (the same result), the kept tensors empty."""
-    o = gla_fwd(q, k, v, g, scale, bwd_intra)[0]
+    o = gla_fwd(q, k, v, g, scale, bwd_intra, False)[0]
     return (o, *(q.new_empty(0, dtype=torch.float) for _ in range(4)))
 
 
@@ -208,7 +208,7 @@ def gla_split_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, A: Tensor, S_in: T
                   do: Tensor, scale: float, segments: int, bwd_intra: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dv, dg) of gla_split_fwd's output."""
     e = q.new_empty(0, dtype=torch.float)
-    return gla_bwd(q, k, v, g, q.new_empty(0), e, do, scale, bwd_intra)
+    return gla_bwd(q, k, v, g, q.new_empty(0), e, q.new_empty(0), do, scale, bwd_intra)
 
 
 @gla_split_bwd.register_kernel("cuda")

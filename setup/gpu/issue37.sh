@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 37's runs on one H200 (the GLA operator with the All-Scan inside the GPU, lingua_zeco/sp/split.py), one
 # device call of < 10 minutes per part, from the repository root with the wheels carried in .whl/:
-#     bash setup/gpu/issue37.sh A   # GPU tests: the intra/inter stages, the split operator (fla autotunes new shapes)
-#     bash setup/gpu/issue37.sh B   # bench_stages (intra stages alone), bench_fused 16K/32K: fla, staged, split, chunk intra
+#     bash setup/gpu/issue37.sh A [K]  # GPU tests: the intra/inter stages, the split operator (fla autotunes new
+#                                      # shapes: minutes); K: a pytest -k expression to run part of them
+#     bash setup/gpu/issue37.sh B   # bench_stages (intra stages alone), bench_fused 16K/32K: fla, staged, chunk intra,
+#                                   # save_h, split2, split auto
 #     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, chunk intra, split, float8 with and without
 #     bash setup/gpu/issue37.sh D   # bench_fused at 128K
 #     bash setup/gpu/issue37.sh E   # the roofline table at 16K and 32K (fla, staged, split_auto)
@@ -13,13 +15,14 @@ source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
     echo "== GPU tests"; timeout 540 python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q \
-        tests/test_gpu_intra.py tests/test_gpu_split.py 2>&1 | tee "$OUT/pytest_gpu_split.txt" | tail -12
+        tests/test_gpu_intra.py tests/test_gpu_split.py tests/test_gpu_compile.py -k "${2:-intra or split or gla_op}" 2>&1 \
+        | tee "$OUT/pytest_gpu_split.txt" | tail -12
     ;;
 B)
     echo "== bench_stages 16K"; timeout 150 python3 -m apps.gla.bench.bench_stages out=$OUT t_local=16384 \
         per_config=false 2>&1 | tee "$OUT/bench_stages.log" | grep -E "^\{|rror|Traceback"
     echo "== bench_fused 16K, 32K"; timeout 420 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
-        splits=2,4 doc_len=0 2>&1 | tee "$OUT/bench_fused.log" | grep -E "^\{|rror|Traceback"
+        splits=2 doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "^\{|rror|Traceback"
     ;;
 C)
     echo "== bench_train 16K"; timeout 540 python3 -m apps.gla.bench.bench_train out=$OUT \

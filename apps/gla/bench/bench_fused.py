@@ -12,6 +12,8 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
                      stages, our intra-chunk dq/dk); `staged_vs_fla_pct` against fla_chunk_gla
   staged_chunk_intra the same with the whole-chunk intra stage (bwd_intra "zeco_chunk");
                      `chunk_intra_vs_staged_pct` against staged_chunk_gla
+  staged_save_h, staged_chunk_intra_save_h: the same two keeping the forward's states h for the backward
+                     (save_h; `save_h_vs_staged_pct`, `chunk_intra_save_h_vs_fla_pct`)
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco); zeco_fused_fla_intra: with fla's intra-chunk
                      dq/dk stage instead of ours
   split<S>           the single-device operator as S segments in one batch, the scan inside the GPU
@@ -78,8 +80,9 @@ def variants(q, k, v, g, do, scale):
         o, ht = chunk_gla(q, k, v, g, scale=scale, initial_state=S_in, output_final_state=True)
         return torch.autograd.grad((o, ht), leaves, (do, G))
 
-    def staged(bwd_intra="zeco"):
-        return torch.autograd.grad(chunk_gla_staged(q, k, v, g, scale=scale, bwd_intra=bwd_intra)[0], leaves, do)
+    def staged(bwd_intra="zeco", save_h=False):
+        o = chunk_gla_staged(q, k, v, g, scale=scale, bwd_intra=bwd_intra, save_h=save_h)[0]
+        return torch.autograd.grad(o, leaves, do)
 
     def zeco():
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G)), leaves, do)
@@ -88,7 +91,8 @@ def variants(q, k, v, g, do, scale):
         scan = middle_rank_scan(S_in, G)
         return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, scan, "fla"), leaves, do)
     return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "staged_chunk_gla": staged,
-            "staged_chunk_intra": lambda: staged("zeco_chunk"), "zeco_fused": zeco,
+            "staged_chunk_intra": lambda: staged("zeco_chunk"), "staged_save_h": lambda: staged(save_h=True),
+            "staged_chunk_intra_save_h": lambda: staged("zeco_chunk", True), "zeco_fused": zeco,
             "zeco_fused_fla_intra": zeco_fla_intra}
 
 
@@ -164,6 +168,8 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
     row["extra_vs_h0_pct"] = pct("zeco_fused", "fla_chunk_gla_h0")
     row["staged_vs_fla_pct"] = pct("staged_chunk_gla", "fla_chunk_gla")
     row["chunk_intra_vs_staged_pct"] = pct("staged_chunk_intra", "staged_chunk_gla")
+    row["save_h_vs_staged_pct"] = pct("staged_save_h", "staged_chunk_gla")
+    row["chunk_intra_save_h_vs_fla_pct"] = pct("staged_chunk_intra_save_h", "fla_chunk_gla")
     splits = [n for n in fns if n.startswith("split")]
     for name in splits:
         row[f"{name}_vs_fla_pct"] = pct(name, "fla_chunk_gla")
@@ -187,6 +193,8 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
             row["graph_extra_pct"] = pct("zeco_fused_graph", "fla_chunk_gla_graph")
             row["graph_staged_vs_fla_pct"] = pct("staged_chunk_gla_graph", "fla_chunk_gla_graph")
             row["graph_chunk_intra_vs_staged_pct"] = pct("staged_chunk_intra_graph", "staged_chunk_gla_graph")
+            row["graph_save_h_vs_staged_pct"] = pct("staged_save_h_graph", "staged_chunk_gla_graph")
+            row["graph_chunk_intra_save_h_vs_fla_pct"] = pct("staged_chunk_intra_save_h_graph", "fla_chunk_gla_graph")
             for name in splits:
                 row[f"graph_{name}_vs_fla_pct"] = pct(f"{name}_graph", "fla_chunk_gla_graph")
             if "zeco_fused_split" in fns:

@@ -55,6 +55,11 @@ VARIANTS = {
     "ours_fla_intra": ["model.gla_bwd_intra=fla"],
     "ours_chunk_intra": ["model.gla_bwd_intra=zeco_chunk"],  # ours, whole-chunk products where the gates allow
     "ours_split_chunk_intra": ["model.gla_split=0", "model.gla_bwd_intra=zeco_chunk"],
+    # the forward's chunk states kept for the backward (one state scan fewer per layer)
+    "ours_save_h": ["model.gla_save_h=true"],
+    "ours_chunk_intra_save_h": ["model.gla_bwd_intra=zeco_chunk", "model.gla_save_h=true"],
+    "ours_float8_chunk_intra_save_h": ["model.float8=tensorwise", "model.gla_bwd_intra=zeco_chunk",
+                                       "model.gla_save_h=true"],
     # the GLA operator as segments in one batch, the scan inside the GPU (lingua_zeco/sp/split.py): auto, 2, 4
     "ours_split": ["model.gla_split=0"],
     "ours_split2": ["model.gla_split=2"],
