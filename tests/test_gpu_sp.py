@@ -65,9 +65,10 @@ def test_zeco_stages_match_oracles_and_fla():
         "the raw-gate path must read the gates"
 
 
-def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=None):
+def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=None, stages=("zeco", False)):
     """Each rank's (o, dq, dk, dv, dg) for P virtual ranks: forwards 0..P-1, backwards P-1..0.
-    cu_seqlens: boundaries of packed documents in the whole sequence (each rank cuts its own)."""
+    cu_seqlens: boundaries of packed documents in the whole sequence (each rank cuts its own).
+    stages: (the intra-chunk stages, save_h) of the fused operator."""
     from lingua_zeco.sp.fused_zeco import fused_zeco_apply
     from lingua_zeco.sp.varlen import local_segments
     from lingua_zeco.sp.virtual_ranks import VirtualScan
@@ -78,7 +79,7 @@ def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=Non
         sl = slice(p * T_local, (p + 1) * T_local)
         leaves.append([t[:, sl].clone().requires_grad_() for t in (q, k, v, g)])
         seg = local_segments(None if cu_seqlens is None else cu_seqlens.tolist(), p, T_local, q.device)
-        outs.append(fused_zeco_apply(*leaves[p], q.shape[-1] ** -0.5, scan.scan_fn(p), seg))
+        outs.append(fused_zeco_apply(*leaves[p], q.shape[-1] ** -0.5, scan.scan_fn(p), seg, *stages))
     results = [None] * P
     for p in reversed(range(P)):
         grads = torch.autograd.grad(outs[p], leaves[p], do[:, p * T_local:(p + 1) * T_local])
@@ -100,15 +101,18 @@ def _reference(q, k, v, g, do, P, cu_seqlens=None):
 NAMES = "o dq dk dv dg".split()
 
 
-@pytest.mark.parametrize("P,dtype,side_stream", [(3, torch.float32, False), (3, torch.bfloat16, True),
-                                                 (4, torch.float32, True), (4, torch.bfloat16, False)],
-                         ids=["P3-fp32", "P3-bf16-side_stream", "P4-fp32-side_stream", "P4-bf16"])
-def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream):
+@pytest.mark.parametrize("P,dtype,side_stream,stages", [
+    (3, torch.float32, False, ("zeco", False)), (3, torch.bfloat16, True, ("zeco", False)),
+    (4, torch.float32, True, ("zeco", False)), (4, torch.bfloat16, False, ("zeco", False)),
+    (3, torch.float32, False, ("zeco_chunk", True)), (4, torch.bfloat16, True, ("zeco_chunk", True))],
+    ids=["P3-fp32", "P3-bf16-side_stream", "P4-fp32-side_stream", "P4-bf16", "P3-fp32-chunk-save_h",
+         "P4-bf16-side_stream-chunk-save_h"])
+def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream, stages):
     T_local = 1000  # not a multiple of the chunk size (64)
     q, k, v, g, do = _inputs(P * T_local, dtype=dtype)
     ref = _reference(q, k, v, g, do, P)
     tol = 2e-3 if dtype == torch.float32 else 1.5e-2
-    got = _run_virtual_ranks(q, k, v, g, do, P, side_stream)
+    got = _run_virtual_ranks(q, k, v, g, do, P, side_stream, stages=stages)
     for p in range(P):
         errs = {n: _rel(a, b) for n, a, b in zip(NAMES, got[p], ref[p])}
         print(f"P={P} {dtype} side_stream={side_stream} rank {p}: " + " ".join(f"{n} {e:.1e}" for n, e in errs.items()))
@@ -117,7 +121,7 @@ def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream):
     # reaches the outputs of its slice's first tokens, G the gradients of its last ones
     mid = P // 2
     for drop, hit, near in (("S_in", ("o", "dq", "dg"), slice(0, 64)), ("G", ("dk", "dv", "dg"), slice(-64, None))):
-        bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=drop)
+        bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=drop, stages=stages)
         errs = {n: _rel(a[:, near], b[:, near]) for n, a, b in zip(NAMES, bad[mid], ref[mid])}
         assert all(errs[n] > 5 * tol for n in hit), f"dropping {drop} was not caught: {errs}"
 

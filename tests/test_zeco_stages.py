@@ -218,3 +218,41 @@ def test_fwd_o_triton_kernel_under_the_interpreter():
     worst = run_interpreted(_INTERPRETED_FWD_O)
     assert worst < 1e-4, worst  # fp32 accumulation
 
+
+
+_INTERPRETED_FOLD = r"""
+import sys, torch
+from lingua_zeco.kernels import zeco_stages as zs
+B, NT, H, K, V = 2, 3, 2, 40, 24  # K, V not powers of 2: masked tiles
+gen = torch.Generator().manual_seed(2)
+h = torch.randn(B, NT, H, K, V, generator=gen)
+S_in, Gx = torch.randn(B, H, K, V, generator=gen), -torch.rand(B, NT, H, K, generator=gen) * 4
+ref = zs.fold_S_in_torch(h.double(), S_in.double(), Gx.double())
+worst = 0.0
+for BK in (16, 64):  # several K blocks per (chunk, head), and one
+    out = h.clone()
+    if sys.argv[1] == "broken":
+        Gx = Gx.roll(1, dims=1)  # each chunk folded with its neighbour's decay
+    zs._fold_kernel[(-(-K // BK), NT, B * H)](out, S_in, Gx.contiguous(), NT, H=H, K=K, V=V, BK=BK, BV=32)
+    worst = max(worst, ((out.double() - ref).abs().max() / ref.abs().max()).item())
+print(worst)
+"""
+
+
+@pytest.mark.parametrize("variant", ["exact", "broken"])
+def test_fold_S_in_triton_kernel_under_the_interpreter(variant):
+    """The in-place fold of S_in into the kept chunk states (fold_S_in_'s Triton kernel itself, Triton's CPU
+    interpreter) against the float64 oracle; a chunk folded with the wrong decay is caught."""
+    from lingua_zeco.testing import run_interpreted
+    pytest.importorskip("triton")
+    worst = run_interpreted(_INTERPRETED_FOLD, variant)
+    assert worst < 1e-6 if variant == "exact" else worst > 1e-2, worst
+
+
+def test_fold_S_in_in_place_off_cuda():
+    from lingua_zeco.kernels.zeco_stages import fold_S_in_, fold_S_in_torch
+    h, S_in, Gx = torch.randn(1, 2, 1, 4, 3), torch.randn(1, 1, 4, 3), -torch.rand(1, 2, 1, 4)
+    expected = h + torch.exp2(Gx)[..., None] * S_in[:, None]
+    out = fold_S_in_(h, S_in, Gx)
+    assert out is h and torch.allclose(h, expected)
+    assert torch.allclose(fold_S_in_torch(torch.zeros_like(h), S_in, Gx), torch.exp2(Gx)[..., None] * S_in[:, None])

@@ -60,9 +60,10 @@ class GLAArgs:
     # batch, the scan between them inside the GPU (lingua_zeco/sp/split.py): 1 = off, 0 = auto (enough
     # segments to fill the SMs), S = S segments (T/S a multiple of 64)
     gla_split: int = 1
-    # CUDA, gla, one rank's whole sequence (no SP, gla_split=1): keep the forward's chunk states h (16 bits) for
-    # the backward instead of recomputing them: one state scan fewer per layer, 2·T·H·K·V/64 bytes more per
-    # layer until its backward (lingua_zeco/kernels/gla_chunk.py; the SP operators recompute theirs)
+    # CUDA, gla, gla_split=1: keep the forward's chunk states h (16 bits) for the backward instead of recomputing
+    # them: one state scan fewer per layer, 2·T_local·H·K·V/64 bytes more per layer until its backward (one rank:
+    # lingua_zeco/kernels/gla_chunk.py; the fused ZeCO / LASP-2 slices: sp/fused_zeco.py; packed slices where a
+    # document starts recompute theirs)
     gla_save_h: bool = False
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     # tokens per GPU of one segment: the step trains the sequence segment by segment with exact gradients,

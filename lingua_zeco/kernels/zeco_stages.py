@@ -15,6 +15,8 @@ stages that read the same data anyway, so no pass rewrites all chunk states:
                         b_t = 2^(Gx_n + g_cs_t): one read of q, g_cs, do, before dh is computed, so that
                         fla's dh stage can then run once with the final-state gradient G from the
                         reverse All-Scan (no fold of G into dh afterwards).
+* `fold_S_in_`          h_n += diag(2^Gx_n)·S_in in place: the true states, for a backward that keeps the
+                        forward's h instead of recomputing it from S_in (one read and write of h).
 Indices are int64 wherever a product can pass 2^31 (1M tokens × H = 16 × K = 128 already does).
 """
 from __future__ import annotations
@@ -79,6 +81,12 @@ def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     return o.to(v.dtype)
 
 
+def fold_S_in_torch(h, S_in, Gx):
+    """Oracle of `fold_S_in_`: h + diag(2^Gx_n)·S_in for every chunk n, in h's dtype (computed in at least fp32)."""
+    acc = acc_dtype(h.dtype)
+    return (h.to(acc) + torch.exp2(Gx.to(acc))[..., None] * S_in.to(acc)[:, None]).to(h.dtype)
+
+
 def zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT):
     """Oracle of `zeco_dS_in`: scale·Σ_t (q_t ⊙ 2^(Gx_n + g_cs_t))ᵀ do_t, [B, H, K, V] in at least fp32."""
     acc = acc_dtype(q.dtype)
@@ -105,6 +113,22 @@ if triton is not None:
             tl.store(gx + ((i_b * NT + o_n.to(tl.int64)) * H + i_h)[:, None] * K + o_k[None, :], excl, mask=m)
             carry += tl.sum(tot, axis=0)
         tl.store(b_end + (i_b * H + i_h) * K + o_k, tl.exp2(carry), mask=m_k)
+
+    @triton.jit(do_not_specialize=["NT"])
+    def _fold_kernel(h, s_in, gx, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                     BV: tl.constexpr):
+        # one program per (K block, chunk, sequence·head): h[n] += 2^Gx[n] ⊙ S_in over a [BK, V] tile
+        i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
+        o_k = i_k * BK + tl.arange(0, BK)
+        o_v = tl.arange(0, BV)
+        m = (o_k < K)[:, None] & (o_v < V)[None, :]
+        hrow = (i_b * NT + i_n) * H + i_h
+        p_h = h + (hrow * K + o_k[:, None]) * V + o_v[None, :]
+        b_s = tl.load(s_in + ((i_b * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m, other=0.).to(tl.float32)
+        b_gx = tl.load(gx + hrow * K + o_k, mask=o_k < K, other=0.)
+        b_h = tl.load(p_h, mask=m, other=0.).to(tl.float32) + tl.exp2(b_gx)[:, None] * b_s
+        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m)
 
     @triton.autotune(
         configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
@@ -234,6 +258,19 @@ def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     return o
 
 
+def fold_S_in_(h, S_in, Gx):
+    """h [B, NT, H, K, V] (the chunk states from a zero state) += diag(2^Gx_n)·S_in in place, and returned: the
+    states from S_in [B, H, K, V], rounded once to h's dtype (S_in read in fp32)."""
+    if not _cuda(h, S_in, Gx):
+        h.copy_(fold_S_in_torch(h, S_in, Gx))
+        return h
+    B, NT, H, K, V = h.shape
+    BK = 16 if V > 128 else 32  # a [BK, V] fp32 tile of S_in and of h per program
+    _fold_kernel[(triton.cdiv(K, BK), NT, B * H)](h, S_in, Gx, NT, H=H, K=K, V=V, BK=BK,
+                                                  BV=triton.next_power_of_2(V))
+    return h
+
+
 def dS_in_reads_raw_gates(q, g) -> bool:
     """True when zeco_dS_in makes the gates' cumsum itself (16-bit gates in q's dtype, on CUDA)."""
     return g.is_cuda and triton is not None and g.dtype in (torch.bfloat16, torch.float16) and g.dtype == q.dtype
@@ -283,5 +320,5 @@ def dS_in_best_config() -> str:
 
 
 __all__ = ["chunk_decay_prefix", "chunk_decay_prefix_torch", "chunk_local_cumsum_torch", "dS_in_best_config",
-           "dS_in_candidates", "dS_in_reads_raw_gates", "fla_chunk_size", "zeco_dS_in",
+           "dS_in_candidates", "dS_in_reads_raw_gates", "fold_S_in_", "fold_S_in_torch", "fla_chunk_size", "zeco_dS_in",
            "zeco_dS_in_torch", "zeco_fwd_o", "zeco_fwd_o_torch"]

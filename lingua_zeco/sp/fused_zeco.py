@@ -7,11 +7,12 @@ Forward on rank p (fla's chunk_gla_fwd, reordered; chunk size by fla's rule):
   4. All-Scan(S_end, b_end) starts                                    ┐ overlapped
   5. A = intra-chunk attention (needs no state)                       ┘           fla
   6. o = output stage with S_in folded into each chunk's state in registers      zeco_stages
+  7. save_h only: h += diag(2^Gx)·S_in in place, kept for the backward            zeco_stages
 Backward: fla's backward with initial_state = S_in and final-state gradient G from the next rank.
 G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
   1. g_cs (fla); D = scale·Σ_t (q_t ⊙ b_t)ᵀ do_t (one read of q, g_cs, do)         zeco_stages
   2. reverse All-Scan of (D, b_end) → G starts                        ┐
-  3. h recomputed from S_in; dA; intra-chunk dq, dk                    ┘ overlapped  fla; dq, dk ours
+  3. h recomputed from S_in (unless kept); dA; intra-chunk dq, dk      ┘ overlapped  fla; dq, dk ours
   4. dh with the final-state gradient G, then dv, and dq, dk, dg       (dg includes the decays of
      S_in and G: h carries S_in, dh carries G)                                    fla
 The extra work against plain fla chunk_gla is the D pass, the chunk gate sums and the fold inside
@@ -31,17 +32,18 @@ import torch.distributed as dist
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import fla_stages as fla
 from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
-from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
-                                             zeco_fwd_o)
+from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, fold_S_in_,
+                                             zeco_dS_in, zeco_fwd_o)
 
 from .fused_packed import FusedPackedZeCOGLA
 from .overlap import CHOOSER, post
 
 
-def zeco_forward(q, k, v, g, scale, scan_fn, intra: str = "zeco"):
+def zeco_forward(q, k, v, g, scale, scan_fn, intra: str = "zeco", save_h: bool = False):
     """The forward stages on contiguous inputs: (o, what zeco_backward reads). scan_fn(x, a, reverse) -> a
     handle with wait(): the exclusive scan of the slices' (state, decay) pairs, started before the intra-chunk
-    stage and waited for after it. intra: the intra-chunk stages (kernels.BWD_INTRA; fwd_A picks A's)."""
+    stage and waited for after it. intra: the intra-chunk stages (kernels.BWD_INTRA; fwd_A picks A's).
+    save_h: the chunk states from S_in are kept (16 bits, as kernels/gla_chunk.py's save_h) for the backward."""
     BT = fla_chunk_size(q.shape[1])
     g_cs_BTHK = fla.gate_cumsum(g, BT)
     h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
@@ -50,12 +52,13 @@ def zeco_forward(q, k, v, g, scale, scan_fn, intra: str = "zeco"):
     A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, BT, intra)
     S_in_BHKV = work.wait()
     o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
-    return o, (A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK)
+    kept = (fold_S_in_(h_BNHKV, S_in_BHKV, Gx_BNHK),) if save_h else ()
+    return o, (A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK, *kept)
 
 
 def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"):
     """(dq, dk, dv, dg) from the forward's inputs, what zeco_forward kept and the output gradient do."""
-    A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK = saved
+    A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK, *kept = saved
     BT = fla_chunk_size(q.shape[1])
     do = do.contiguous()
     # D first, so the scan starts as early as possible: from 16-bit gates D makes its own cumsum
@@ -64,8 +67,11 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"
     work = scan_fn(D_BHKV, b_end_BHK, True)
     if g_cs_BTHK is None:
         g_cs_BTHK = fla.gate_cumsum(g, BT)
-    h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
-                                 states_in_fp32=True)
+    if kept:
+        h_BNHKV, = kept
+    else:
+        h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
+                                     states_in_fp32=True)
     dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
     dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, bwd_intra)
     G_BHKV = work.wait()
@@ -83,9 +89,9 @@ class FusedZeCOGLA(torch.autograd.Function):
     same stages (zeco_forward / zeco_backward) on the segments of each sequence."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco"):
+    def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco", save_h: bool = False):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-        o, saved = zeco_forward(q, k, v, g, scale, scan_fn, bwd_intra)
+        o, saved = zeco_forward(q, k, v, g, scale, scan_fn, bwd_intra, save_h)
         ctx.save_for_backward(q, k, v, g, *saved)
         ctx.scale, ctx.scan_fn, ctx.bwd_intra = scale, scan_fn, bwd_intra
         return o
@@ -93,7 +99,7 @@ class FusedZeCOGLA(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, g, *saved = ctx.saved_tensors
-        return (*zeco_backward(q, k, v, g, saved, do, ctx.scale, ctx.scan_fn, ctx.bwd_intra), None, None, None)
+        return (*zeco_backward(q, k, v, g, saved, do, ctx.scale, ctx.scan_fn, ctx.bwd_intra), None, None, None, None)
 
 
 def zeco_scan_fn(group, scan: AllScanArgs):
@@ -114,8 +120,9 @@ def lasp2_scan_fn(group):
     return scan_fn
 
 
-def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco"):
-    """The fused operator for this slice: dense (also a slice inside one packed document) or packed."""
+def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco", save_h: bool = False):
+    """The fused operator for this slice: dense (also a slice inside one packed document; save_h applies) or
+    packed (its states are recomputed)."""
     if seg.carries:
-        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, bwd_intra)
+        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, bwd_intra, save_h)
     return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)

@@ -27,8 +27,9 @@ def sp_gla(q, k, v, g, *, group=None, method: str = "zeco", scale: float | None 
     rank and on the fused dense paths.
     split: segments per sequence (or per rank's slice) run as one batch with the scan between them inside the
     GPU (sp/split.py; fla's stages, dense slices): 1 = off, 0 = auto (split_rule), S = S segments.
-    save_h: on a group of one rank without split, the operator keeps the forward's states h for the backward
-    (kernels/gla_chunk.py); the SP and split operators recompute them (their forward starts from zero).
+    save_h: the operator keeps the forward's chunk states h for the backward instead of recomputing them: on one
+    rank (kernels/gla_chunk.py) and on the fused ZeCO / LASP-2 dense slices (S_in folded in, sp/fused_zeco.py);
+    the split operator and slices where a packed document starts recompute theirs.
     Inside torch.compile: one dense sequence on one rank is the opaque custom op kernels.chunk_gla_op (no
     graph break); the exchange with other ranks and packed documents run outside the graph (one break)."""
     if (torch.compiler.is_compiling() and cu_seqlens is None and group_rank_size(group)[1] == 1
@@ -77,7 +78,7 @@ def _sp_gla(q, k, v, g, *, group, method, scale, cu_seqlens, backend, fused, sca
         scan_fn = lasp2_scan_fn(group) if method == "lasp2" else zeco_scan_fn(group, scan)
         if split > 1 and seg.carries:  # a dense slice (or one inside one document): its segments, then the ranks
             return split_gla(q, k, v, g, scale=scale, segments=split, scan_fn=scan_fn, bwd_intra=bwd_intra)[0]
-        return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
+        return fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra, save_h)
     return scan_then_correct(q, k, v, g, scale=scale, group=group, method=method, seg=seg,
                              backend=name, scan_args=scan)
 

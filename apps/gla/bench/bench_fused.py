@@ -15,7 +15,9 @@ Variants, timed in the same process on the same inputs, interleaved, CUDA events
   staged_save_h, staged_chunk_intra_save_h: the same two keeping the forward's states h for the backward
                      (save_h; `save_h_vs_staged_pct`, `chunk_intra_save_h_vs_fla_pct`)
   zeco_fused         FusedZeCOGLA (lingua_zeco.sp.fused_zeco); zeco_fused_fla_intra: with fla's intra-chunk
-                     dq/dk stage instead of ours
+                     dq/dk stage instead of ours; zeco_fused_chunk_intra(_save_h): with the whole-chunk intra
+                     stages (and the kept states), `zeco_best_vs_staged_best_pct` against
+                     staged_chunk_intra_save_h
   split<S>           the single-device operator as S segments in one batch, the scan inside the GPU
                      (lingua_zeco/sp/split.py), for each S of `splits` that cuts T_local into whole chunks;
                      split_auto: S by split_rule (split_auto_chunk_intra: with the whole-chunk intra stage);
@@ -84,8 +86,9 @@ def variants(q, k, v, g, do, scale):
         o = chunk_gla_staged(q, k, v, g, scale=scale, bwd_intra=bwd_intra, save_h=save_h)[0]
         return torch.autograd.grad(o, leaves, do)
 
-    def zeco():
-        return torch.autograd.grad(FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G)), leaves, do)
+    def zeco(bwd_intra="zeco", save_h=False):
+        o = FusedZeCOGLA.apply(q, k, v, g, scale, middle_rank_scan(S_in, G), bwd_intra, save_h)
+        return torch.autograd.grad(o, leaves, do)
 
     def zeco_fla_intra():
         scan = middle_rank_scan(S_in, G)
@@ -93,6 +96,8 @@ def variants(q, k, v, g, do, scale):
     return {"fla_chunk_gla": fla, "fla_chunk_gla_h0": fla_h0, "staged_chunk_gla": staged,
             "staged_chunk_intra": lambda: staged("zeco_chunk"), "staged_save_h": lambda: staged(save_h=True),
             "staged_chunk_intra_save_h": lambda: staged("zeco_chunk", True), "zeco_fused": zeco,
+            "zeco_fused_chunk_intra": lambda: zeco("zeco_chunk"),
+            "zeco_fused_chunk_intra_save_h": lambda: zeco("zeco_chunk", True),
             "zeco_fused_fla_intra": zeco_fla_intra}
 
 
@@ -170,6 +175,7 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
     row["chunk_intra_vs_staged_pct"] = pct("staged_chunk_intra", "staged_chunk_gla")
     row["save_h_vs_staged_pct"] = pct("staged_save_h", "staged_chunk_gla")
     row["chunk_intra_save_h_vs_fla_pct"] = pct("staged_chunk_intra_save_h", "fla_chunk_gla")
+    row["zeco_best_vs_staged_best_pct"] = pct("zeco_fused_chunk_intra_save_h", "staged_chunk_intra_save_h")
     splits = [n for n in fns if n.startswith("split")]
     for name in splits:
         row[f"{name}_vs_fla_pct"] = pct(name, "fla_chunk_gla")
@@ -195,6 +201,8 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
             row["graph_chunk_intra_vs_staged_pct"] = pct("staged_chunk_intra_graph", "staged_chunk_gla_graph")
             row["graph_save_h_vs_staged_pct"] = pct("staged_save_h_graph", "staged_chunk_gla_graph")
             row["graph_chunk_intra_save_h_vs_fla_pct"] = pct("staged_chunk_intra_save_h_graph", "fla_chunk_gla_graph")
+            row["graph_zeco_best_vs_staged_best_pct"] = pct("zeco_fused_chunk_intra_save_h_graph",
+                                                            "staged_chunk_intra_save_h_graph")
             for name in splits:
                 row[f"graph_{name}_vs_fla_pct"] = pct(f"{name}_graph", "fla_chunk_gla_graph")
             if "zeco_fused_split" in fns:
