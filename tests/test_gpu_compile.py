@@ -21,7 +21,7 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("save_h", [False, True])
+@pytest.mark.parametrize("save_h", [False, True], ids=["recompute_h", "save_h"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gla_op_on_fla_stages(dtype, save_h):
     gen = torch.Generator().manual_seed(0)

@@ -52,7 +52,8 @@ def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
             assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2, name
 
 
-@pytest.mark.parametrize("intra,save_h", [("zeco", False), ("zeco_chunk", False), ("zeco_chunk", True)])
+@pytest.mark.parametrize("intra,save_h", [("zeco", False), ("zeco_chunk", False), ("zeco_chunk", True)],
+                         ids=["zeco", "zeco_chunk", "zeco_chunk-save_h"])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
 def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra, save_h):
     """The staged operator (our intra stage; save_h: the forward's states kept for the backward) against fla's
@@ -113,7 +114,7 @@ def test_intra_stage_on_packed_documents_matches_fla_and_the_oracle():
     assert max(_rel(a, ref) for a, ref in zip(dense, exact)) > 1e-2
 
 
-@pytest.mark.parametrize("save_h", [False, True])
+@pytest.mark.parametrize("save_h", [False, True], ids=["recompute_h", "save_h"])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
 def test_staged_chunk_gla_on_packed_documents_equals_fla_and_the_oracle(gate_dtype, save_h):
     """The staged operator on packed documents with host-planned chunk tables, one initial state and

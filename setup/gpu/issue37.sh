@@ -8,6 +8,8 @@
 #     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, chunk intra, split, float8 with and without
 #     bash setup/gpu/issue37.sh D   # bench_fused at 128K
 #     bash setup/gpu/issue37.sh E   # the roofline table at 16K and 32K (fla, staged, split_auto)
+#     bash setup/gpu/issue37.sh F   # short: the whole-chunk / save_h GPU tests, bench_fused 16K with the fused ZeCO
+#                                   # on the same stages, the GLA-1B step with them (≈ 6 min with the autotune union)
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
 PART=${1:?"usage: issue37.sh A|B|C|D|E"}
@@ -36,6 +38,16 @@ D)
 E)
     echo "== roofline"; timeout 540 python3 -m apps.gla.bench.roofline out=$OUT t_local=16384,32768 2>&1 \
         | tee "$OUT/roofline.log" | grep -E "^\||ceilings|rror|Traceback"
+    ;;
+F)
+    echo "== GPU tests (whole-chunk stages, save_h)"; timeout 140 python3 -m pytest -m gpu -p no:logging \
+        -p no:cacheprovider -rfEs --tb=short -q tests/test_gpu_intra.py tests/test_gpu_sp.py tests/test_gpu_compile.py \
+        -k "fwd_A or dqkg or save_h or gla_op" 2>&1 | tee "$OUT/pytest_gpu_save_h.txt" | tail -8
+    echo "== bench_fused 16K"; timeout 120 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384 splits=0 \
+        doc_len=0 iters=20 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
+    echo "== bench_train 16K"; timeout 120 python3 -m apps.gla.bench.bench_train out=$OUT stem=train_16k_save_h \
+        seq_len=16384 warmup=2 steps=5 variants=ours_chunk_intra_save_h 2>&1 | tee "$OUT/bench_train.log" \
+        | grep -E "^\{|rror|Traceback" | cut -c1-600
     ;;
 esac
 (cd /tmp/tc && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
