@@ -11,6 +11,8 @@ minutes of allocating; on a GPU it ends in an out-of-memory traceback. The estim
                  hidden (2 dim + 3 ffn); full / selective: the block input (dim);
                  bf16 on CUDA (autocast), the model's dtype elsewhere
     logits       off CUDA: tokens * vocab in the model's dtype (on CUDA the fused loss chunks them)
+    kept_states  model.gla_save_h on CUDA without checkpointing: every GLA layer's chunk states, 16-bit
+                 [n_heads, head_k, head_v] per 64 tokens (fla's largest chunk; shorter ones keep more)
 
 Segment-recurrent training (segment_len = s > 0 tokens per rank per segment, n = ceil(seq_len / s) segments of
 each of the batch's sequences): activations and logits count one segment (batch * s tokens) instead of the
@@ -58,8 +60,11 @@ def estimate_bytes(args: GLAArgs, tokens: int, shards: int, device_type: str, ba
     linear_layers = args.n_layers - len(softmax_layer_set(args))
     state_set = linear_layers * batch * args.key_dim * args.value_dim // args.n_heads * 4
     segment_states = n_seg * state_set if n_seg > 1 else 0  # n - 1 boundaries + the gradient in flight
+    keeps = (args.gla_save_h and device_type == "cuda" and args.activation_checkpointing == "none"
+             and args.attn_variant == "gla")
+    kept_states = live // 64 * linear_layers * args.key_dim * args.value_dim // args.n_heads * 2 if keeps else 0
     return {"states": states, "activations": activations, "logits": logits, "segment_states": segment_states,
-            "total": states + activations + logits + segment_states}
+            "kept_states": kept_states, "total": states + activations + logits + segment_states + kept_states}
 
 
 def available_bytes(device: torch.device) -> tuple[float, str] | None:
@@ -92,12 +97,13 @@ def check_fits(args: GLAArgs, tokens: int, shards: int, device: torch.device, ba
     if need["total"] <= avail:
         return
     n = count_params(args)["total"]
-    parts = ", ".join(f"{k} {need[k] / GiB:.1f}" for k in ("states", "activations", "logits", "segment_states")
-                      if need[k])
+    parts = ", ".join(f"{k} {need[k] / GiB:.1f}" for k in ("states", "activations", "logits", "segment_states",
+                                                          "kept_states") if need[k])
     seg = f" in segments of {segment_len}" if segments(tokens, batch, segment_len) > 1 else ""
     raise ValueError(
         f"this model ({n / 1e6:.1f}M parameters, {tokens} tokens per rank{seg}) needs at least "
         f"{need['total'] / GiB:.1f} GiB per rank ({parts}) but {device.type} has {avail / GiB:.1f} GiB ({what}): "
         f"use a smaller config (e.g. config=debug.yaml, or a smaller model.dim / model.n_layers / data.seq_len), "
-        f"model.activation_checkpointing=full, model.segment_len (fewer tokens per segment), more ranks to shard "
+        f"model.activation_checkpointing=full, model.segment_len (fewer tokens per segment), "
+        f"{'model.gla_save_h=false, ' if need['kept_states'] else ''}more ranks to shard "
         f"over, or a device with more memory")
