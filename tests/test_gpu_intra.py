@@ -8,6 +8,8 @@ import torch.nn.functional as F
 
 from lingua_zeco.kernels import naive_gla
 
+import fla_gla_cases
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -230,3 +232,23 @@ def test_fwd_A_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult, packed
     if gate_mult == 1.0:  # (steep gates: a token's scores are almost only its own, whatever its gate)
         g_cs[0, T // 2] += 0.5  # one token's gates changed: ours must move away from the unchanged oracle
         assert _rel(chunk_gla_fwd_A(q, k, g_cs, 0.1, BT, cu_seqlens=cu, chunk_indices=ci), exact) > 1e-3
+
+
+STAGES = [("zeco", False), ("zeco_chunk", True)]
+
+
+@pytest.mark.parametrize("intra,save_h", STAGES, ids=["zeco", "zeco_chunk-save_h"])
+@pytest.mark.parametrize("B,T,H,D,gate_logit_normalizer,dtype", fla_gla_cases.CHUNK_CASES)
+def test_fla_chunk_cases(B, T, H, D, gate_logit_normalizer, dtype, intra, save_h):
+    """fla's test_chunk, every case (T = 63 and 64: fla's smaller chunks; D = 60, 100, 320: partial key blocks)."""
+    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
+    fla_gla_cases.check_like_fla(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, save_h=save_h, **kw),
+                                 B, T, H, D, gate_logit_normalizer, dtype)
+
+
+@pytest.mark.parametrize("intra,save_h", STAGES, ids=["zeco", "zeco_chunk-save_h"])
+@pytest.mark.parametrize("H,D,cu_seqlens,dtype", fla_gla_cases.VARLEN_CASES)
+def test_fla_chunk_varlen_cases(H, D, cu_seqlens, dtype, intra, save_h):
+    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
+    fla_gla_cases.check_like_fla(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, save_h=save_h, **kw),
+                                 1, cu_seqlens[-1], H, D, 1, dtype, cu_seqlens=cu_seqlens)

@@ -9,6 +9,8 @@ import torch.nn.functional as F
 
 from lingua_zeco.kernels import naive_gla
 
+import fla_gla_cases
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
@@ -100,42 +102,17 @@ def test_model_with_gla_split_auto_equals_unsplit():
     assert _rel(grads[1], grads[0]) < 5e-2
 
 
-# fla's own tests/ops/test_gla.py::test_chunk cases (initial state, final-state gradient, its tolerance check)
-# that cut into S segments of whole 64-token chunks; T = 63 and 64 do not apply
-FLA_CHUNK_CASES = [(2, 1024, 4, 60, 1, torch.float16), (2, 1024, 8, 128, 0.1, torch.float16),
-                   (2, 1024, 8, 128, 1, torch.float16), (2, 1024, 8, 128, 10, torch.float16),
-                   (4, 2048, 8, 64, 1, torch.float16), (1, 128, 4, 256, 1, torch.float16),
-                   (1, 128, 4, 512, 1, torch.bfloat16)]
-
-
+# fla's own tests/ops/test_gla.py::test_chunk cases that cut into 2 or 4 segments of whole 64-token chunks
 @pytest.mark.parametrize("S", [2, 4])
-@pytest.mark.parametrize("B,T,H,D,gate_logit_normalizer,dtype", FLA_CHUNK_CASES)
+@pytest.mark.parametrize("B,T,H,D,gate_logit_normalizer,dtype", fla_gla_cases.CHUNK_CASES)
 def test_fla_chunk_cases(B, T, H, D, gate_logit_normalizer, dtype, S):
-    from fla.ops.gla import fused_recurrent_gla
-    from fla.utils import assert_close
-
     from lingua_zeco.sp.split import check_split, split_gla
     try:
         check_split(T, S)
     except ValueError:
         pytest.skip(f"T={T} does not cut into {S} segments of whole chunks")
-    torch.manual_seed(42)
-    q, k, v = (torch.rand(B, T, H, D, dtype=dtype, device="cuda").requires_grad_() for _ in range(3))
-    g = (F.logsigmoid(torch.rand(B, T, H, D, dtype=dtype, device="cuda")) / gate_logit_normalizer).requires_grad_()
-    h0 = torch.rand(B, H, D, D, device="cuda").requires_grad_()
-    do = torch.randn_like(v)
-    dht = torch.randn(B, H, D, D, device="cuda")
-    results = []
-    for fn in (lambda: split_gla(q, k, v, g, scale=D ** -0.5, segments=S, initial_state=h0, output_final_state=True),
-               lambda: fused_recurrent_gla(q=q, k=k, v=v, gk=g, initial_state=h0, output_final_state=True)):
-        o, ht = fn()
-        ((o * do).sum() + (ht * dht).sum().to(do.dtype)).backward()
-        results.append([o, ht, *(t.grad.clone() for t in (q, k, v, g, h0))])
-        for t in (q, k, v, g, h0):
-            t.grad = None
-    for name, tri, ref, tol in zip(("o", "ht", "dq", "dk", "dv", "dg", "dh0"), *results,
-                                   (0.004, 0.005, 0.005, 0.005, 0.005, 0.005, 0.005), strict=True):
-        assert_close(name, ref, tri, tol)
+    fla_gla_cases.check_like_fla(lambda *x, **kw: split_gla(*x, scale=D ** -0.5, segments=S, **kw),
+                                 B, T, H, D, gate_logit_normalizer, dtype)
 
 
 def test_carried_state_through_the_split_operator():
