@@ -40,12 +40,12 @@ E)
         | tee "$OUT/roofline.log" | grep -E "^\||ceilings|rror|Traceback"
     ;;
 F)
-    echo "== GPU tests (whole-chunk stages, save_h)"; timeout 140 python3 -m pytest -m gpu -p no:logging \
+    echo "== GPU tests (whole-chunk stages, save_h)"; timeout 120 python3 -m pytest -m gpu -p no:logging \
         -p no:cacheprovider -rfEs --tb=short -q tests/test_gpu_intra.py tests/test_gpu_sp.py tests/test_gpu_compile.py \
         -k "fwd_A or dqkg or save_h or gla_op" 2>&1 | tee "$OUT/pytest_gpu_save_h.txt" | tail -8
-    echo "== bench_fused 16K"; timeout 120 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384 splits=0 \
+    echo "== bench_fused 16K"; timeout 110 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384 splits=0 \
         doc_len=0 iters=20 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
-    echo "== bench_train 16K"; timeout 120 python3 -m apps.gla.bench.bench_train out=$OUT stem=train_16k_save_h \
+    echo "== bench_train 16K"; timeout 110 python3 -m apps.gla.bench.bench_train out=$OUT stem=train_16k_save_h \
         seq_len=16384 warmup=2 steps=5 variants=ours_chunk_intra_save_h 2>&1 | tee "$OUT/bench_train.log" \
         | grep -E "^\{|rror|Traceback" | cut -c1-600
     ;;
