@@ -47,6 +47,8 @@ def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: in
         "chunk_gla_fwd_kernel_o": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),
         "_fwd_o_kernel": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),  # + S_in: tiny
         "_decay_prefix_kernel": (8 * B * NT * H * K, 0),
+        # the kept 16-bit states read and written once (S_in, read per chunk, stays in L2)
+        "_fold_kernel": (2 * e * NS + 4 * B * NT * H * K, 2 * NS),
         "_dS_in_kernel": (e * NK + e * NK + e * NV, state),  # the raw 16-bit gates, their cumsum made inside
         "chunk_bwd_kernel_dh": (e * NK + e * NV + 4 * NK + 4 * NS, state),
         "chunk_gla_bwd_kernel_dA": (2 * e * NV + 4 * NA, scores_v),

@@ -5,10 +5,11 @@
 
 The ceilings are this GPU's, measured first: copy bandwidth (a device-to-device copy of `copy_mib`, bytes read
 plus written per second) and bf16 GEMM throughput (an n×n×n matmul). Then each operator variant (bench_fused's
-fla_chunk_gla, staged_chunk_gla, staged_chunk_intra, and split_auto(_chunk_intra) where split_rule gives more
-than one segment) runs forward + backward under the torch profiler, and every kernel's mean time per call is
-set against the bytes and FLOPs lingua_zeco/perf_model/gla_kernels.py gives it: achieved TB/s and TFLOP/s,
-which ceiling bounds it, and the share of that bound it reaches. Kernels the model has no entry for are listed
+fla_chunk_gla, staged_chunk_gla, staged_chunk_intra, staged_chunk_intra_save_h, zeco_fused_chunk_intra_save_h,
+and split_auto(_chunk_intra) where split_rule gives more than one segment) runs forward + backward under the
+torch profiler, and every kernel's mean time per call is set against the bytes and FLOPs
+lingua_zeco/perf_model/gla_kernels.py gives it: achieved TB/s and TFLOP/s, which ceiling bounds it, and the
+share of that bound it reaches. Kernels the model has no entry for are listed
 with their time alone.
 Writes roofline.json (rows per variant, the ceilings) and roofline.md (the tables).
 """
@@ -84,8 +85,8 @@ def measure(args: RooflineArgs, device):
         q, k, v, g, do = args.inputs(T, device)
         scale = args.head_k ** -0.5
         fns = variants(q, k, v, g, do, scale) | split_variants(q, k, v, g, do, scale, "")
-        for name in ("fla_chunk_gla", "staged_chunk_gla", "staged_chunk_intra", "split_auto",
-                     "split_auto_chunk_intra"):
+        for name in ("fla_chunk_gla", "staged_chunk_gla", "staged_chunk_intra", "staged_chunk_intra_save_h",
+                     "zeco_fused_chunk_intra_save_h", "split_auto", "split_auto_chunk_intra"):
             if name not in fns:
                 continue
             for _ in range(args.warmup):
