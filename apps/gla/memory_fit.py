@@ -12,7 +12,9 @@ minutes of allocating; on a GPU it ends in an out-of-memory traceback. The estim
                  bf16 on CUDA (autocast), the model's dtype elsewhere
     logits       off CUDA: tokens * vocab in the model's dtype (on CUDA the fused loss chunks them)
     kept_states  model.gla_save_h on CUDA without checkpointing: every GLA layer's chunk states, 16-bit
-                 [n_heads, head_k, head_v] per 64 tokens (fla's largest chunk; shorter ones keep more)
+                 [n_heads, head_k, head_v] per 64 tokens (fla's largest chunk; shorter ones keep more).
+                 Counted for every SP method: LASP-1 and the unfused methods keep none, so with them the
+                 key only raises the bound by that much (set it off there)
 
 Segment-recurrent training (segment_len = s > 0 tokens per rank per segment, n = ceil(seq_len / s) segments of
 each of the batch's sequences): activations and logits count one segment (batch * s tokens) instead of the

@@ -120,5 +120,5 @@ def sp_gla_carry(q, k, v, g, S0, *, group=None, method: str = "zeco", scale: flo
     simple = g.dim() == 3
     sp = dict(group=group, method=method, scale=scale, cu_seqlens=packing, backend=backend, fused=fused, scan=scan,
               bwd_intra=bwd_intra)
-    o = sp_simple_gla(q, k, v, g, **sp) if simple else sp_gla(q, k, v, g, split=split, **sp)
+    o = sp_simple_gla(q, k, v, g, **sp) if simple else sp_gla(q, k, v, g, split=split, save_h=save_h, **sp)
     return add_carried(q, k, v, g[..., None].expand_as(q) if simple else g, S0, o, packing, scale, group, rank, P)
