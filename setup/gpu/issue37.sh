@@ -21,9 +21,9 @@ A)
         | tee "$OUT/pytest_gpu_split.txt" | tail -12
     ;;
 B)
-    echo "== bench_stages 16K"; timeout 150 python3 -m apps.gla.bench.bench_stages out=$OUT t_local=16384 \
+    echo "== bench_stages 16K"; timeout 200 python3 -m apps.gla.bench.bench_stages out=$OUT t_local=16384 \
         per_config=false 2>&1 | tee "$OUT/bench_stages.log" | grep -E "^\{|rror|Traceback"
-    echo "== bench_fused 16K, 32K"; timeout 420 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
+    echo "== bench_fused 16K, 32K"; timeout 360 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
         splits=2 doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "^\{|rror|Traceback"
     ;;
 C)
