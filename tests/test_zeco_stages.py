@@ -219,7 +219,6 @@ def test_fwd_o_triton_kernel_under_the_interpreter():
     assert worst < 1e-4, worst  # fp32 accumulation
 
 
-
 _INTERPRETED_FOLD = r"""
 import sys, torch
 from lingua_zeco.kernels import zeco_stages as zs
@@ -228,11 +227,11 @@ gen = torch.Generator().manual_seed(2)
 h = torch.randn(B, NT, H, K, V, generator=gen)
 S_in, Gx = torch.randn(B, H, K, V, generator=gen), -torch.rand(B, NT, H, K, generator=gen) * 4
 ref = zs.fold_S_in_torch(h.double(), S_in.double(), Gx.double())
+if sys.argv[1] == "broken":
+    Gx = Gx.roll(1, dims=1)  # each chunk folded with its neighbour's decay
 worst = 0.0
 for BK in (16, 64):  # several K blocks per (chunk, head), and one
     out = h.clone()
-    if sys.argv[1] == "broken":
-        Gx = Gx.roll(1, dims=1)  # each chunk folded with its neighbour's decay
     zs._fold_kernel[(-(-K // BK), NT, B * H)](out, S_in, Gx.contiguous(), NT, H=H, K=K, V=V, BK=BK, BV=32)
     worst = max(worst, ((out.double() - ref).abs().max() / ref.abs().max()).item())
 print(worst)
