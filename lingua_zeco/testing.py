@@ -75,9 +75,10 @@ def run_on_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, backend: 
     return [results[r] for r in range(world_size)]
 
 
-def run_interpreted(script: str, *argv: str, timeout_s: float = 300.0) -> float:
+def run_interpreted(script: str, *argv: str, timeout_s: float = 300.0, values: int = 1):
     """Run `python -c script argv...` from the repository root with TRITON_INTERPRET=1 (Triton's CPU
-    interpreter: the kernels themselves, not their oracles) and return the number the script printed last."""
+    interpreter: the kernels themselves, not their oracles) and return the number the script printed last
+    (values > 1: the last `values` numbers, a tuple)."""
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,7 +87,8 @@ def run_interpreted(script: str, *argv: str, timeout_s: float = 300.0) -> float:
                           timeout=timeout_s)
     if proc.returncode != 0:
         raise RuntimeError(f"interpreted script failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-    return float(proc.stdout.split()[-1])
+    numbers = [float(x) for x in proc.stdout.split()[-values:]]
+    return numbers[0] if values == 1 else tuple(numbers)
 
 
 def compile_front_end(kernel, signature: dict, constexprs: dict, capability: int = 90,

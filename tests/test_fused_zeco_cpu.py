@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import lingua_zeco.sp.fused_zeco as fz
+from lingua_zeco.kernels.zeco_stages import zeco_fwd_o
 from lingua_zeco.kernels import naive_gla
 from lingua_zeco.sp.virtual_ranks import VirtualScan
 
@@ -70,8 +71,9 @@ def test_fused_zeco_keeping_the_states_equals_the_recurrence(fwd_h_calls, P, sav
 
 
 def test_kept_states_without_S_in_are_caught(fwd_h_calls, monkeypatch):
-    """A kept h that lacks the earlier ranks' state (the fold skipped) moves dq and dg of the later ranks."""
-    monkeypatch.setattr(fz, "fold_S_in_", lambda h, S_in, Gx: h)
+    """A kept h that lacks the earlier ranks' state (the output stage does not store the true states) moves dq and
+    dg of the later ranks."""
+    monkeypatch.setattr(fz, "zeco_fwd_o", lambda *args, store_h: zeco_fwd_o(*args))  # the states never stored
     ins, do = _inputs(1, 2 * 150)
     got, ref = _ranks(ins, do, 2, True), _reference(ins, do)
     assert (got[1] - ref[1]).abs().max() > 1e-3 and (got[4] - ref[4]).abs().max() > 1e-3

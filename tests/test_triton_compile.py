@@ -40,12 +40,10 @@ def _cases():
               for BT, BK in ((64, 32), (64, 64), (16, 64))}
     cases["fwd_A_varlen"] = (gla_fwd_intra._fwd_A_kernel, fwd_A | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
                              dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True))
-    cases["fold_S_in"] = (zeco_stages._fold_kernel, {"h": "*bf16", "s_in": "*fp32", "gx": "*fp32", "NT": i32},
-                          dict(H=16, K=128, V=128, BK=32, BV=128))
     cases["decay_prefix"] = (zeco_stages._decay_prefix_kernel, prefix, dict(H=16, K=128, BT=64, BK=32, BN=64))
-    cases |= {f"fwd_o_BK{BK}_BV{BV}": (zeco_stages._fwd_o_kernel, fwd_o,
-                                       dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV))
-              for BK, BV in ((32, 64), (64, 128))}
+    cases |= {f"fwd_o_BK{BK}_BV{BV}_store{st}": (zeco_stages._fwd_o_kernel, fwd_o,
+                                                 dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV, STORE_H=st))
+              for BK, BV in ((32, 64), (64, 128)) for st in (False, True)}
     cases |= {f"dS_in_raw{raw}_CPI{cpi}_HF{hf}": (zeco_stages._dS_in_kernel, dS_in(raw),
                                                  dict(H=16, K=128, V=128, BT=64, BK=64, BV=128, CPI=cpi,
                                                       HF=hf, RAW=raw))

@@ -10,13 +10,13 @@ stages that read the same data anyway, so no pass rewrites all chunk states:
                         chunk n (exclusive), and b_end [B, H, K] = 2^(sum over the slice) for the scan.
 * `zeco_fwd_o`          replaces fla's `chunk_gla_fwd_o_gk`: the same output stage with S_in folded
                         into each chunk's state in registers:
-                        o_t = scale·(q_t ⊙ 2^g_cs_t)·(h_n + diag(2^Gx_n)·S_in) + Σ_{j≤t in chunk} A_tj v_j
+                        o_t = scale·(q_t ⊙ 2^g_cs_t)·(h_n + diag(2^Gx_n)·S_in) + Σ_{j≤t in chunk} A_tj v_j;
+                        with store_h it also writes those true states back into h (kept for a backward
+                        that does not recompute them: one more write of h, no second read)
 * `zeco_dS_in`          D = ∂L/∂S_in from this slice's outputs, scale·Σ_t (q_t ⊙ b_t)ᵀ do_t with
                         b_t = 2^(Gx_n + g_cs_t): one read of q, g_cs, do, before dh is computed, so that
                         fla's dh stage can then run once with the final-state gradient G from the
                         reverse All-Scan (no fold of G into dh afterwards).
-* `fold_S_in_`          h_n += diag(2^Gx_n)·S_in in place: the true states, for a backward that keeps the
-                        forward's h instead of recomputing it from S_in (one read and write of h).
 Indices are int64 wherever a product can pass 2^31 (1M tokens × H = 16 × K = 128 already does).
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     B, T, H, K = q.shape
     acc = acc_dtype(q.dtype)
     n_T = _chunk_index(T, BT, q.device)
-    h_true = h.to(acc) + torch.exp2(Gx.to(acc))[..., None] * S_in.to(acc)[:, None]
+    h_true = _fold(h, S_in, Gx, acc)
     qg = q.to(acc) * torch.exp2(g_cs.to(acc))
     o = scale * torch.einsum("bthk,bthkv->bthv", qg, h_true[:, n_T])
     col_T = torch.arange(T, device=q.device) % BT
@@ -81,10 +81,14 @@ def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
     return o.to(v.dtype)
 
 
+def _fold(h, S_in, Gx, acc):
+    return h.to(acc) + torch.exp2(Gx.to(acc))[..., None] * S_in.to(acc)[:, None]
+
+
 def fold_S_in_torch(h, S_in, Gx):
-    """Oracle of `fold_S_in_`: h + diag(2^Gx_n)·S_in for every chunk n, in h's dtype (computed in at least fp32)."""
-    acc = acc_dtype(h.dtype)
-    return (h.to(acc) + torch.exp2(Gx.to(acc))[..., None] * S_in.to(acc)[:, None]).to(h.dtype)
+    """Oracle of the states `zeco_fwd_o(store_h=True)` leaves in h: h + diag(2^Gx_n)·S_in for every chunk n, in
+    h's dtype (computed in at least fp32)."""
+    return _fold(h, S_in, Gx, acc_dtype(h.dtype)).to(h.dtype)
 
 
 def zeco_dS_in_torch(q, g_cs, Gx, do, scale, BT):
@@ -114,29 +118,17 @@ if triton is not None:
             carry += tl.sum(tot, axis=0)
         tl.store(b_end + (i_b * H + i_h) * K + o_k, tl.exp2(carry), mask=m_k)
 
-    @triton.jit(do_not_specialize=["NT"])
-    def _fold_kernel(h, s_in, gx, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr):
-        # one program per (K block, chunk, sequence·head): h[n] += 2^Gx[n] ⊙ S_in over a [BK, V] tile
-        i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-        o_k = i_k * BK + tl.arange(0, BK)
-        o_v = tl.arange(0, BV)
-        m = (o_k < K)[:, None] & (o_v < V)[None, :]
-        hrow = (i_b * NT + i_n) * H + i_h
-        p_h = h + (hrow * K + o_k[:, None]) * V + o_v[None, :]
-        b_s = tl.load(s_in + ((i_b * H + i_h) * K + o_k[:, None]) * V + o_v[None, :], mask=m, other=0.).to(tl.float32)
-        b_gx = tl.load(gx + hrow * K + o_k, mask=o_k < K, other=0.)
-        b_h = tl.load(p_h, mask=m, other=0.).to(tl.float32) + tl.exp2(b_gx)[:, None] * b_s
-        tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m)
-
     @triton.autotune(
         configs=[triton.Config({"BK": bk, "BV": bv}, num_warps=w, num_stages=s)
                  for bk in (32, 64) for bv in (64, 128) for w in (2, 4, 8) for s in (2, 3, 4)],
-        key=["BT", "K", "V"], cache_results=True)
+        # STORE_H writes h in place: the autotuner restores it between its trial runs
+        key=["BT", "K", "V", "STORE_H"], restore_value=["h"], cache_results=True)
     @triton.jit(do_not_specialize=["T"])
     def _fwd_o_kernel(q, v, g, A, h, s_in, gx, o, scale, T, H: tl.constexpr, K: tl.constexpr,
-                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      STORE_H: tl.constexpr):
+        # one program per (V block, chunk, sequence·head): each [K, BV] slice of a chunk's state is read (and,
+        # with STORE_H, written back with S_in folded in) by exactly one program
         i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
         NT = tl.cdiv(T, BT)
@@ -157,10 +149,13 @@ if triton is not None:
             b_q = tl.load(q + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.)
             b_g = tl.load(g + row[:, None] * K + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
             b_qg = (b_q * tl.exp2(b_g)).to(b_q.dtype)
-            b_h = tl.load(h + (hrow * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
+            p_h = h + (hrow * K + o_k[:, None]) * V + o_v[None, :]
+            b_h = tl.load(p_h, mask=m_kv, other=0.).to(tl.float32)
             b_s = tl.load(s_in + (srow * K + o_k[:, None]) * V + o_v[None, :], mask=m_kv, other=0.).to(tl.float32)
             b_gx = tl.load(gx + hrow * K + o_k, mask=m_k, other=0.)
             b_h += tl.exp2(b_gx)[:, None] * b_s              # the true state entering this chunk
+            if STORE_H:  # kept for the backward: the value this chunk's output used, in h's dtype
+                tl.store(p_h, b_h.to(h.dtype.element_ty), mask=m_kv)
             acc = tl.dot(b_qg, b_h.to(b_q.dtype), acc)
         acc *= scale
         b_A = tl.load(A + row[:, None] * BT + o_i[None, :], mask=m_t[:, None], other=0.)
@@ -243,32 +238,24 @@ def chunk_decay_prefix(g_cs_BTHK, BT):
     return gx, b_end
 
 
-def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT):
+def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT, store_h: bool = False):
     """fla's output stage (chunk_gla_fwd_o_gk) with S_in folded into each chunk's state. S_in is read
-    by every chunk (from L2): pass it in h's dtype (bf16 halves that traffic; h itself is bf16)."""
+    by every chunk (from L2): pass it in h's dtype (bf16 halves that traffic; h itself is bf16).
+    store_h: h [B, NT, H, K, V] (the chunk states from a zero state) is overwritten with the states from S_in,
+    in h's dtype, as the output used them (the backward then reads them instead of recomputing)."""
     if not _cuda(q, v, g_cs, A, h, S_in, Gx):
-        return zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)
+        o = zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)
+        if store_h:
+            h.copy_(fold_S_in_torch(h, S_in, Gx))
+        return o
     B, T, H, K = q.shape
     V = v.shape[-1]
     o = torch.empty_like(v)
 
     def grid(meta):
         return triton.cdiv(V, meta["BV"]), triton.cdiv(T, BT), B * H
-    _fwd_o_kernel[grid](q, v, g_cs, A, h, S_in, Gx, o, scale, T, H=H, K=K, V=V, BT=BT)
+    _fwd_o_kernel[grid](q, v, g_cs, A, h, S_in, Gx, o, scale, T, H=H, K=K, V=V, BT=BT, STORE_H=store_h)
     return o
-
-
-def fold_S_in_(h, S_in, Gx):
-    """h [B, NT, H, K, V] (the chunk states from a zero state) += diag(2^Gx_n)·S_in in place, and returned: the
-    states from S_in [B, H, K, V], rounded once to h's dtype (S_in read in fp32)."""
-    if not _cuda(h, S_in, Gx):
-        h.copy_(fold_S_in_torch(h, S_in, Gx))
-        return h
-    B, NT, H, K, V = h.shape
-    BK = 16 if V > 128 else 32  # a [BK, V] fp32 tile of S_in and of h per program
-    _fold_kernel[(triton.cdiv(K, BK), NT, B * H)](h, S_in, Gx, NT, H=H, K=K, V=V, BK=BK,
-                                                  BV=triton.next_power_of_2(V))
-    return h
 
 
 def dS_in_reads_raw_gates(q, g) -> bool:
@@ -320,5 +307,5 @@ def dS_in_best_config() -> str:
 
 
 __all__ = ["chunk_decay_prefix", "chunk_decay_prefix_torch", "chunk_local_cumsum_torch", "dS_in_best_config",
-           "dS_in_candidates", "dS_in_reads_raw_gates", "fold_S_in_", "fold_S_in_torch", "fla_chunk_size", "zeco_dS_in",
+           "dS_in_candidates", "dS_in_reads_raw_gates", "fold_S_in_torch", "fla_chunk_size", "zeco_dS_in",
            "zeco_dS_in_torch", "zeco_fwd_o", "zeco_fwd_o_torch"]

@@ -25,9 +25,11 @@ class KernelCost:
         return self.flops / self.bytes
 
 
-def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: int = 2) -> dict[str, KernelCost]:
+def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: int = 2,
+                     stores_h: bool = False) -> dict[str, KernelCost]:
     """Kernel name (as the profiler shows a Triton kernel: its function's name) -> cost of one call. e: bytes
-    of an input element (q, k, v, g, do and the outputs o, dq, dk, dv)."""
+    of an input element (q, k, v, g, do and the outputs o, dq, dk, dv). stores_h: ZeCO's output stage writes the
+    true states back (save_h)."""
     NT = -(-T // BT)
     NK, NV, NS, NA = B * T * H * K, B * T * H * V, B * NT * H * K * V, B * T * H * BT
     state = 2 * B * T * H * K * V  # FLOPs of one product through the K×V states (k^T v, q h, do h^T, ...)
@@ -45,10 +47,9 @@ def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: in
         # ours: the whole chunk's A at once (gla_fwd_intra.py), every score computed (the upper triangle too)
         "_fwd_A_kernel": (2 * e * NK + 4 * NK + 4 * NA, scores_k),
         "chunk_gla_fwd_kernel_o": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),
-        "_fwd_o_kernel": (e * NK + 4 * NK + e * NS + 4 * NA + e * NV + e * NV, state + scores_v),  # + S_in: tiny
+        "_fwd_o_kernel": (e * NK + 4 * NK + e * NS * (2 if stores_h else 1) + 4 * NA + e * NV + e * NV,
+                          state + scores_v),  # + S_in: tiny
         "_decay_prefix_kernel": (8 * B * NT * H * K, 0),
-        # the kept 16-bit states read and written once (S_in, read per chunk, stays in L2)
-        "_fold_kernel": (2 * e * NS + 4 * B * NT * H * K, 2 * NS),
         "_dS_in_kernel": (e * NK + e * NK + e * NV, state),  # the raw 16-bit gates, their cumsum made inside
         "chunk_bwd_kernel_dh": (e * NK + e * NV + 4 * NK + 4 * NS, state),
         "chunk_gla_bwd_kernel_dA": (2 * e * NV + 4 * NA, scores_v),

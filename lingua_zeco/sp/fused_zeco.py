@@ -7,7 +7,7 @@ Forward on rank p (fla's chunk_gla_fwd, reordered; chunk size by fla's rule):
   4. All-Scan(S_end, b_end) starts                                    ┐ overlapped
   5. A = intra-chunk attention (needs no state)                       ┘           fla
   6. o = output stage with S_in folded into each chunk's state in registers      zeco_stages
-  7. save_h only: h += diag(2^Gx)·S_in in place, kept for the backward            zeco_stages
+     (save_h: the same stage writes those true states back into h, kept for the backward)
 Backward: fla's backward with initial_state = S_in and final-state gradient G from the next rank.
 G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
   1. g_cs (fla); D = scale·Σ_t (q_t ⊙ b_t)ᵀ do_t (one read of q, g_cs, do)         zeco_stages
@@ -32,8 +32,8 @@ import torch.distributed as dist
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import fla_stages as fla
 from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
-from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, fold_S_in_,
-                                             zeco_dS_in, zeco_fwd_o)
+from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
+                                             zeco_fwd_o)
 
 from .fused_packed import FusedPackedZeCOGLA
 from .overlap import CHOOSER, post
@@ -51,8 +51,8 @@ def zeco_forward(q, k, v, g, scale, scan_fn, intra: str = "zeco", save_h: bool =
     work = scan_fn(S_end_BHKV, b_end_BHK, False)
     A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, BT, intra)
     S_in_BHKV = work.wait()
-    o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT)
-    kept = (fold_S_in_(h_BNHKV, S_in_BHKV, Gx_BNHK),) if save_h else ()
+    o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT, store_h=save_h)
+    kept = (h_BNHKV,) if save_h else ()
     return o, (A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK, *kept)
 
 
