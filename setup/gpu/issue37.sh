@@ -10,9 +10,12 @@
 #     bash setup/gpu/issue37.sh E   # the roofline table at 16K and 32K (fla, staged, split_auto)
 #     bash setup/gpu/issue37.sh F   # short: the whole-chunk / save_h GPU tests, bench_fused 16K with the fused ZeCO
 #                                   # on the same stages, the GLA-1B step with them (≈ 6 min with the autotune union)
+#     bash setup/gpu/issue37.sh G   # the fused ZeCO with kept states on virtual ranks (GPU tests), bench_fused 16K/32K
+#                                   # without splits (the fused ZeCO target), bench_stages (the output stage's store)
+#     bash setup/gpu/issue37.sh H   # short: the roofline at 16K, bench_fused at 128K without splits
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
-PART=${1:?"usage: issue37.sh A|B|C|D|E"}
+PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H"}
 source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
@@ -48,6 +51,21 @@ F)
     echo "== bench_train 16K"; timeout 110 python3 -m apps.gla.bench.bench_train out=$OUT stem=train_16k_save_h \
         seq_len=16384 warmup=2 steps=5 variants=ours_chunk_intra_save_h 2>&1 | tee "$OUT/bench_train.log" \
         | grep -E "^\{|rror|Traceback" | cut -c1-600
+    ;;
+G)
+    echo "== GPU tests (fused ZeCO, kept states)"; timeout 120 python3 -m pytest -m gpu -p no:logging \
+        -p no:cacheprovider -rfEs --tb=short -q tests/test_gpu_sp.py -k save_h 2>&1 \
+        | tee "$OUT/pytest_gpu_sp_save_h.txt" | tail -6
+    echo "== bench_fused 16K, 32K"; timeout 300 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
+        splits= doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
+    echo "== bench_stages 16K"; timeout 150 python3 -m apps.gla.bench.bench_stages out=$OUT t_local=16384 \
+        per_config=false 2>&1 | tee "$OUT/bench_stages.log" | grep -E "^\{|rror|Traceback" | cut -c1-1500
+    ;;
+H)
+    echo "== roofline 16K"; timeout 200 python3 -m apps.gla.bench.roofline out=$OUT t_local=16384 2>&1 \
+        | tee "$OUT/roofline.log" | grep -E "ceilings|rror|Traceback"
+    echo "== bench_fused 128K"; timeout 200 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=131072 \
+        splits= doc_len=0 iters=10 2>&1 | tee "$OUT/bench_fused_128k.log" | grep -E "rror|Traceback"
     ;;
 esac
 (cd /tmp/tc && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
