@@ -1,9 +1,24 @@
 """With LINGUA_ZECO_FAILURES_NOW=1 a failing test's report is printed the moment it fails, not only in
 the summary at the end: a GPU run cut by its time limit (the device's calls are capped, and autotuning
-can eat the time) keeps the reason of every failure so far. The device scripts under setup/gpu set it."""
+can eat the time) keeps the reason of every failure so far. The device scripts under setup/gpu set it.
+
+With LINGUA_ZECO_ONE_CONFIG=1 every Triton autotuner (fla's and ours) runs the first of its configs that
+survive its own pruning, without benchmarking or caching: the GPU tests check values, which any config must
+get right, and tuning fla's kernels for each new dtype and head size took minutes a test (setup/gpu/*.sh set it
+for tests, never for benchmarks)."""
 import os
 
 import pytest
+
+if os.environ.get("LINGUA_ZECO_ONE_CONFIG") == "1":
+    from triton.runtime.autotuner import Autotuner
+
+    _prune = Autotuner.prune_configs
+
+    def _first_config(self, kwargs):
+        self.cache_results = False  # a one-config "tuning" must not land in the autotune cache
+        return _prune(self, kwargs)[:1]
+    Autotuner.prune_configs = _first_config
 
 
 @pytest.hookimpl(hookwrapper=True)

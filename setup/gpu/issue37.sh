@@ -10,16 +10,16 @@
 #     bash setup/gpu/issue37.sh E   # the roofline table at 16K and 32K (fla, staged, split_auto)
 #     bash setup/gpu/issue37.sh F   # short: the whole-chunk / save_h GPU tests, bench_fused 16K with the fused ZeCO
 #                                   # on the same stages, the GLA-1B step with them (≈ 6 min with the autotune union)
-#     bash setup/gpu/issue37.sh G   # the fused ZeCO with kept states on virtual ranks (GPU tests), bench_fused 16K/32K
-#                                   # without splits (the fused ZeCO target), bench_stages (the output stage's store)
-#     bash setup/gpu/issue37.sh H   # short: the roofline at 16K, bench_fused at 128K without splits
+#     bash setup/gpu/issue37.sh G   # the pending GPU tests (packed documents, kept states on virtual ranks, fla's
+#                                   # test_gla cases), bench_fused 16K/32K without splits (the fused ZeCO target)
+#     bash setup/gpu/issue37.sh H   # bench_stages (the output stage's store), the roofline at 16K, bench_fused 128K
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
 PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H"}
 source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
-    echo "== GPU tests"; timeout 540 python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q \
+    echo "== GPU tests"; LINGUA_ZECO_ONE_CONFIG=1 timeout 540 python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q \
         tests/test_gpu_intra.py tests/test_gpu_split.py tests/test_gpu_compile.py -k "${2:-intra or split or gla_op}" 2>&1 \
         | tee "$OUT/pytest_gpu_split.txt" | tail -12
     ;;
@@ -43,7 +43,7 @@ E)
         | tee "$OUT/roofline.log" | grep -E "^\||ceilings|rror|Traceback"
     ;;
 F)
-    echo "== GPU tests (whole-chunk stages, save_h)"; timeout 120 python3 -m pytest -m gpu -p no:logging \
+    echo "== GPU tests (whole-chunk stages, save_h)"; LINGUA_ZECO_ONE_CONFIG=1 timeout 120 python3 -m pytest -m gpu -p no:logging \
         -p no:cacheprovider -rfEs --tb=short -q tests/test_gpu_intra.py tests/test_gpu_sp.py tests/test_gpu_compile.py \
         -k "fwd_A or dqkg or save_h or gla_op" 2>&1 | tee "$OUT/pytest_gpu_save_h.txt" | tail -8
     echo "== bench_fused 16K"; timeout 110 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384 splits=0 \
@@ -53,18 +53,20 @@ F)
         | grep -E "^\{|rror|Traceback" | cut -c1-600
     ;;
 G)
-    echo "== GPU tests (fused ZeCO, kept states)"; timeout 120 python3 -m pytest -m gpu -p no:logging \
-        -p no:cacheprovider -rfEs --tb=short -q tests/test_gpu_sp.py -k save_h 2>&1 \
-        | tee "$OUT/pytest_gpu_sp_save_h.txt" | tail -6
+    echo "== GPU tests (packed, kept states, fla's cases; first autotune config)"; LINGUA_ZECO_ONE_CONFIG=1 timeout 240 \
+        python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q tests/test_gpu_sp.py \
+        tests/test_gpu_intra.py tests/test_gpu_compile.py \
+        -k "(packed or dqkg or fwd_A or save_h or gla_op or fla_chunk) and not fused_packed and not packed_state" \
+        2>&1 | tee "$OUT/pytest_gpu.txt" | tail -30
     echo "== bench_fused 16K, 32K"; timeout 300 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
         splits= doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
-    echo "== bench_stages 16K"; timeout 150 python3 -m apps.gla.bench.bench_stages out=$OUT t_local=16384 \
-        per_config=false 2>&1 | tee "$OUT/bench_stages.log" | grep -E "^\{|rror|Traceback" | cut -c1-1500
     ;;
 H)
+    echo "== bench_stages 16K"; timeout 150 python3 -m apps.gla.bench.bench_stages out=$OUT t_local=16384 \
+        per_config=false 2>&1 | tee "$OUT/bench_stages.log" | grep -E "rror|Traceback"
     echo "== roofline 16K"; timeout 200 python3 -m apps.gla.bench.roofline out=$OUT t_local=16384 2>&1 \
         | tee "$OUT/roofline.log" | grep -E "ceilings|rror|Traceback"
-    echo "== bench_fused 128K"; timeout 200 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=131072 \
+    echo "== bench_fused 128K"; timeout 190 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=131072 \
         splits= doc_len=0 iters=10 2>&1 | tee "$OUT/bench_fused_128k.log" | grep -E "rror|Traceback"
     ;;
 esac

@@ -11,7 +11,7 @@ source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 BENCH="python3 -m apps.gla.bench.bench_train out=$OUT variants=ours warmup=1"
 case "$PART" in
 A)
-    echo "== GPU tests"; timeout 540 python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q \
+    echo "== GPU tests"; LINGUA_ZECO_ONE_CONFIG=1 timeout 540 python3 -m pytest -m gpu -p no:logging -p no:cacheprovider -rfEs --tb=short -q \
         tests/test_gpu_segments.py 2>&1 | tee "$OUT/pytest_gpu_segments.txt" | tail -12
     ;;
 B)
