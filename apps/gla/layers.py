@@ -51,11 +51,11 @@ class GLAArgs:
     # torchao float8 training of the block linears (apps/gla/compile.py): none | tensorwise | rowwise
     float8: str = "none"
     float8_head: bool = False  # the LM head in float8 too (its loss then materialises the logits)
-    # CUDA, gla: the intra-chunk dq/dk stage of the GLA backward: zeco (ours, lingua_zeco/kernels/
-    # gla_bwd_intra.py) | zeco_chunk (ours by whole chunks where the gates allow, forward A included:
-    # gla_fwd_intra.py; not yet measured)
-    # | fla (fla's; on one rank fla's whole chunk_gla, as before the stage existed)
-    gla_bwd_intra: str = "zeco"
+    # CUDA, gla: the intra-chunk stages of the GLA operator: zeco_chunk (ours by whole chunks where the gates
+    # allow, the backward's dq/dk in lingua_zeco/kernels/gla_bwd_intra.py and the forward's A in gla_fwd_intra.py;
+    # the fastest measured) | zeco (ours, the backward's dq/dk by 16-token sub-chunks) | fla (fla's; on one rank
+    # fla's whole chunk_gla, as before these stages existed)
+    gla_bwd_intra: str = "zeco_chunk"
     # CUDA, gla, dense sequences: each sequence (each rank's slice under SP) as this many segments in one
     # batch, the scan between them inside the GPU (lingua_zeco/sp/split.py): 1 = off, 0 = auto (enough
     # segments to fill the SMs), S = S segments (T/S a multiple of 64)
@@ -63,7 +63,7 @@ class GLAArgs:
     # CUDA, gla, gla_split=1: keep the forward's chunk states h (16 bits) for the backward instead of recomputing
     # them: one state scan fewer per layer, 2·T_local·H·K·V/64 bytes more per layer until its backward (one rank:
     # lingua_zeco/kernels/gla_chunk.py; the fused ZeCO / LASP-2 slices: sp/fused_zeco.py; packed slices where a
-    # document starts recompute theirs)
+    # document starts recompute theirs). Off by default (memory); configs/gla_1b_base.yaml turns it on
     gla_save_h: bool = False
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     # tokens per GPU of one segment: the step trains the sequence segment by segment with exact gradients,

@@ -34,7 +34,7 @@ B)
     ;;
 C)
     echo "== bench_train 16K"; timeout 540 python3 -m apps.gla.bench.bench_train out=$OUT \
-        variants=fla,ours,ours_chunk_intra,ours_split,ours_split_chunk_intra,ours_float8,ours_float8_split 2>&1 \
+        variants=fla,ours,ours_zeco_intra,ours_chunk_intra,ours_split,ours_float8,ours_float8_split 2>&1 \
         | tee "$OUT/bench_train.log" | grep -E "^\{|rror|Traceback"
     ;;
 D)
@@ -52,7 +52,7 @@ F)
     echo "== bench_fused 16K"; timeout 110 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384 splits=0 \
         doc_len=0 iters=20 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
     echo "== bench_train 16K"; timeout 110 python3 -m apps.gla.bench.bench_train out=$OUT stem=train_16k_save_h \
-        seq_len=16384 warmup=2 steps=5 variants=ours_chunk_intra_save_h 2>&1 | tee "$OUT/bench_train.log" \
+        seq_len=16384 warmup=2 steps=5 variants=ours 2>&1 | tee "$OUT/bench_train.log" \
         | grep -E "^\{|rror|Traceback" | cut -c1-600
     ;;
 G)

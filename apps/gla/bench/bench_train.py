@@ -51,20 +51,18 @@ VARIANTS = {
     "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
     "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
-    # fla's intra-chunk dq/dk stage (on one GPU its whole chunk_gla, as before ours)
-    "ours_fla_intra": ["model.gla_bwd_intra=fla"],
-    "ours_chunk_intra": ["model.gla_bwd_intra=zeco_chunk"],  # ours, whole-chunk products where the gates allow
-    "ours_split_chunk_intra": ["model.gla_split=0", "model.gla_bwd_intra=zeco_chunk"],
-    # the forward's chunk states kept for the backward (one state scan fewer per layer)
-    "ours_save_h": ["model.gla_save_h=true"],
-    "ours_chunk_intra_save_h": ["model.gla_bwd_intra=zeco_chunk", "model.gla_save_h=true"],
-    "ours_float8_chunk_intra_save_h": ["model.float8=tensorwise", "model.gla_bwd_intra=zeco_chunk",
-                                       "model.gla_save_h=true"],
+    # the GLA-1B configs run the whole-chunk intra stages with the forward's states kept (model.gla_bwd_intra=
+    # zeco_chunk, the default, and gla_save_h=true in gla_1b_base.yaml); the earlier stages for comparison:
+    "ours_fla_intra": ["model.gla_bwd_intra=fla", "model.gla_save_h=false"],  # on one GPU fla's whole chunk_gla
+    "ours_zeco_intra": ["model.gla_bwd_intra=zeco", "model.gla_save_h=false"],  # the default until 2026-12-04
+    "ours_chunk_intra": ["model.gla_save_h=false"],  # whole-chunk stages, states recomputed
+    "ours_save_h": ["model.gla_bwd_intra=zeco"],  # sub-chunk stages, states kept
     # the GLA operator as segments in one batch, the scan inside the GPU (lingua_zeco/sp/split.py): auto, 2, 4
-    "ours_split": ["model.gla_split=0"],
-    "ours_split2": ["model.gla_split=2"],
-    "ours_split4": ["model.gla_split=4"],
-    "ours_float8_split": ["model.float8=tensorwise", "model.gla_split=0"],
+    # (it recomputes its own states)
+    "ours_split": ["model.gla_split=0", "model.gla_save_h=false"],
+    "ours_split2": ["model.gla_split=2", "model.gla_save_h=false"],
+    "ours_split4": ["model.gla_split=4", "model.gla_save_h=false"],
+    "ours_float8_split": ["model.float8=tensorwise", "model.gla_split=0", "model.gla_save_h=false"],
     # packed documents of `doc_len` tokens (boundaries in every batch, as the loader gives them with
     # data.varlen=true): our intra-chunk stage, and fla's for comparison
     "ours_packed": [],  # compiled: the packed GLA operator runs outside the graph (one break per block)
