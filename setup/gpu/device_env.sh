@@ -4,7 +4,9 @@
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "error: carry the fla-core, flash-linear-attention, omegaconf and antlr4 wheels in .whl/ (pip download --no-deps)"; exit 2; }
-export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 LINGUA_ZECO_FAILURES_NOW=1  # tests/conftest.py
+    || { echo "error: carry the fla-core, flash-linear-attention, omegaconf, torchao (and for issue37.sh I pytest-xdist,"\
+              "execnet) wheels in .whl/ (pip download --no-deps)"; exit 2; }
+export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 LINGUA_ZECO_FAILURES_NOW=1 \
+    LINGUA_ZECO_FAILURES_FILE=$OUT/failures_now.txt  # tests/conftest.py
 mkdir -p /tmp/tc && tar xzf setup/gpu/triton_autotune_h200.tgz -C /tmp/tc
 date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
