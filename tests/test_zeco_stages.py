@@ -189,21 +189,22 @@ _INTERPRETED_FWD_O = r"""
 import sys, torch, triton
 import torch.nn.functional as F
 from lingua_zeco.kernels import zeco_stages as zs
-B, T, H, K, V, BT = 2, 40, 2, 32, 32, 16
+B, T, H, BT = 2, 40, 2, 16
 NT = triton.cdiv(T, BT)
 gen = torch.Generator().manual_seed(1)
-q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
-g_cs = zs.chunk_local_cumsum_torch(F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2), BT)
-Gx, _ = zs.chunk_decay_prefix_torch(g_cs, BT)
-A = 0.1 * torch.randn(B, T, H, BT, generator=gen)
-h = 0.1 * torch.randn(B, NT, H, K, V, generator=gen)  # the chunk states from a zero state
-S_in = torch.randn(B, H, K, V, generator=gen)
-ref = zs.zeco_fwd_o_torch(*(t.double() for t in (q, v, g_cs, A, h, S_in, Gx)), 0.5, BT)
-h_ref = zs.fold_S_in_torch(h.double(), S_in.double(), Gx.double())  # the states from S_in (store_h)
-if sys.argv[1] == "broken":
-    Gx = Gx.roll(1, dims=1)  # each chunk folded with its neighbour's decay
 worst, worst_h = 0.0, 0.0
-for BK, BV in ((32, 32), (16, 16)):  # one and two K blocks, one and two V blocks per program
+# one and two K blocks, one and two V blocks per program; K, V = 40, 24: masked tiles (the store too)
+for K, V, BK, BV in ((32, 32, 32, 32), (32, 32, 16, 16), (40, 24, 16, 16)):
+    q, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    g_cs = zs.chunk_local_cumsum_torch(F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2), BT)
+    Gx, _ = zs.chunk_decay_prefix_torch(g_cs, BT)
+    A = 0.1 * torch.randn(B, T, H, BT, generator=gen)
+    h = 0.1 * torch.randn(B, NT, H, K, V, generator=gen)  # the chunk states from a zero state
+    S_in = torch.randn(B, H, K, V, generator=gen)
+    ref = zs.zeco_fwd_o_torch(*(t.double() for t in (q, v, g_cs, A, h, S_in, Gx)), 0.5, BT)
+    h_ref = zs.fold_S_in_torch(h.double(), S_in.double(), Gx.double())  # the states from S_in (store_h)
+    if sys.argv[1] == "broken":
+        Gx = Gx.roll(1, dims=1)  # each chunk folded with its neighbour's decay
     o, h_out = torch.zeros_like(v), h.clone()
     zs._fwd_o_kernel.fn[(triton.cdiv(V, BV), NT, B * H)](q, v, g_cs, A, h_out, S_in, Gx.contiguous(), o, 0.5, T, H=H,
                                                         K=K, V=V, BT=BT, BK=BK, BV=BV, STORE_H=True)
@@ -216,8 +217,8 @@ print(worst, worst_h)
 @pytest.mark.parametrize("variant", ["exact", "broken"])
 def test_fwd_o_triton_kernel_under_the_interpreter(variant):
     """The Triton output stage itself (not its torch oracle) under Triton's CPU interpreter, against the
-    float64 oracle: S_in folded into every chunk's state, a partial last chunk, several K and V blocks; with
-    STORE_H the true states it wrote back into h (kept for the backward). A chunk folded with its neighbour's
+    float64 oracle: S_in folded into every chunk's state, a partial last chunk, several K and V blocks, masked
+    ones; with STORE_H the true states it wrote back into h (kept for the backward). A chunk folded with its neighbour's
     decay is caught in both."""
     from lingua_zeco.testing import run_interpreted
     pytest.importorskip("triton")
