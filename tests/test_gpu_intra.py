@@ -172,9 +172,13 @@ def test_single_rank_packed_documents_make_no_host_sync():
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["dense", "packed"])
-def test_dqkg_stored_in_the_gradients_dtypes_equals_fla_then_cast(packed):
-    """fla_stages.chunk_gla_bwd_dqkg_to (fla's inter-chunk kernel storing dq, dk, dg in bf16) gives bit for bit
-    what fla's chunk_gla_bwd_dqkg (fp32) followed by .to(bf16) gives; a wrong scale is caught."""
+def test_dqkg_stored_in_the_gradients_dtypes_rounds_flas_fp32_values(packed):
+    """fla_stages.chunk_gla_bwd_dqkg_to (fla's inter-chunk kernel storing dq, dk, dg in bf16) against fla's
+    chunk_gla_bwd_dqkg (fp32): every element is one of the two bf16 neighbours of fla's fp32 value (give or take a
+    few fp32 ulps of the largest: dg is a difference of in-chunk sums), and almost all equal its cast. Not bit for
+    bit: Triton lowers the kernel's fp32 arithmetic differently per output dtype (a bit-equality check failed on
+    the GPU), so a value a few fp32 ulps from a bf16 rounding boundary may round to its other side. A wrong
+    scale is caught."""
     from lingua_zeco.kernels import fla_stages
     from lingua_zeco.kernels.zeco_stages import fla_chunk_size
     q, k, v, g, do = _inputs(PACKED_BOUNDS[-1] if packed else 1000)
@@ -195,12 +199,19 @@ def test_dqkg_stored_in_the_gradients_dtypes_equals_fla_then_cast(packed):
     gen = torch.Generator(device="cuda").manual_seed(1)
     dq, dk = (torch.randn(q.shape, device="cuda", generator=gen) for _ in range(2))  # the intra parts, fp32
     args = dict(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk)
-    ref = [x.to(torch.bfloat16) for x in fla_stages.chunk_gla_bwd_dqkg(**args, scale=0.1, **vl)]
+    ref32 = fla_stages.chunk_gla_bwd_dqkg(**args, scale=0.1, **vl)
     ours = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.1, dtypes=(torch.bfloat16,) * 3, **vl)
-    for a, b in zip(ours, ref, strict=True):
-        assert a.dtype == torch.bfloat16 and torch.equal(a, b)
+
+    def within_a_bf16_step(a, r):
+        step = torch.ldexp(torch.ones_like(r), torch.frexp(r).exponent - 8)  # bf16's spacing at r (8 bits)
+        return (a.float() - r).abs() <= step + r.abs().amax() * 2.0**-20
+
+    for a, r in zip(ours, ref32, strict=True):
+        assert a.dtype == torch.bfloat16 and r.dtype == torch.float32
+        assert within_a_bf16_step(a, r).all()
+        assert (a != r.to(torch.bfloat16)).float().mean() < 1e-2
     wrong = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.2, dtypes=(torch.bfloat16,) * 3, **vl)
-    assert not torch.equal(wrong[0], ref[0])
+    assert not within_a_bf16_step(wrong[0], ref32[0]).all()
 
 
 @pytest.mark.parametrize("T,gate_shift,gate_mult,packed", [(1000, 2.0, 1.0, False), (4096, -4.0, 1.0, False),

@@ -82,9 +82,10 @@ def chunk_gla_bwd_dqkg_to(q, k, v, h, g, do, dh, dq, dk, scale, *, dtypes, cu_se
                           chunk_indices=None):
     """= (x.to(d) for x, d in zip(chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, ...), dtypes)) without
     the three casts: fla's kernel already rounds each output to its buffer's dtype as it stores it, so buffers in
-    the dtypes the caller returns (dq's, dk's and the raw gate's: 16 bits in training) hold the same values
-    (both casts round to nearest even) while the fp32 buffers, and the three cast kernels that read them back,
-    are not needed. Packed documents need fla's chunk table (chunk_indices) with cu_seqlens."""
+    the dtypes the caller returns (dq's, dk's and the raw gate's: 16 bits in training) hold the same values up to
+    rounding (Triton lowers the fp32 arithmetic differently per output dtype: a few values land on the other
+    16-bit neighbour) while the fp32 buffers, and the three cast kernels that read them back, are not needed.
+    Packed documents need fla's chunk table (chunk_indices) with cu_seqlens."""
     B, T, H, K, V = *k.shape, v.shape[-1]
     if cu_seqlens is not None and chunk_indices is None:
         raise ValueError("chunk_gla_bwd_dqkg_to: packed documents need chunk_indices (plan it on the host)")

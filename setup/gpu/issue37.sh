@@ -5,7 +5,8 @@
 #                                      # shapes: minutes); K: a pytest -k expression to run part of them
 #     bash setup/gpu/issue37.sh B   # bench_stages (intra stages alone), bench_fused 16K/32K: fla, staged, chunk intra,
 #                                   # save_h, split2, split auto
-#     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K: fla, ours, chunk intra, split, float8 with and without
+#     bash setup/gpu/issue37.sh C   # bench_train GLA-1B 16K in one process: fla, ours (the defaults: whole-chunk
+#                                   # stages, kept states), ours_zeco_intra (the defaults before them)
 #     bash setup/gpu/issue37.sh D   # bench_fused at 128K
 #     bash setup/gpu/issue37.sh E   # the roofline table at 16K and 32K (fla, staged, split_auto)
 #     bash setup/gpu/issue37.sh F   # short: the whole-chunk / save_h GPU tests, bench_fused 16K with the fused ZeCO
@@ -16,9 +17,11 @@
 #     bash setup/gpu/issue37.sh I   # every GPU test of the operator in 14 processes (pytest-xdist wheel in .whl/:
 #                                   # Triton compiles on the CPU, one process at a time); failures' reports land in
 #                                   # $OUT/failures_now.txt (run 53 also ran H's roofline and 128K parts after it)
+#     bash setup/gpu/issue37.sh J   # the rest of the GPU suite (model, compile, generate, export, checkpoint, SP
+#                                   # files) and the dqkg test, 14 processes
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
-PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H|I"}
+PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H|I|J"}
 source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
@@ -33,9 +36,9 @@ B)
         splits=2 doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "^\{|rror|Traceback"
     ;;
 C)
-    echo "== bench_train 16K"; timeout 540 python3 -m apps.gla.bench.bench_train out=$OUT \
-        variants=fla,ours,ours_zeco_intra,ours_chunk_intra,ours_split,ours_float8,ours_float8_split 2>&1 \
-        | tee "$OUT/bench_train.log" | grep -E "^\{|rror|Traceback"
+    echo "== bench_train 16K"; timeout 540 python3 -m apps.gla.bench.bench_train out=$OUT seq_len=16384 warmup=3 \
+        steps=8 variants=fla,ours,ours_zeco_intra 2>&1 | tee "$OUT/bench_train.log" | grep -E "^\{|rror|Traceback" \
+        | cut -c1-600
     ;;
 D)
     echo "== bench_fused 128K"; timeout 540 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=131072 \
@@ -78,6 +81,14 @@ I)
         tests/test_gpu_segments.py tests/test_gpu_sp.py::test_fused_zeco_virtual_ranks_equal_single_device \
         tests/test_gpu_compile.py::test_gla_op_on_fla_stages 2>&1 | tee "$OUT/pytest_gpu_xdist.txt" \
         | grep -E "FAILED|ERROR|passed|failed" | tail -30
+    ;;
+J)
+    echo "== GPU tests, 14 processes"; LINGUA_ZECO_ONE_CONFIG=1 timeout 480 python3 -m pytest -n 14 -v -m gpu \
+        -p no:logging -p no:cacheprovider -rfEs --tb=short tests/test_export_hf.py tests/test_generate.py \
+        tests/test_gpu_checkpoint.py tests/test_gpu_compile.py tests/test_gpu_dist.py tests/test_gpu_fusions.py \
+        tests/test_gpu_sp.py tests/test_kernels.py tests/test_sp_delta.py tests/test_sp_simple_gla.py \
+        tests/test_symm_scan.py tests/test_gpu_intra.py::test_dqkg_stored_in_the_gradients_dtypes_rounds_flas_fp32_values \
+        2>&1 | tee "$OUT/pytest_gpu_xdist.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -30
     ;;
 esac
 (cd /tmp/tc && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
