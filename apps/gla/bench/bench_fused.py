@@ -188,9 +188,12 @@ def measure_one(args: BenchFusedArgs, T: int, inputs) -> dict:
         row["staged_packed_vs_fla_pct"] = pct("staged_chunk_gla_packed", "fla_chunk_gla_packed")
     if args.graphs:
         try:
-            graphed = {n: cuda_graph(fn) for n, fn in fns.items()}
+            # one memory pool: time_calls replays them in capture order and reads no output; a pool each ran out
+            # of memory at 128K (every variant's fwd+bwd temporaries held at once)
+            pool = torch.cuda.graph_pool_handle()
+            graphed = {n: cuda_graph(fn, pool) for n, fn in fns.items()}
             if packed:  # planned on the host, it captures (a host sync inside would fail here)
-                graphed |= {n: cuda_graph(packed[n]) for n in ("staged_chunk_gla_packed", "zeco_fused_packed")}
+                graphed |= {n: cuda_graph(packed[n], pool) for n in ("staged_chunk_gla_packed", "zeco_fused_packed")}
         except Exception as e:  # report, keep the eager numbers
             row["graph_error"] = f"{type(e).__name__}: {e}"[:300]
         else:

@@ -222,8 +222,10 @@ def slowest(xs: list[float], device: torch.device) -> list[float]:
     return buf.tolist()
 
 
-def cuda_graph(fn):
-    """Capture fn in a CUDA graph (after warm-up on a side stream, as torch asks); returns replay."""
+def cuda_graph(fn, pool=None):
+    """Capture fn in a CUDA graph (after warm-up on a side stream, as torch asks); returns replay. Graphs given
+    one `pool` (torch.cuda.graph_pool_handle()) reuse each other's temporaries: replay them in the order they were
+    captured, one at a time, and read no graph's outputs (the next graph may overwrite them)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -231,7 +233,7 @@ def cuda_graph(fn):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         fn()
     return graph.replay
 
