@@ -19,9 +19,11 @@
 #                                   # $OUT/failures_now.txt (run 53 also ran H's roofline and 128K parts after it)
 #     bash setup/gpu/issue37.sh J   # the rest of the GPU suite (model, compile, generate, export, checkpoint, SP
 #                                   # files) and the dqkg test, 14 processes
+#     bash setup/gpu/issue37.sh K   # test_symm_scan alone, one process (its P = 3 loopback failed under J's 14 processes,
+#                                   # run 55; again with CUDA_LAUNCH_BLOCKING=1 if it fails), bench_fused 128K
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
-PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H|I|J"}
+PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H|I|J|K"}
 source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
@@ -89,6 +91,17 @@ J)
         tests/test_gpu_sp.py tests/test_kernels.py tests/test_sp_delta.py tests/test_sp_simple_gla.py \
         tests/test_symm_scan.py tests/test_gpu_intra.py::test_dqkg_stored_in_the_gradients_dtypes_rounds_flas_fp32_values \
         2>&1 | tee "$OUT/pytest_gpu_xdist.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -30
+    ;;
+K)
+    echo "== test_symm_scan, one process"; timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfEs \
+        --tb=short tests/test_symm_scan.py 2>&1 | tee "$OUT/pytest_symm.txt" | grep -E "PASSED|FAILED|ERROR|passed|failed"
+    if grep -q "FAILED.*on_one_gpu" "$OUT/pytest_symm.txt"; then
+        echo "== the failed loopback cases, CUDA_LAUNCH_BLOCKING=1"; CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest \
+            -v -m gpu -p no:cacheprovider -rfEs --tb=long tests/test_symm_scan.py -k on_one_gpu 2>&1 \
+            | tee "$OUT/pytest_symm_blocking.txt" | grep -E "PASSED|FAILED|rror|passed|failed" | head -20
+    fi
+    echo "== bench_fused 128K (CUDA graphs in one pool)"; timeout 190 python3 -m apps.gla.bench.bench_fused out=$OUT \
+        t_local=131072 splits= doc_len=0 iters=10 2>&1 | tee "$OUT/bench_fused_128k.log" | grep -E "rror|Traceback"
     ;;
 esac
 (cd /tmp/tc && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
