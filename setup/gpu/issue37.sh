@@ -19,11 +19,14 @@
 #                                   # $OUT/failures_now.txt (run 53 also ran H's roofline and 128K parts after it)
 #     bash setup/gpu/issue37.sh J   # the rest of the GPU suite (model, compile, generate, export, checkpoint, SP
 #                                   # files) and the dqkg test, 14 processes
+#     bash setup/gpu/issue37.sh L   # dA inside the intra-chunk kernel: part I's GPU tests in 14 processes, then
+#                                   # bench_fused 16K/32K without splits
+#     bash setup/gpu/issue37.sh M   # the GLA-1B step as part C, then the roofline at 16K
 #     bash setup/gpu/issue37.sh K   # test_symm_scan alone, one process (its P = 3 loopback failed under J's 14 processes,
 #                                   # run 55; again with CUDA_LAUNCH_BLOCKING=1 if it fails), bench_fused 128K
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
-PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H|I|J|K"}
+PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H|I|J|K|L|M"}
 source "$(dirname "$0")/device_env.sh"  # wheels, autotune cache, OUT
 case "$PART" in
 A)
@@ -91,6 +94,20 @@ J)
         tests/test_gpu_sp.py tests/test_kernels.py tests/test_sp_delta.py tests/test_sp_simple_gla.py \
         tests/test_symm_scan.py tests/test_gpu_intra.py::test_dqkg_stored_in_the_gradients_dtypes_rounds_flas_fp32_values \
         2>&1 | tee "$OUT/pytest_gpu_xdist.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -30
+    ;;
+L)
+    echo "== GPU tests, 14 processes"; LINGUA_ZECO_ONE_CONFIG=1 timeout 300 python3 -m pytest -n 14 -v -m gpu \
+        -p no:logging -p no:cacheprovider -rfEs --tb=short tests/test_gpu_intra.py tests/test_gpu_split.py \
+        tests/test_gpu_segments.py tests/test_gpu_sp.py tests/test_gpu_compile.py 2>&1 \
+        | tee "$OUT/pytest_gpu_xdist.txt" | grep -E "FAILED|ERROR|passed|failed" | tail -30
+    echo "== bench_fused 16K, 32K"; timeout 240 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
+        splits= doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
+    ;;
+M)
+    echo "== bench_train 16K"; timeout 300 python3 -m apps.gla.bench.bench_train out=$OUT seq_len=16384 warmup=3 steps=8 \
+        variants=fla,ours,ours_zeco_intra 2>&1 | tee "$OUT/bench_train.log" | grep -E "^\||rror|Traceback"
+    echo "== roofline 16K"; timeout 200 python3 -m apps.gla.bench.roofline out=$OUT t_local=16384 2>&1 \
+        | tee "$OUT/roofline.log" | grep -E "ceilings|rror|Traceback"
     ;;
 K)
     echo "== test_symm_scan, one process"; timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfEs \
