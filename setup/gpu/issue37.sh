@@ -21,7 +21,8 @@
 #                                   # files) and the dqkg test, 14 processes
 #     bash setup/gpu/issue37.sh L   # dA inside the intra-chunk kernel: part I's GPU tests in 14 processes, then
 #                                   # bench_fused 16K/32K without splits
-#     bash setup/gpu/issue37.sh M   # the GLA-1B step as part C, then the roofline at 16K
+#     bash setup/gpu/issue37.sh M   # bench_fused 16K/32K without splits (its autotuning of the changed kernel cut
+#                                   # part L's), then the GLA-1B step as part C
 #     bash setup/gpu/issue37.sh K   # test_symm_scan alone, one process (its P = 3 loopback failed under J's 14 processes,
 #                                   # run 55; again with CUDA_LAUNCH_BLOCKING=1 if it fails), bench_fused 128K
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
@@ -104,10 +105,10 @@ L)
         splits= doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
     ;;
 M)
-    echo "== bench_train 16K"; timeout 300 python3 -m apps.gla.bench.bench_train out=$OUT seq_len=16384 warmup=3 steps=8 \
-        variants=fla,ours,ours_zeco_intra 2>&1 | tee "$OUT/bench_train.log" | grep -E "^\||rror|Traceback"
-    echo "== roofline 16K"; timeout 200 python3 -m apps.gla.bench.roofline out=$OUT t_local=16384 2>&1 \
-        | tee "$OUT/roofline.log" | grep -E "ceilings|rror|Traceback"
+    echo "== bench_fused 16K, 32K"; timeout 320 python3 -m apps.gla.bench.bench_fused out=$OUT t_local=16384,32768 \
+        splits= doc_len=0 iters=40 2>&1 | tee "$OUT/bench_fused.log" | grep -E "rror|Traceback"
+    echo "== bench_train 16K"; timeout 240 python3 -m apps.gla.bench.bench_train out=$OUT seq_len=16384 warmup=3 steps=8 \
+        variants=fla,ours,ours_zeco_intra 2>&1 | tee "$OUT/bench_train.log" | grep -E "rror|Traceback"
     ;;
 K)
     echo "== test_symm_scan, one process"; timeout 240 python3 -m pytest -v -m gpu -p no:cacheprovider -rfEs \
