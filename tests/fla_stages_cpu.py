@@ -109,8 +109,7 @@ def fwd_A(q, k, g_cs, scale, BT, intra="zeco", cu_seqlens=None, chunk_indices=No
     return chunk_gla_fwd_intra_gk(q, k, g_cs, scale, cu_seqlens, BT, chunk_indices)
 
 
-def dqk_intra(q, k, v, g_cs, do, scale, BT, bwd_intra="zeco", cu_seqlens=None, chunk_indices=None):
-    dA = chunk_gla_bwd_dA(v, do, scale, cu_seqlens, BT)
+def dqk_intra(q, k, g_cs, dA, BT, bwd_intra="zeco", cu_seqlens=None, chunk_indices=None):
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
     for _, _, s, e in _chunks(q.shape[1], BT, cu_seqlens):
         dAc, gc = dA[:, s:e, :, :e - s], g_cs[:, s:e]

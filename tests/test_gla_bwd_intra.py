@@ -1,13 +1,12 @@
 """Our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) on CPU: its torch oracle against
 autograd through the intra-chunk scores it differentiates, and the Triton kernel itself under Triton's
 CPU interpreter against that oracle in float64 (every chunk size fla picks, every key block, a partial
-last chunk; dA read from memory or made inside from do and v); a changed gate or value is caught. On the GPU,
-against fla's stage: tests/test_gpu_intra.py."""
+last chunk); a changed gate is caught. On the GPU, against fla's stage: tests/test_gpu_intra.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dA_torch, chunk_gla_bwd_dqk_intra_torch
+from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 from lingua_zeco.testing import run_interpreted
 
@@ -38,74 +37,41 @@ def test_oracle_is_the_gradient_of_the_intra_scores(T, BT):
     torch.testing.assert_close(chunk_gla_bwd_dqk_intra_torch(q.detach(), k.detach(), g_cs, noisy, BT)[0], dq)
 
 
-def test_dA_oracle_gives_the_gradient_of_the_intra_output():
-    """With dA from chunk_gla_bwd_dA_torch, the dq/dk oracle is autograd's gradient of o_t = scale · Σ_{j ≤ t}
-    A_tj v_j (the forward's intra-chunk output through the scores) against do; dA without its scale is not."""
-    gen = torch.Generator().manual_seed(4)
-    T, BT, scale = 45, 16, 0.3
-    q, k = (torch.randn(1, T, 2, 8, generator=gen, dtype=torch.double, requires_grad=True) for _ in range(2))
-    v, do = (torch.randn(1, T, 2, 6, generator=gen, dtype=torch.double) for _ in range(2))
-    g_cs = chunk_local_cumsum_torch(F.logsigmoid(torch.randn(1, T, 2, 8, generator=gen, dtype=torch.double)), BT)
-    A = _scores(q, k, g_cs, BT)  # [1, T, H, BT]: row t, column j of t's chunk (zero above the diagonal)
-    o = torch.stack([scale * torch.einsum("bhj,bjhv->bhv", A[:, t, :, :t % BT + 1], v[:, t - t % BT:t + 1])
-                     for t in range(T)], dim=1)
-    dq, dk = torch.autograd.grad(o, (q, k), do)
-    dA = chunk_gla_bwd_dA_torch(v, do, scale, BT)
-    ours = chunk_gla_bwd_dqk_intra_torch(q.detach(), k.detach(), g_cs, dA, BT)
-    torch.testing.assert_close(ours[0], dq, rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(ours[1], dk, rtol=1e-10, atol=1e-10)
-    unscaled = chunk_gla_bwd_dqk_intra_torch(q.detach(), k.detach(), g_cs, dA / scale, BT)
-    assert (unscaled[0] - dq).abs().max() > 1e-3
-
-
 _INTERPRETED = r"""
 import sys, torch, triton
 import torch.nn.functional as F
 from lingua_zeco.kernels import gla_bwd_intra as gi
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
-B, T, H, K, V = 2, 150, 2, 64, 32
+B, T, H, K = 2, 150, 2, 64
 gen = torch.Generator().manual_seed(0)
 q, k = torch.randn(B, T, H, K, generator=gen).half(), torch.randn(B, T, H, K, generator=gen).half()
-v, do = torch.randn(B, T, H, V, generator=gen).half(), torch.randn(B, T, H, V, generator=gen).half()
 g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
-# (chunk, key block, gate multiplier, SPAN, WHOLE, DA_INSIDE): the reference-gate path at every chunk size fla
-# picks; SPAN=0 forces the exact fallback everywhere; gates × 40 (≈ 60 bits of decay per token) take the
+# (chunk, key block, gate multiplier, SPAN, WHOLE): the reference-gate path at every chunk size fla picks;
+# SPAN=0 forces the exact fallback everywhere; gates × 40 (≈ 60 bits of decay per token) take the
 # fallback where the reference would overflow. WHOLE: the whole-chunk path first; gates × 15 (≈ 4 bits a
-# token) are too steep for one reference per chunk but not per sub-chunk. DA_INSIDE: dA = 0.1 · do v^T made in
-# the kernel (two 16-wide blocks of V), on the whole-chunk path and, through the scratch, on the sub-chunks.
-# "broken": one token's gates (or, with DA_INSIDE, values) changed after the oracle, and the steep gates with the
-# fallbacks switched off (SPAN huge: 2^(g_r − g_j) overflows), each for the sub-chunk and the whole-chunk path
-cases = {"exact": [(64, 32, 1, 64.0, False, False), (32, 64, 1, 64.0, False, False), (16, 64, 1, 64.0, False, False),
-                   (64, 64, 1, 0.0, False, False), (64, 64, 40, 64.0, False, False),
-                   (64, 32, 1, 64.0, True, False), (32, 64, 1, 64.0, True, False), (16, 64, 1, 64.0, True, False),
-                   (64, 64, 15, 64.0, True, False), (64, 64, 40, 64.0, True, False),
-                   (64, 32, 1, 64.0, True, True), (16, 64, 1, 64.0, True, True), (64, 64, 15, 64.0, True, True)],
-         "broken": [(64, 64, 1, 64.0, False, False), (64, 64, 40, 1e9, False, False),
-                    (64, 64, 1, 64.0, True, False), (64, 64, 40, 1e9, True, False),
-                    (64, 64, 1, 64.0, True, True)]}[sys.argv[1]]
+# token) are too steep for one reference per chunk but not per sub-chunk. "broken": one token's gates
+# changed after the oracle, and the steep gates with the fallbacks switched off (SPAN huge: 2^(g_r − g_j)
+# overflows), each for the sub-chunk and the whole-chunk path
+cases = {"exact": [(64, 32, 1, 64.0, False), (32, 64, 1, 64.0, False), (16, 64, 1, 64.0, False),
+                   (64, 64, 1, 0.0, False), (64, 64, 40, 64.0, False),
+                   (64, 32, 1, 64.0, True), (32, 64, 1, 64.0, True), (16, 64, 1, 64.0, True),
+                   (64, 64, 15, 64.0, True), (64, 64, 40, 64.0, True)],
+         "broken": [(64, 64, 1, 64.0, False), (64, 64, 40, 1e9, False),
+                    (64, 64, 1, 64.0, True), (64, 64, 40, 1e9, True)]}[sys.argv[1]]
 worst, caught = 0.0, float("inf")
-for BT, BK, mult, SPAN, WHOLE, INSIDE in cases:
+for BT, BK, mult, SPAN, WHOLE in cases:
     g_cs = chunk_local_cumsum_torch(g * mult, BT)
-    if INSIDE:
-        dA = torch.full((B, T, H, BT), float("nan"))  # the scratch: only the sub-chunk path may read it, after writing
-        ref_dA = gi.chunk_gla_bwd_dA_torch(v.double(), do.double(), 0.1, BT)
-    else:
-        dA = torch.randn(B, T, H, BT, generator=gen)  # upper triangle non-zero: the kernel must ignore it
-        ref_dA = dA.double()
-    ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), ref_dA, BT)
-    vv = v.clone()
+    dA = torch.randn(B, T, H, BT, generator=gen)  # upper triangle non-zero: the kernel must ignore it
+    ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
     if sys.argv[1] == "broken" and mult == 1:
-        if INSIDE:
-            vv[:, 70] += 0.5
-        else:
-            g_cs[:, 70] += 0.5
+        g_cs[:, 70] += 0.5
     dq, dk = torch.empty(B, T, H, K), torch.empty(B, T, H, K)
     grid = (triton.cdiv(K, BK) * triton.cdiv(T, BT), B * H)
-    gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, None, None, T, do, vv, 0.1, H=H, K=K, BT=BT,
-                                  BC=min(16, BT), BK=BK, SPAN=SPAN, WHOLE=WHOLE, DA_INSIDE=INSIDE, V=V, BV=16)
+    gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, None, None, T, H=H, K=K, BT=BT, BC=min(16, BT), BK=BK,
+                                  SPAN=SPAN, WHOLE=WHOLE)
     errs = [((a.double() - r).abs().max() / r.abs().max()).nan_to_num(float("inf")).item()
             for a, r in zip((dq, dk), ref)]
-    print(BT, BK, mult, SPAN, WHOLE, INSIDE, errs, file=sys.stderr)
+    print(BT, BK, mult, SPAN, WHOLE, errs, file=sys.stderr)
     worst, caught = max(worst, *errs), min(caught, *errs)
 print(worst if sys.argv[1] == "exact" else caught)  # broken: the least any output moved (each must)
 """
@@ -133,25 +99,20 @@ bounds = [0, 0, 1, 9, 9, 73, 150]
 T, H, K, BT, BK = bounds[-1], 2, 64, 64, 32
 gen = torch.Generator().manual_seed(1)
 q, k = torch.randn(1, T, H, K, generator=gen).half(), torch.randn(1, T, H, K, generator=gen).half()
-v, do = torch.randn(1, T, H, 32, generator=gen).half(), torch.randn(1, T, H, 32, generator=gen).half()
 g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen) + 2)
 g_cs = torch.cat([chunk_local_cumsum_torch(g[:, a:b], BT) for a, b in zip(bounds, bounds[1:]) if b > a], 1)
 dA = torch.randn(1, T, H, BT, generator=gen)
 ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT, cu_seqlens=bounds)
-dA_vd = gi.chunk_gla_bwd_dA_torch(v.double(), do.double(), 0.1, BT, cu_seqlens=bounds)
-ref_vd = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA_vd, BT, cu_seqlens=bounds)
 if sys.argv[1] == "broken":  # the documents read as one dense sequence: chunks cross document boundaries
     bounds = [0, T]
 ci, _, NT = varlen_chunk_tables(bounds, BT, "cpu")
 cu = torch.tensor(bounds, dtype=torch.long)
 errs = []
-# the sub-chunk and the whole-chunk paths with dA read, the whole-chunk path with dA made from do and v
-for whole, inside in ((False, False), (True, False), (True, True)):
+for whole in (False, True):  # the sub-chunk and the whole-chunk paths
     dq, dk = torch.empty(1, T, H, K), torch.empty(1, T, H, K)
-    gi._dqk_intra_kernel.fn[(triton.cdiv(K, BK) * NT, H)](q, k, g_cs, dA, dq, dk, cu, ci, T, do, v, 0.1, H=H, K=K,
-                                                          BT=BT, BC=16, BK=BK, IS_VARLEN=True, WHOLE=whole,
-                                                          DA_INSIDE=inside, V=32, BV=32)
-    errs += [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((dq, dk), ref_vd if inside else ref)]
+    gi._dqk_intra_kernel.fn[(triton.cdiv(K, BK) * NT, H)](q, k, g_cs, dA, dq, dk, cu, ci, T, H=H, K=K, BT=BT, BC=16,
+                                                          BK=BK, IS_VARLEN=True, WHOLE=whole)
+    errs += [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((dq, dk), ref)]
 print(errs, file=sys.stderr)
 print(max(errs) if sys.argv[1] == "exact" else min(errs))
 """

@@ -33,25 +33,24 @@ def _inputs(T, H=4, K=128, V=128, dtype=torch.bfloat16, gate_shift=2.0, gate_mul
                                                     (16, 2.0, 1.0), (40, 2.0, 1.0)])
 def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
     from lingua_zeco.kernels import fla_stages
-    from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dA_torch, chunk_gla_bwd_dqk_intra_torch
+    from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
     from lingua_zeco.kernels.gla_chunk import dqk_intra
     from lingua_zeco.kernels.zeco_stages import fla_chunk_size
     q, k, v, g, do = _inputs(T, gate_shift=gate_shift, gate_mult=gate_mult)
     BT = fla_chunk_size(T)
     g_cs = fla_stages.gate_cumsum(g, BT)
-    theirs = dqk_intra(q, k, v, g_cs, do, 0.1, BT, "fla")
-    dA = chunk_gla_bwd_dA_torch(v.double(), do.double(), 0.1, BT)
-    exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA, BT)
-    # ours by sub-chunks (dA from fla's stage), and by whole chunks where the gates allow (dA made inside)
-    for name in ("zeco", "zeco_chunk"):
-        for a, b, ref in zip(dqk_intra(q, k, v, g_cs, do, 0.1, BT, name), theirs, exact):
+    dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, chunk_size=BT)
+    theirs = dqk_intra(q, k, g_cs, dA, BT, "fla")
+    exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
+    for name in ("zeco", "zeco_chunk"):  # ours by sub-chunks, and by whole chunks where the gates allow
+        for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, BT, name), theirs, exact):
             assert a.dtype == torch.float and torch.isfinite(a).all()
             assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3, name  # tf32 products off the diagonal, as fla's
             assert _rel(a, b) < 3e-3, name
     if gate_mult == 1.0:  # (steep gates: a token sees almost only itself, whatever its gate)
         g_cs[0, T // 2] += 0.5  # one token's gates changed: ours must move away from the unchanged oracle
         for name in ("zeco", "zeco_chunk"):
-            moved = dqk_intra(q, k, v, g_cs, do, 0.1, BT, name)
+            moved = dqk_intra(q, k, g_cs, dA, BT, name)
             assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2, name
 
 
@@ -97,25 +96,24 @@ def _packed(BT):
 
 def test_intra_stage_on_packed_documents_matches_fla_and_the_oracle():
     from lingua_zeco.kernels import fla_stages
-    from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dA_torch, chunk_gla_bwd_dqk_intra_torch
+    from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
     from lingua_zeco.kernels.gla_chunk import dqk_intra
     from lingua_zeco.kernels.zeco_stages import fla_chunk_size
     q, k, v, g, do = _inputs(PACKED_BOUNDS[-1])
     BT = fla_chunk_size(q.shape[1])
     cu, ci, _, _ = _packed(BT)
     g_cs = fla_stages.gate_cumsum(g, BT, cu, ci)
-    vl = dict(cu_seqlens=cu, chunk_indices=ci)
-    theirs = dqk_intra(q, k, v, g_cs, do, 0.1, BT, "fla", **vl)
-    dA = chunk_gla_bwd_dA_torch(v.double(), do.double(), 0.1, BT, cu_seqlens=PACKED_BOUNDS)
-    exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA, BT, cu_seqlens=PACKED_BOUNDS)
+    dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+    theirs = dqk_intra(q, k, g_cs, dA, BT, "fla", cu_seqlens=cu, chunk_indices=ci)
+    exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT,
+                                          cu_seqlens=PACKED_BOUNDS)
     for name in ("zeco", "zeco_chunk"):
-        for a, b, ref in zip(dqk_intra(q, k, v, g_cs, do, 0.1, BT, name, **vl), theirs, exact):
+        for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, BT, name, cu_seqlens=cu, chunk_indices=ci), theirs, exact):
             assert torch.isfinite(a).all()
             assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3, name
             assert _rel(a, b) < 3e-3, name
-    for name in ("zeco", "zeco_chunk"):  # the documents' chunks read as one sequence's: caught
-        dense = dqk_intra(q, k, v, g_cs, do, 0.1, BT, name)
-        assert max(_rel(a, ref) for a, ref in zip(dense, exact)) > 1e-2, name
+    dense = dqk_intra(q, k, g_cs, dA, BT, "zeco")  # the documents' chunks read as one sequence's: caught
+    assert max(_rel(a, ref) for a, ref in zip(dense, exact)) > 1e-2
 
 
 @pytest.mark.parametrize("save_h", [False, True], ids=["recompute_h", "save_h"])

@@ -24,23 +24,15 @@ def _cases():
     hop = {"x_ptr": "*fp32", "a_ptr": "*fp32", "y_ptr": "*fp32", "recv_ptr": "*fp32", "send_ptr": "*fp32",
            "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32,
            "max_spins": i32}
-    read_dA = dict(do=None, v=None, scale=1.0, DA_INSIDE=False, V=16, BV=16)  # dA from fla's stage
-    dA_inside = {"do": "*bf16", "v": "*bf16", "scale": f32}
     cases = {f"dqk_intra_BT{BT}_BK{BK}_whole{w}": (gla_bwd_intra._dqk_intra_kernel, intra,
                                                    dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
-                                                        chunk_indices=None, IS_VARLEN=False, WHOLE=w) | read_dA)
+                                                        chunk_indices=None, IS_VARLEN=False, WHOLE=w))
              for BT, BK in ((64, 32), (64, 64), (16, 64)) for w in (False, True)}
-    cases |= {f"dqk_intra_BT{BT}_BK{BK}_dA_inside": (gla_bwd_intra._dqk_intra_kernel, intra | dA_inside,
-                                                     dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
-                                                          chunk_indices=None, IS_VARLEN=False, WHOLE=True,
-                                                          DA_INSIDE=True, V=128, BV=128))
-              for BT, BK in ((64, 32), (64, 64), (16, 64))}
-    varlen = {"cu_seqlens": "*i64", "chunk_indices": "*i64"}
-    cases |= {f"dqk_intra_varlen_whole{w}_inside{i}": (
-        gla_bwd_intra._dqk_intra_kernel, intra | varlen | (dA_inside if i else {}),
-        dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True, WHOLE=w)
-        | (dict(DA_INSIDE=True, V=128, BV=128) if i else read_dA))
-        for w, i in ((False, False), (True, False), (True, True))}
+    cases |= {f"dqk_intra_varlen_whole{w}": (gla_bwd_intra._dqk_intra_kernel,
+                                             intra | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
+                                             dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True,
+                                                  WHOLE=w))
+              for w in (False, True)}
     fwd_A = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "A": "*fp32", "scale": f32, "T": i32}
     cases |= {f"fwd_A_BT{BT}_BK{BK}": (gla_fwd_intra._fwd_A_kernel, fwd_A,
                                        dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,

@@ -20,10 +20,6 @@ WHOLE (bwd_intra "zeco_chunk"): one reference gate for the whole chunk (its midd
 gates stay within 2^±SPAN of it, as they do at GLA-1B's gate normalizer: dq and dk are then two
 [BT, BT] x [BT, BK] products in 3×TF32 (each input tile read and each exp2 taken once, instead of once per
 sub-chunk pair); chunks with steeper gates take the sub-chunk path above.
-dA IN THE KERNEL (whole chunks only): dA = scale · do v^T, causal, made by each program from its chunk's do and
-v (a [BT, V] x [V, BT] product, as fla's `chunk_gla_bwd_dA` computes it) instead of read from that stage's
-[B, T, H, BT] fp32 output: one launch and one write and read of dA fewer. A chunk whose gates send it down the
-sub-chunk path writes its dA to a scratch buffer first and reads the blocks back from there.
 Packed documents (B = 1) come as fla's varlen stages take them, with its chunk table: a program's chunk
 is (document, chunk in document), and it reads that document's rows as one sequence of its own length.
 It is faster than fla's stage on H200: docs/results/performance.md, "Our intra-chunk backward stage".
@@ -59,38 +55,8 @@ def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int, cu_seqlens=None):
     return dq.reshape(B, -1, H, K)[:, :T], dk.reshape(B, -1, H, K)[:, :T]
 
 
-def chunk_gla_bwd_dA_torch(v, do, scale: float, BT: int, cu_seqlens=None):
-    """Oracle of dA [B, T, H, BT] in at least fp32: scale · Σ_v do_t v_j for j ≤ t in t's chunk (fla's
-    `chunk_gla_bwd_dA`), zero above the diagonal; cu_seqlens (host ints, B = 1) as above."""
-    if cu_seqlens is not None:
-        return torch.cat([chunk_gla_bwd_dA_torch(v[:, a:b], do[:, a:b], scale, BT)
-                          for a, b in zip(cu_seqlens[:-1], cu_seqlens[1:]) if b > a], dim=1)
-    B, T, H, _ = v.shape
-    acc = acc_dtype(v.dtype, do.dtype)
-    v_BNCHV, do_BNCHV = (chunked(x, BT, acc) for x in (v, do))
-    dA = scale * torch.einsum("bnthv,bnjhv->bnthj", do_BNCHV, v_BNCHV)
-    dA = dA * torch.tril(torch.ones(BT, BT, dtype=acc, device=v.device))[:, None, :]
-    return dA.reshape(B, -1, H, BT)[:, :T]
-
-
 if triton is not None:
     from .triton_chunks import chunk_origin, load_rows
-
-    @triton.jit
-    def _dA_of_chunk(do, v, t_c, bos, i_h, T, scale, H: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                     BV: tl.constexpr):
-        """scale · do v^T [BT, BT] fp32 of the chunk at rows t_c: j ≤ t < T, zero elsewhere. The products in the
-        inputs' own dtype (fla's dA stage: 16-bit tensor cores, fp32 sums)."""
-        o_t = tl.arange(0, BT)
-        rows = (bos + t_c) * H + i_h
-        acc = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_v in tl.static_range(0, V, BV):
-            o_v = i_v + tl.arange(0, BV)
-            m = (t_c < T)[:, None] & (o_v < V)[None, :]
-            ptrs = rows[:, None] * V + o_v[None, :]
-            acc = tl.dot(tl.load(do + ptrs, mask=m, other=0.), tl.trans(tl.load(v + ptrs, mask=m, other=0.)), acc)
-        keep = (o_t[:, None] >= o_t[None, :]) & (t_c < T)[:, None]
-        return tl.where(keep, acc * scale, 0.)
 
     @triton.jit
     def _dA_block(dA, t_rows, c0, T, bos, i_h, o_c, H: tl.constexpr, BT: tl.constexpr, CAUSAL: tl.constexpr):
@@ -167,13 +133,11 @@ if triton is not None:
     @triton.autotune(
         configs=[triton.Config({"BK": bk}, num_warps=w, num_stages=s)
                  for bk in (32, 64) for w in (2, 4, 8) for s in (1, 2)],
-        key=["BT", "K", "V", "IS_VARLEN", "WHOLE", "DA_INSIDE"], cache_results=True)
+        key=["BT", "K", "IS_VARLEN", "WHOLE"], cache_results=True)
     @triton.jit(do_not_specialize=["T"])
-    def _dqk_intra_kernel(q, k, g, dA, dq, dk, cu_seqlens, chunk_indices, T, do=None, v=None, scale=1.0,
-                          H: tl.constexpr = 1, K: tl.constexpr = 16, BT: tl.constexpr = 16, BC: tl.constexpr = 16,
-                          BK: tl.constexpr = 16, IS_VARLEN: tl.constexpr = False, SPAN: tl.constexpr = 64.0,
-                          WHOLE: tl.constexpr = False, DA_INSIDE: tl.constexpr = False, V: tl.constexpr = 16,
-                          BV: tl.constexpr = 16):
+    def _dqk_intra_kernel(q, k, g, dA, dq, dk, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
+                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr = False,
+                          SPAN: tl.constexpr = 64.0, WHOLE: tl.constexpr = False):
         NK: tl.constexpr = (K + BK - 1) // BK
         i_kn, i_bh = tl.program_id(0), tl.program_id(1)  # chunks on axis 0: no 65535 limit on T
         i_k, i_n = i_kn % NK, i_kn // NK
@@ -189,15 +153,12 @@ if triton is not None:
             mid = tl.minimum(BT // 2, T - 1 - t0)
             g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
             span = tl.max(tl.max(tl.where(m_ck, tl.abs(g_c - g_r[None, :]), 0.), axis=1), axis=0)
-            if DA_INSIDE:
-                dA_c = _dA_of_chunk(do, v, t_c, bos, i_h, T, scale, H, V, BT, BV)
             if span <= SPAN:  # two [BT, BT] x [BT, BK] products, 3xTF32: the diagonal's largest terms are in them
                 q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
                 k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
                 kg_c = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
                 qg_c = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
-                if not DA_INSIDE:
-                    dA_c = _dA_block(dA, t_c, 0, T, bos, i_h, o_t, H, BT, True)
+                dA_c = _dA_block(dA, t_c, 0, T, bos, i_h, o_t, H, BT, True)
                 b_dq = tl.dot(dA_c, kg_c, input_precision="tf32x3") * tl.exp2(
                     tl.where(m_ck, g_c - g_r[None, :], 0.))
                 b_dk = tl.dot(tl.trans(dA_c), qg_c, input_precision="tf32x3") * tl.exp2(
@@ -206,32 +167,22 @@ if triton is not None:
                 tl.store(dq + rows_c[:, None] * K + o_k[None, :], b_dq, mask=m_ck)
                 tl.store(dk + rows_c[:, None] * K + o_k[None, :], b_dk, mask=m_ck)
             else:
-                if DA_INSIDE:  # the sub-chunks read their dA blocks from memory: this chunk's goes there first
-                    # (every key block's program of the chunk writes the same values)
-                    rows_c = (bos + t_c) * H + i_h
-                    tl.store(dA + rows_c[:, None] * BT + o_t[None, :], dA_c, mask=(t_c < T)[:, None])
-                    tl.debug_barrier()
                 _sub_chunks(q, k, g, dA, dq, dk, bos, i_h, o_k, m_k, t0, T, H, K, BT, BC, BK, SPAN)
         else:
             _sub_chunks(q, k, g, dA, dq, dk, bos, i_h, o_k, m_k, t0, T, H, K, BT, BC, BK, SPAN)
 
 
 def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int, cu_seqlens=None, chunk_indices=None,
-                            whole: bool = False, do=None, v=None, scale: float | None = None):
+                            whole: bool = False):
     """= fla's chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
     chunk_indices=chunk_indices): (dq, dk) [B, T, H, K] in fp32. Packed documents (B = 1) need fla's
     chunk table [NT, 2] (document, chunk in document) as well as the boundaries: it sizes the grid,
     so nothing is read back from the GPU. whole: a chunk whose gates stay within 2^±SPAN of its middle
-    token's runs as two [BT, BT] products through that one reference (the 16-token sub-chunks otherwise).
-    dA None (whole only): made inside the kernel from do, v [B, T, H, V] and scale, as fla's
-    chunk_gla_bwd_dA(v=v, do=do, scale=scale) would make it."""
+    token's runs as two [BT, BT] products through that one reference (the 16-token sub-chunks otherwise)."""
     B, T, H, K = q.shape
-    inside = dA is None
-    if inside and (not whole or do is None or v is None or scale is None):
-        raise ValueError("dqk_intra: dA=None makes dA inside the kernel: it needs whole=True and do, v and scale")
-    if g_cs.dtype != torch.float or (not inside and dA.dtype != torch.float):
+    if g_cs.dtype != torch.float or dA.dtype != torch.float:
         raise TypeError(f"dqk_intra: g_cs and dA must be fp32 (fla's stages give them so), "
-                        f"got {g_cs.dtype}, {None if inside else dA.dtype}")
+                        f"got {g_cs.dtype}, {dA.dtype}")
     if (cu_seqlens is None) != (chunk_indices is None) or (cu_seqlens is not None and B != 1):
         raise ValueError("dqk_intra: packed documents need cu_seqlens and chunk_indices together, with B = 1; "
                          f"got B = {B}, cu_seqlens {'set' if cu_seqlens is not None else 'None'}, "
@@ -239,18 +190,13 @@ def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int, cu_seqlens=None, ch
     NT = triton.cdiv(T, chunk_size) if chunk_indices is None else chunk_indices.shape[0]
     dq = torch.empty_like(q, dtype=torch.float)
     dk = torch.empty_like(k, dtype=torch.float)
-    V = v.shape[-1] if inside else 16
-    if inside:  # the scratch of chunks that take the sub-chunk path (steep gates; written only there)
-        dA = q.new_empty(B, T, H, chunk_size, dtype=torch.float)
 
     def grid(meta):
         return (triton.cdiv(K, meta["BK"]) * NT, B * H)
 
-    _dqk_intra_kernel[grid](q, k, g_cs, dA, dq, dk, cu_seqlens, chunk_indices, T, do, v,
-                            1.0 if scale is None else scale, H=H, K=K, BT=chunk_size, BC=min(16, chunk_size),
-                            IS_VARLEN=cu_seqlens is not None, WHOLE=whole, DA_INSIDE=inside, V=V,
-                            BV=max(16, min(128, triton.next_power_of_2(V))))
+    _dqk_intra_kernel[grid](q, k, g_cs, dA, dq, dk, cu_seqlens, chunk_indices, T, H=H, K=K, BT=chunk_size,
+                            BC=min(16, chunk_size), IS_VARLEN=cu_seqlens is not None, WHOLE=whole)
     return dq, dk
 
 
-__all__ = ["chunk_gla_bwd_dA_torch", "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqk_intra_torch"]
+__all__ = ["chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqk_intra_torch"]

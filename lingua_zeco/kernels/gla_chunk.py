@@ -2,9 +2,8 @@
 (kernels/fla_stages.py) with the intra-chunk dq/dk stage chosen by `bwd_intra`:
   "zeco"  ours (kernels/gla_bwd_intra.py), one program per chunk
   "fla"   fla's chunk_gla_bwd_dqk_intra
-  "zeco_chunk"  ours, whole chunks where the gates allow: the backward's dq/dk (gla_bwd_intra.py, with dA made
-               inside it instead of by fla's chunk_gla_bwd_dA) and the forward's intra-chunk attention A
-               (gla_fwd_intra.py) instead of fla's
+  "zeco_chunk"  ours, whole chunks where the gates allow: the backward's dq/dk (gla_bwd_intra.py) and the
+               forward's intra-chunk attention A (gla_fwd_intra.py) instead of fla's
 Every other stage, the saved tensors and the precisions are fla's (ChunkGLAFunction): h in 16 bits in
 the forward, recomputed in fp32 in the backward; the gate cumsum kept when g is fp32, recomputed from
 16-bit gates. `save_h` keeps the forward's h (in k's dtype: 16 bits in training) for the backward
@@ -26,19 +25,15 @@ from .gla_fwd_intra import chunk_gla_fwd_A
 from .zeco_stages import fla_chunk_size
 
 
-def dqk_intra(q, k, v, g_cs, do, scale: float, BT: int, bwd_intra: str = "zeco", cu_seqlens=None,
-              chunk_indices=None):
-    """The intra-chunk parts of (dq, dk), fp32, from the output gradient do through dA = scale · do v^T (causal,
-    per chunk), by the chosen stage (one of BWD_INTRA): "zeco_chunk" makes dA inside its kernel, the others
-    take it from fla's chunk_gla_bwd_dA; packed documents with fla's chunk table."""
+def dqk_intra(q, k, g_cs, dA, BT: int, bwd_intra: str = "zeco", cu_seqlens=None, chunk_indices=None):
+    """The intra-chunk parts of (dq, dk), fp32, by the chosen stage (one of BWD_INTRA); packed documents
+    with fla's chunk table."""
     check_bwd_intra(bwd_intra)
-    vl = dict(cu_seqlens=cu_seqlens, chunk_indices=chunk_indices)
-    if bwd_intra == "zeco_chunk":
-        return chunk_gla_bwd_dqk_intra(q, k, g_cs, None, BT, whole=True, do=do, v=v, scale=scale, **vl)
-    dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT, **vl)
-    if bwd_intra == "zeco":
-        return chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, BT, **vl)
-    return fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT, **vl)
+    if bwd_intra in ("zeco", "zeco_chunk"):
+        return chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, BT, cu_seqlens=cu_seqlens, chunk_indices=chunk_indices,
+                                       whole=bwd_intra == "zeco_chunk")
+    return fla.chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT, cu_seqlens=cu_seqlens,
+                                       chunk_indices=chunk_indices)
 
 
 def fwd_A(q, k, g_cs, scale: float, BT: int, intra: str = "zeco", cu_seqlens=None, chunk_indices=None):
@@ -97,7 +92,8 @@ def staged_bwd(q, k, v, g, g_cs, h0, A, do, dht, scale: float, bwd_intra: str, p
         dh, dh0 = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, h0=h0, scale=scale, cu_seqlens=cu,
                                           chunk_offsets=packed[2], n_chunks=packed[3], chunk_size=BT)
     dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, **vl)
-    dq, dk = dqk_intra(q, k, v, g_cs, do, scale, BT, bwd_intra, cu_seqlens=cu, chunk_indices=ci)
+    dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **vl)
+    dq, dk = dqk_intra(q, k, g_cs, dA, BT, bwd_intra, cu_seqlens=cu, chunk_indices=ci)
     g_dtype = (g if g is not None else g_cs).dtype  # g is None when its fp32 cumsum was kept instead
     dq, dk, dg = fla.chunk_gla_bwd_dqkg_to(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=scale,
                                            dtypes=(q.dtype, k.dtype, g_dtype), **vl)

@@ -26,11 +26,10 @@ class KernelCost:
 
 
 def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: int = 2,
-                     stores_h: bool = False, dA_inside: bool = False) -> dict[str, KernelCost]:
+                     stores_h: bool = False) -> dict[str, KernelCost]:
     """Kernel name (as the profiler shows a Triton kernel: its function's name) -> cost of one call. e: bytes
     of an input element (q, k, v, g, do and the outputs o, dq, dk, dv). stores_h: ZeCO's output stage writes the
-    true states back (save_h). dA_inside: our intra-chunk dq/dk kernel makes dA from do and v (the whole-chunk
-    stages) instead of reading fla's dA stage's output."""
+    true states back (save_h)."""
     NT = -(-T // BT)
     NK, NV, NS, NA = B * T * H * K, B * T * H * V, B * NT * H * K * V, B * T * H * BT
     state = 2 * B * T * H * K * V  # FLOPs of one product through the K×V states (k^T v, q h, do h^T, ...)
@@ -55,8 +54,7 @@ def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: in
         "chunk_bwd_kernel_dh": (e * NK + e * NV + 4 * NK + 4 * NS, state),
         "chunk_gla_bwd_kernel_dA": (2 * e * NV + 4 * NA, scores_v),
         "chunk_gla_bwd_kernel_dv": (e * NK + 4 * NK + 4 * NA + e * NV + 4 * NS + e * NV, scores_v + state),
-        "_dqk_intra_kernel": (2 * e * NK + 4 * NK + (2 * e * NV if dA_inside else 4 * NA) + 2 * 4 * NK,
-                              2 * scores_k + (scores_v if dA_inside else 0)),
+        "_dqk_intra_kernel": (2 * e * NK + 4 * NK + 4 * NA + 2 * 4 * NK, 2 * scores_k),
         "chunk_gla_bwd_kernel_intra": (2 * e * NK + 4 * NK + 4 * NA + 2 * 4 * NK, 2 * scores_k),
         # dq += do h^T, dk += v dh^T; reads h and dh in fp32 and the intra parts of dq, dk; writes dq, dk, dg
         "chunk_gla_bwd_kernel_inter": (2 * e * NK + e * NV + 4 * NS + 4 * NK + e * NV + 4 * NS + 2 * 4 * NK

@@ -77,7 +77,8 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
             h0_NHKV[0] = S_in_BHKV[0]
         h_BNHKV, _ = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, h0_NHKV, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
                                             chunk_size=BT, output_final_state=False, states_in_fp32=True)
-        dq, dk = dqk_intra(q, k, v, g_cs_BTHK, do, scale, BT, ctx.bwd_intra, cu_seqlens=cu, chunk_indices=ci)
+        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
+        dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, ctx.bwd_intra, cu_seqlens=cu, chunk_indices=ci)
         G_BHKV = work.wait()
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]

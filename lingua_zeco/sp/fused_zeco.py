@@ -72,7 +72,8 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"
     else:
         h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
                                      states_in_fp32=True)
-    dq, dk = dqk_intra(q, k, v, g_cs_BTHK, do, scale, BT, bwd_intra)
+    dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
+    dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, bwd_intra)
     G_BHKV = work.wait()
     dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
                                    chunk_size=BT, states_in_fp32=True)

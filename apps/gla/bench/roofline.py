@@ -93,8 +93,7 @@ def measure(args: RooflineArgs, device):
                 fns[name]()
             S = segments_for(0, q, v) if name.startswith("split") else 1  # split: a batch of S shorter sequences
             costs = gla_kernel_costs(S, T // S, args.heads, args.head_k, args.head_v,
-                                     stores_h=name.startswith("zeco") and name.endswith("save_h"),
-                                     dA_inside="chunk_intra" in name)
+                                     stores_h=name.startswith("zeco") and name.endswith("save_h"))
             rows = table_rows(kernel_times(profiled(fns[name], args.calls, host_ops=False)), costs, ceil,
                               args.calls)
             result["tables"][f"{name}_{T}"] = rows
