@@ -47,9 +47,11 @@ def main(argv=None):
         fn = fns[name]
         for _ in range(args.warmup):
             fn()
-        table = host_profile(fn, args.iters) if args.host else profiled(fn, args.iters, host_ops=False) \
-            .key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
-        kind = "host" if args.host else "profile"
+        if args.host:
+            kind, table = "host", host_profile(fn, args.iters)
+        else:
+            kind, table = "profile", profiled(fn, args.iters, host_ops=False).key_averages().table(
+                sort_by="cuda_time_total", row_limit=20, max_name_column_width=60)
         with open(os.path.join(args.out, f"{kind}_{name}_{args.t_local}.txt"), "w") as f:
             f.write(table)
         print(f"== {name} (T={args.t_local}, {args.iters} iterations, {kind})\n{table}", flush=True)
