@@ -19,12 +19,12 @@
 #                                   # $OUT/failures_now.txt (run 53 also ran H's roofline and 128K parts after it)
 #     bash setup/gpu/issue37.sh J   # the rest of the GPU suite (model, compile, generate, export, checkpoint, SP
 #                                   # files) and the dqkg test, 14 processes
+#     bash setup/gpu/issue37.sh K   # test_symm_scan alone, one process (its P = 3 loopback failed under J's 14 processes,
+#                                   # run 55; again with CUDA_LAUNCH_BLOCKING=1 if it fails), bench_fused 128K
 #     bash setup/gpu/issue37.sh L   # the operator's GPU tests (part I's, all of test_gpu_sp and test_gpu_compile) in 14
 #                                   # processes, then bench_fused 16K/32K without splits (run 59: dA inside the intra kernel)
 #     bash setup/gpu/issue37.sh M   # bench_fused 16K/32K without splits (run 59's was cut while a changed kernel
 #                                   # autotuned), then the GLA-1B step as part C
-#     bash setup/gpu/issue37.sh K   # test_symm_scan alone, one process (its P = 3 loopback failed under J's 14 processes,
-#                                   # run 55; again with CUDA_LAUNCH_BLOCKING=1 if it fails), bench_fused 128K
 # Everything lands in $OUT (the device tool's folder; default /tmp/out), key lines also on stdout.
 set -u
 PART=${1:?"usage: issue37.sh A|B|C|D|E|F|G|H|I|J|K|L|M"}
