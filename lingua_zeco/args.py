@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import inspect
 import io
+import logging
 import os
 import sys
 import textwrap
@@ -64,11 +65,13 @@ def _sections(obj):
             yield from _sections(getattr(obj, f.name))
 
 
-def at_least(values: dict, least: int = 1) -> None:
-    """{key: value}: the first value below `least` as a ConfigError naming its key."""
+def at_least(values: dict, least: int = 1, meaning: dict | None = None) -> None:
+    """{key: value}: the first value below `least` as a ConfigError naming its key, and what the key's
+    smallest values mean where `meaning` ({key: text}) says."""
     for key, value in values.items():
         if value < least:
-            raise ConfigError(f"{key}={value} must be >= {least}")
+            note = f" ({meaning[key]})" if meaning and key in meaning else ""
+            raise ConfigError(f"{key}={value} must be >= {least}{note}")
 
 
 RAW_TEXT = "raw_text"  # field metadata key: the command-line value is the text as written
@@ -101,6 +104,27 @@ def _dataclass_of(tp: Any) -> type | None:
     return None
 
 
+def _retired(cls: type) -> dict:
+    """{key: why}: keys a dataclass no longer has (its RETIRED class attribute), which older run folders hold."""
+    return getattr(cls, "RETIRED", {})
+
+
+def drop_retired(cls: type, values: Any, source: str, where: str = "") -> None:
+    """Remove the retired keys from a config file's values (recursively), one warning line each: a run folder
+    written before a key went away still loads (eval, generate, export)."""
+    if not isinstance(values, DictConfig):
+        return
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    for key in list(values.keys()):
+        path = f"{where}.{key}" if where else str(key)
+        if key in _retired(cls):
+            logging.getLogger(__name__).warning(f"{source}: config key '{path}' is ignored: {_retired(cls)[key]}")
+            del values[key]
+        elif key in names and (sub := _dataclass_of(hints[key])) is not None:
+            drop_retired(sub, values[key], source, path)
+
+
 def check_keys(cls: type, values: Any, where: str = "") -> None:
     """Raise ConfigError naming the valid keys when `values` has a key `cls` lacks (recursively)."""
     if not isinstance(values, (dict, DictConfig)):
@@ -109,6 +133,8 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
     names = [f.name for f in dataclasses.fields(cls)]
     for key, val in values.items():
         path = f"{where}.{key}" if where else str(key)
+        if key in _retired(cls):
+            raise ConfigError(f"config key '{path}' no longer exists: {_retired(cls)[key]}")
         if key not in names:
             level = f"under '{where}'" if where else "at the top level"
             raise ConfigError(f"unknown config key '{path}'; valid keys {level}: {', '.join(names)}")
@@ -194,7 +220,11 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     config, overrides = split_cli(argv, yaml_key=_yaml_key(cls))
     raw = [a.split("=", 1) for a in overrides if _is_raw_text(cls, a.split("=", 1)[0])]
     overrides = _bracket_lists(cls, [a for a in overrides if not _is_raw_text(cls, a.split("=", 1)[0])])
-    layers = [load_config(resolve_config_path(config))] if config is not None else []
+    layers = []
+    if config is not None:
+        path = resolve_config_path(config)
+        layers.append(load_config(path))
+        drop_retired(cls, layers[0], str(path))
     for arg in overrides:  # one at a time, so that a bad one is named
         try:
             layers.append(OmegaConf.from_dotlist([arg]))

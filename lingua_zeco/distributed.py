@@ -18,9 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lingua_zeco.args import at_least
 from lingua_zeco.comm import AllScanArgs, hier_groups_needed, init_node_groups
+from lingua_zeco.kernels import GLAOptions
 from lingua_zeco.sp import SPContext
 # the softmax layers of hybrids (model.softmax_layers)
-from lingua_zeco.sp.softmax import check_method as check_softmax_sp
+from lingua_zeco.sp.context import check_softmax as check_softmax_sp
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,8 @@ class DistEnv:
         return self.sp.method
 
 
-def setup(args: DistributedArgs) -> DistEnv:
+def setup(args: DistributedArgs, gla: GLAOptions | None = None) -> DistEnv:
+    """The process group, the mesh and the SP context (its GLA operator options `gla`: None, the defaults)."""
     owns = init_process_group(args)
     world, rank = dist.get_world_size(), dist.get_rank()
     try:
@@ -177,7 +179,7 @@ def setup(args: DistributedArgs) -> DistEnv:
         init_node_groups(mesh.mesh.reshape(-1, dims.sp).tolist(), G)
     # the group is never None (None would mean the world to sp_gla): one rank's own group when sp == 1
     sp = SPContext(group=sp_mesh.get_group(), method=args.sp_method if dims.sp > 1 else "none", scan=args.all_scan,
-                   softmax=args.softmax_sp)
+                   softmax=args.softmax_sp, gla=gla or GLAOptions())
     return DistEnv(dims=dims, mesh=mesh, fsdp_mesh=fsdp_mesh, dp_mesh=dp_mesh, sp=sp, dp_rank=dp_mesh.get_local_rank(),
                    sp_rank=sp_mesh.get_local_rank(), rank=rank, device=device, owns_group=owns)
 

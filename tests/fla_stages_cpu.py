@@ -13,6 +13,8 @@ from types import SimpleNamespace
 
 import torch
 
+from lingua_zeco.kernels import ChunkLayout
+
 
 def _chunks(T: int, BT: int, cu_seqlens=None):
     """[(global chunk n, document i, start, end)] in order."""
@@ -35,10 +37,9 @@ def _causal(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=like.device).tril()[None, :, None, :]  # [1, t, 1, j]
 
 
-def chunk_fwd_h_packed(k, v, gk, h0, *, cu_seqlens, chunk_offsets, n_chunks, chunk_size, output_final_state,
-                       states_in_fp32=False):
+def chunk_fwd_h_packed(k, v, gk, h0, *, layout, output_final_state, states_in_fp32=False):
     B, T, H, K, V = *k.shape, v.shape[-1]
-    chunks = _chunks(T, chunk_size, cu_seqlens)
+    chunks = _chunks(T, layout.BT, layout.cu_seqlens)
     N = chunks[-1][1] + 1
     h, ht = k.new_zeros(B, len(chunks), H, K, V), k.new_zeros(N, H, K, V)
     S, doc = None, None
@@ -71,9 +72,10 @@ def chunk_gla_fwd_o_gk(q, v, g, A, h, scale, cu_seqlens=None, chunk_size=64, chu
     return o
 
 
-def chunk_bwd_dh_packed(q, k, v, do, dht, gk, *, scale, cu_seqlens, chunk_offsets, n_chunks, chunk_size, h0=None):
-    B, T, H, K, V = *k.shape, v.shape[-1]
-    chunks = _chunks(T, chunk_size, cu_seqlens)
+def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout, h0=None):
+    k = q  # fla's kernel reads neither k nor v, only their sizes
+    B, T, H, K, V = *q.shape, do.shape[-1]
+    chunks = _chunks(T, layout.BT, layout.cu_seqlens)
     dh = k.new_zeros(B, len(chunks), H, K, V)
     dh0 = None if h0 is None else torch.zeros_like(h0)
     b, doc = None, None
@@ -105,13 +107,13 @@ def chunk_gla_bwd_dv(k, g, A, do, dh, cu_seqlens=None, chunk_size=64, chunk_indi
     return dv
 
 
-def fwd_A(q, k, g_cs, scale, BT, intra="zeco", cu_seqlens=None, chunk_indices=None):
-    return chunk_gla_fwd_intra_gk(q, k, g_cs, scale, cu_seqlens, BT, chunk_indices)
+def fwd_A(q, k, g_cs, scale, layout):
+    return chunk_gla_fwd_intra_gk(q, k, g_cs, scale, layout.cu_seqlens, layout.BT)
 
 
-def dqk_intra(q, k, g_cs, dA, BT, bwd_intra="zeco", cu_seqlens=None, chunk_indices=None):
+def dqk_intra(q, k, g_cs, dA, layout):
     dq, dk = torch.zeros_like(q), torch.zeros_like(k)
-    for _, _, s, e in _chunks(q.shape[1], BT, cu_seqlens):
+    for _, _, s, e in _chunks(q.shape[1], layout.BT, layout.cu_seqlens):
         dAc, gc = dA[:, s:e, :, :e - s], g_cs[:, s:e]
         dq[:, s:e] = torch.einsum("bthj,bjhk->bthk", dAc, k[:, s:e] * torch.exp2(-gc)) * torch.exp2(gc)
         dk[:, s:e] = torch.einsum("bthj,bthk->bjhk", dAc, q[:, s:e] * torch.exp2(gc)) * torch.exp2(-gc)
@@ -133,26 +135,24 @@ def chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, cu_seqlens=None, ch
     return dq2, dk2, dg
 
 
-def chunk_gla_bwd_dqkg_to(q, k, v, h, g, do, dh, dq, dk, scale, *, dtypes, cu_seqlens=None, chunk_size=64,
-                          chunk_indices=None):
-    out = chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, cu_seqlens, chunk_size, chunk_indices)
+def chunk_gla_bwd_dqkg_to(qkvg, h, dh, do, dqk, *, scale, dtypes, layout):
+    q, k, v, g = qkvg
+    out = chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, *dqk, scale, layout.cu_seqlens, layout.BT)
     return tuple(x.to(d) for x, d in zip(out, dtypes, strict=True))
 
 
 def chunk_fwd_h(k, v, gk, h0, output_final_state, chunk_size, states_in_fp32=False):
     """Dense sequences: each of the B rows is one document, h0 [B, H, K, V] (or None) its initial state."""
     rows = [chunk_fwd_h_packed(k[b:b + 1], v[b:b + 1], gk[b:b + 1], None if h0 is None else h0[b:b + 1],
-                               cu_seqlens=None, chunk_offsets=None, n_chunks=None, chunk_size=chunk_size,
-                               output_final_state=True) for b in range(k.shape[0])]
+                               layout=ChunkLayout(chunk_size), output_final_state=True) for b in range(k.shape[0])]
     return torch.cat([h for h, _ in rows]), (torch.cat([ht for _, ht in rows]) if output_final_state else None)
 
 
 def chunk_bwd_dh(q, k, v, do, h0, dht, scale, gk, chunk_size, states_in_fp32=True):
     """Dense sequences: dht [B, H, K, V] (or None) the gradient at each row's final state."""
-    rows = [chunk_bwd_dh_packed(q[b:b + 1], k[b:b + 1], v[b:b + 1], do[b:b + 1],
-                                None if dht is None else dht[b:b + 1], gk[b:b + 1], scale=scale, cu_seqlens=None,
-                                chunk_offsets=None, n_chunks=None, chunk_size=chunk_size,
-                                h0=None if h0 is None else h0[b:b + 1]) for b in range(k.shape[0])]
+    rows = [chunk_bwd_dh_packed(q[b:b + 1], do[b:b + 1], None if dht is None else dht[b:b + 1], gk[b:b + 1],
+                                scale=scale, layout=ChunkLayout(chunk_size), h0=None if h0 is None else h0[b:b + 1])
+            for b in range(k.shape[0])]
     return torch.cat([dh for dh, _ in rows]), (None if h0 is None else torch.cat([d for _, d in rows]))
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from lingua_zeco.comm import AllScanArgs
-from lingua_zeco.testing import run_on_ranks
+from lingua_zeco.sp import SPContext
+from local_ranks import run_on_ranks
 
 BROKEN_MIN_ERR = 1e-2  # a variant broken on purpose must miss the reference by at least this much
 
@@ -146,8 +147,8 @@ def autocast_worker(rank, P, op, inputs: dict, docs, variants, t_local: int) -> 
     def run(variant, *ins):
         method, algo, varlen = variant
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            return op(*ins, method=method, cu_seqlens=docs if varlen else None,
-                      scan=AllScanArgs(algorithm=algo, n_blocks=2, node_size=1))
+            return op(*ins, sp=SPContext(method=method, scan=AllScanArgs(algorithm=algo, n_blocks=2, node_size=1)),
+                      cu_seqlens=docs if varlen else None)
     return rank_results(rank, t_local, variants, lambda variant: inputs[variant[2]], run)
 
 
@@ -158,8 +159,8 @@ def empty_docs_worker(rank, P, op, inputs, docs, methods, t_local: int) -> dict:
 
     def run(variant, *ins):
         method, algo, empty = variant
-        return op(*ins, method=method, cu_seqlens=docs if empty else docs.unique(),
-                  scan=AllScanArgs(algorithm=algo, n_blocks=2))
+        return op(*ins, sp=SPContext(method=method, scan=AllScanArgs(algorithm=algo, n_blocks=2)),
+                  cu_seqlens=docs if empty else docs.unique())
     return rank_results(rank, t_local, variants, lambda _: inputs, run)
 
 

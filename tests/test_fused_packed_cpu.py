@@ -53,7 +53,7 @@ def _operator(q, k, v, g, do, scale):
         mine = [t[:, sl].clone().requires_grad_() for t in (q, k, v, g)]
         seg = local_segments(BOUNDS, p, T_LOCAL, q.device)
         assert seg.n_segments > 1  # a document starts in every slice: the packed operator's case
-        outs.append(fp.FusedPackedZeCOGLA.apply(*mine, scale, scan.scan_fn(p), seg, "zeco"))
+        outs.append(fp.FusedPackedZeCOGLA.apply(*mine, scale, scan.scan_fn(p), seg))
         leaves.append(mine)
     for p in reversed(range(P)):  # backwards in reverse order: each reverse scan needs the ranks after
         outs[p].backward(do[:, p * T_LOCAL:(p + 1) * T_LOCAL])

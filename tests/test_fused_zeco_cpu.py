@@ -47,7 +47,7 @@ def _ranks(ins, do, P, save_h):
     scan, outs, leaves = VirtualScan(P), [], []
     for p in range(P):
         mine = [t[:, p * T_local:(p + 1) * T_local].clone().requires_grad_() for t in ins]
-        outs.append(fz.FusedZeCOGLA.apply(*mine, SCALE, scan.scan_fn(p), "zeco", save_h))
+        outs.append(fz.FusedZeCOGLA.apply(*mine, SCALE, scan.scan_fn(p), save_h))
         leaves.append(mine)
     for p in reversed(range(P)):
         outs[p].backward(do[:, p * T_local:(p + 1) * T_local])

@@ -1,13 +1,22 @@
 """The staged single-device operator (lingua_zeco/kernels/gla_chunk.py) keeps the contract fla's own
 wrapper keeps for its kernels: every tensor a stage receives is contiguous, whatever autograd or the
 caller hands in (an expanded final-state gradient from `ht.sum()`, a transposed initial state). fla's
-kernels read memory as if it were contiguous, so a stride-0 gradient became garbage on the GPU (run 32,
-docs/results/gpu_tests.md). Here, on CPU, fla's stages are replaced by recorders that check their inputs
+kernels read memory as if it were contiguous, so a stride-0 gradient became garbage on the GPU (found
+2026-12-02). Here, on CPU, fla's stages are replaced by recorders that check their inputs
 and return zeros of the right shapes: the stages' numerics are tested on the GPU (tests/test_gpu_intra.py)."""
 import pytest
 import torch
 
 gla_chunk = pytest.importorskip("lingua_zeco.kernels.gla_chunk")  # needs fla and Triton importable
+from lingua_zeco.kernels import ChunkLayout  # noqa: E402
+from lingua_zeco.kernels.zeco_stages import fla_chunk_size  # noqa: E402
+
+
+def staged(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, save_h=True):
+    """The staged operator on dense sequences, as GLAOptions(backend="fla").chunk_gla calls it on a GPU."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    layout = ChunkLayout(fla_chunk_size(q.shape[1]))
+    return gla_chunk.ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, layout, save_h)
 
 
 def _recording_stages(monkeypatch, B, T, H, K, V, BT):
@@ -16,7 +25,8 @@ def _recording_stages(monkeypatch, B, T, H, K, V, BT):
 
     def stage(name, result):
         def run(*args, **kwargs):
-            tensors = [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
+            flat = [x for a in (*args, *kwargs.values()) for x in (a if isinstance(a, tuple) else (a,))]
+            tensors = [a for a in flat if torch.is_tensor(a)]
             seen.append((name, all(t.is_contiguous() for t in tensors)))
             return result(*args, **kwargs)
         monkeypatch.setattr(gla_chunk.fla, name, run)
@@ -29,24 +39,25 @@ def _recording_stages(monkeypatch, B, T, H, K, V, BT):
     stage("chunk_bwd_dh", lambda **kw: (z(B, NT, H, K, V), None if kw["h0"] is None else z(B, H, K, V)))
     stage("chunk_gla_bwd_dv", lambda **kw: z(B, T, H, V))
     stage("chunk_gla_bwd_dA", lambda **kw: z(B, T, H, BT))
-    stage("chunk_gla_bwd_dqkg_to", lambda **kw: tuple(z(B, T, H, K, dtype=d) for d in kw["dtypes"]))
+    stage("chunk_gla_bwd_dqkg_to", lambda *a, **kw: tuple(z(B, T, H, K, dtype=d) for d in kw["dtypes"]))
     seen_intra = []
 
     def intra(q, k, g_cs, dA, BT, **kw):
         seen_intra.append(all(t.is_contiguous() for t in (q, k, g_cs, dA)))
         return z(B, T, H, K), z(B, T, H, K)
     monkeypatch.setattr(gla_chunk, "chunk_gla_bwd_dqk_intra", intra)
+    monkeypatch.setattr(gla_chunk, "chunk_gla_fwd_A", lambda q, k, g_cs, scale, BT, **kw: z(B, T, H, BT))
     return seen, seen_intra
 
 
 def test_every_stage_receives_contiguous_tensors(monkeypatch):
     """(Before the fix this failed: chunk_fwd_h got the transposed h0, chunk_bwd_dh both.)"""
     B, T, H, K, V = 2, 40, 2, 8, 8
-    seen, seen_intra = _recording_stages(monkeypatch, B, T, H, K, V, gla_chunk.fla_chunk_size(T))
+    seen, seen_intra = _recording_stages(monkeypatch, B, T, H, K, V, fla_chunk_size(T))
     q, k, g = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(3))
     v = torch.randn(B, T, H, V, requires_grad=True)
     h0 = torch.randn(B, H, V, K).transpose(-1, -2).requires_grad_()  # a non-contiguous [B, H, K, V] view
-    o, ht = gla_chunk.chunk_gla_staged(q, k, v, g, initial_state=h0, output_final_state=True)
+    o, ht = staged(q, k, v, g, initial_state=h0, output_final_state=True)
     (o.sum() + ht.sum()).backward()  # ht.sum(): its gradient is ones expanded, stride 0
     names = {name for name, _ in seen}
     assert {"chunk_fwd_h", "chunk_bwd_dh", "chunk_gla_bwd_dqkg_to"} <= names and seen_intra == [True]
@@ -71,17 +82,25 @@ def test_dqkg_launcher_passes_every_argument_of_flas_kernel(monkeypatch):
     args = dict(q=z(B, T, H, K, dtype=torch.bfloat16), k=z(B, T, H, K, dtype=torch.bfloat16),
                 v=z(B, T, H, V, dtype=torch.bfloat16), h=z(B, 2, H, K, V), g=z(B, T, H, K), do=z(B, T, H, V),
                 dh=z(B, 2, H, K, V), dq=z(B, T, H, K), dk=z(B, T, H, K))
-    out = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.5, dtypes=(torch.bfloat16, torch.float16, torch.float),
-                                           chunk_size=BT)
+    qkvg = (args["q"], args["k"], args["v"], args["g"])
+    out = fla_stages.chunk_gla_bwd_dqkg_to(qkvg, args["h"], args["dh"], args["do"], (args["dq"], args["dk"]),
+                                           scale=0.5, dtypes=(torch.bfloat16, torch.float16, torch.float),
+                                           layout=ChunkLayout(BT))
     (grid, kw), = calls
     tuned = {"BK", "BV", "IS_VARLEN"}  # fla's autotune configs and heuristics
     assert set(kw) | tuned == set(kernel.arg_names) and not set(kw) & tuned
     assert [t.dtype for t in out] == [torch.bfloat16, torch.float16, torch.float]
     assert kw["dq2"] is out[0] and kw["dk2"] is out[1] and kw["dg"] is out[2] and kw["dq"] is args["dq"]
+    assert all(kw[name] is args[name] for name in ("q", "k", "v", "g", "h", "dh", "do", "dk"))
     assert grid({"BK": 32}) == (2 * 2, B * H) and kw["BT"] == BT and kw["scale"] == 0.5
-    with pytest.raises(ValueError, match="chunk_indices"):
-        fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.5, dtypes=(torch.float,) * 3,
-                                         cu_seqlens=torch.tensor([0, T]), chunk_size=BT)
+    assert kw["cu_seqlens"] is None and kw["chunk_indices"] is None
+    # packed documents: the boundaries and fla's chunk table reach the kernel, and the grid has one row per chunk
+    packed = ChunkLayout(BT, torch.tensor([0, 30, T]), torch.tensor([[0, 0], [1, 0], [1, 1]]), torch.tensor([0, 1, 3]), 3)
+    fla_stages.chunk_gla_bwd_dqkg_to(qkvg, args["h"], args["dh"], args["do"], (args["dq"], args["dk"]), scale=0.5,
+                                     dtypes=(torch.float,) * 3, layout=packed)
+    grid, kw = calls[-1]
+    assert kw["cu_seqlens"] is packed.cu_seqlens and kw["chunk_indices"] is packed.chunk_indices
+    assert grid({"BK": 64}) == (3, B * H)
 
 
 def _cpu_staged(monkeypatch, calls):
@@ -115,7 +134,7 @@ def _staged_and_oracle(save_h, B=2, T=150, H=2, K=8, V=8):
         leaves = [t.clone().requires_grad_() for t in (q, k, v, g, h0)]
         o, ht = fn(*leaves[:4], scale=0.3, initial_state=leaves[4], output_final_state=True, **kw)
         return [o.detach(), ht.detach(), *torch.autograd.grad((o, ht), leaves, (do, dht))]
-    return run(gla_chunk.chunk_gla_staged, save_h=save_h), run(naive_gla)
+    return run(staged, save_h=save_h), run(naive_gla)
 
 
 def test_save_h_keeps_the_forward_states_and_equals_the_recurrence(monkeypatch):

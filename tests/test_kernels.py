@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.kernels import chunk_gla, naive_gla, pick_backend, torch_chunk_gla
+from lingua_zeco.kernels import GLAOptions, chunk_gla, naive_gla, pick_backend, torch_chunk_gla
+from lingua_zeco.kernels import torch_chunk
 
 
 def inputs(B=2, T=37, H=2, K=8, V=6, dtype=torch.float32, device="cpu", seed=0, strong=False):
@@ -17,10 +18,11 @@ def inputs(B=2, T=37, H=2, K=8, V=6, dtype=torch.float32, device="cpu", seed=0, 
 
 @pytest.mark.parametrize("chunk", [4, 16])
 @pytest.mark.parametrize("strong", [False, True])
-def test_torch_chunk_matches_naive_with_states(chunk, strong):
+def test_torch_chunk_matches_naive_with_states(chunk, strong, monkeypatch):
+    monkeypatch.setattr(torch_chunk, "CHUNK", chunk)
     q, k, v, g = inputs(strong=strong)
     h0 = torch.randn(2, 2, 8, 6)
-    o, ht = torch_chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, chunk=chunk)
+    o, ht = torch_chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = naive_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     assert torch.allclose(o.double(), o_ref.double(), atol=1e-5, rtol=1e-5)
     assert torch.allclose(ht.double(), ht_ref, atol=1e-5, rtol=1e-5)
@@ -62,15 +64,14 @@ def test_backend_choice():
 
 
 
-def test_unknown_intra_stage_is_refused_everywhere():
-    """A misspelt stage name must not fall through to a default (every entry checks it, CPU included)."""
-    from lingua_zeco.sp import sp_gla
-    q = torch.randn(1, 8, 2, 4)
-    g = F.logsigmoid(torch.randn(1, 8, 2, 4))
-    for call in (lambda: chunk_gla(q, q, q, g, bwd_intra="triton"), lambda: sp_gla(q, q, q, g, bwd_intra="Zeco")):
-        with pytest.raises(ValueError, match="bwd_intra must be one of"):
-            call()
-    assert torch.equal(chunk_gla(q, q, q, g, bwd_intra="fla")[0], chunk_gla(q, q, q, g)[0])  # torch backend: no stage
+def test_operator_options_are_checked_and_reach_the_kernel():
+    """A misspelt backend must not fall through to a default; the options' backend is the one that runs."""
+    with pytest.raises(ValueError, match="GLA backend must be one of"):
+        GLAOptions(backend="triton")
+    q, k, v, g = inputs()
+    with pytest.raises(RuntimeError, match="backend='torch'"):  # fla asked for on a CPU tensor
+        GLAOptions(backend="fla").chunk_gla(q, k, v, g)
+    assert torch.equal(GLAOptions(backend="torch", save_h=False).chunk_gla(q, k, v, g)[0], chunk_gla(q, k, v, g)[0])
 
 
 @pytest.mark.gpu
@@ -86,7 +87,8 @@ def test_fla_matches_torch_backend_on_gpu(varlen):
     do = torch.randn_like(v)
     res = {}
     for backend in ("fla", "torch"):
-        o, ht = chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend)
+        o, ht = GLAOptions(backend=backend).chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True,
+                                                      cu_seqlens=cu)
         grads = torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(), (q, k, v, g))
         res[backend] = [o, ht, *grads]
     for name, a, b in zip("o ht dq dk dv dg".split(), res["fla"], res["torch"]):

@@ -174,12 +174,21 @@ def test_simple_gla_variant():
         GLAForCausalLM(dataclasses.replace(TINY, attn_variant="deltanet"))
 
 
-def test_gla_operator_options_are_checked():
-    """model.gla_save_h keeps the unsplit operator's states: asked together with the split operator (which
-    recomputes its own) it is refused with both keys named; a bad split count or intra stage too."""
-    for bad, match in ((dict(gla_save_h=True, gla_split=2), "gla_save_h.*gla_split=2"),
-                       (dict(gla_save_h=True, gla_split=0), "gla_save_h.*gla_split=0"),
-                       (dict(gla_split=-1), "gla_split=-1"), (dict(gla_bwd_intra="triton"), "gla_bwd_intra")):
-        with pytest.raises(ValueError, match=match):
-            GLAForCausalLM(dataclasses.replace(TINY, **bad))
-    GLAForCausalLM(dataclasses.replace(TINY, gla_save_h=True))  # alone: accepted (on CPU the torch kernel runs)
+def test_retired_operator_keys_load_from_old_run_folders_and_are_refused_on_the_command_line(tmp_path, caplog):
+    """model.gla_bwd_intra and model.gla_split are gone: an old run's config.yaml still loads (one warning line
+    each, the value ignored), the command line names the key and why."""
+    from apps.gla.train import TrainArgs
+    from lingua_zeco.args import ConfigError, parse_args
+    old = tmp_path / "config.yaml"
+    old.write_text("model:\n  dim: 32\n  gla_bwd_intra: zeco\n  gla_split: 2\n")
+    with caplog.at_level("WARNING"):
+        args = parse_args(TrainArgs, [f"config={old}"])
+    assert args.model.dim == 32 and args.model.gla_save_h
+    warned = [r.getMessage() for r in caplog.records]
+    assert any("model.gla_bwd_intra' is ignored" in m for m in warned), warned
+    assert any("model.gla_split' is ignored" in m for m in warned), warned
+    for bad in ("model.gla_bwd_intra=fla", "model.gla_split=2"):
+        with pytest.raises(ConfigError, match=f"'{bad.split('=')[0]}' no longer exists"):
+            parse_args(TrainArgs, [f"config={old}", bad])
+    with pytest.raises(ConfigError, match="unknown config key 'model.gla_bwd'"):  # not every unknown key
+        parse_args(TrainArgs, [f"config={old}", "model.gla_bwd=1"])

@@ -1,5 +1,5 @@
 """sp_gla on P gloo ranks against single-device GLA and the float64 oracle, forward and backward."""
-from functools import partial
+import dataclasses
 
 import pytest
 import torch
@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.kernels import naive_gla, torch_chunk_gla
-from lingua_zeco.sp import sp_gla
-from lingua_zeco.testing import run_on_ranks
+from lingua_zeco.sp import SPContext, sp_gla
+from local_ranks import run_on_ranks
 from sp_harness import (autocast_worker, docs_for, docs_with_empty, empty_docs_worker, expect_all_close,
                         expect_matches_reference, expect_pairs_equal, fwd_bwd, gla_inputs, on_ranks, rank_results)
 
@@ -36,7 +36,8 @@ def _worker(rank, P):
     def run(variant, q, k, v, g):
         method, algo, varlen = variant
         scan = AllScanArgs(algorithm=algo, n_blocks=3, node_size=2 if P % 2 == 0 else 1)
-        return sp_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P, T_LOCAL) if varlen else None, scan=scan)
+        return sp_gla(q, k, v, g, sp=SPContext(method=method, scan=scan),
+                      cu_seqlens=docs_for(P, T_LOCAL) if varlen else None)
     return rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
 
 
@@ -66,7 +67,7 @@ def _bad_worker(rank, P, case):
         v = torch.randn(1, T_LOCAL, H + 1, V)
     g = F.logsigmoid(torch.randn_like(q))
     try:
-        sp_gla(q, q, v, g, method="none" if case == "none" else "zeco")
+        sp_gla(q, q, v, g, sp=SPContext(method="none" if case == "none" else "zeco"))
     except ValueError as e:
         return str(e)
     return "no error"
@@ -85,7 +86,7 @@ def test_local_input_errors():
     with pytest.raises(ValueError, match="v must be"):
         sp_gla(q, q, q[:, :4], q.clamp(max=0))
     with pytest.raises(ValueError, match="method must be"):
-        sp_gla(q, q, q, q.clamp(max=0), method="ring")
+        sp_gla(q, q, q, q.clamp(max=0), sp=SPContext(method="ring"))
     with pytest.raises(ValueError, match="cu_seqlens must be"):
         sp_gla(q[:1], q[:1], q[:1], q[:1].clamp(max=0), cu_seqlens=torch.tensor([0, 3, 9]))
 
@@ -98,6 +99,12 @@ AUTOCAST_VARIANTS = [("zeco", "chain", False), ("zeco", "tree", True), ("zeco", 
 AUTOCAST_TOL = 1e-5
 
 
+def composed_sp_gla(*ins, sp: SPContext, cu_seqlens):
+    """sp_gla composed of whole kernels (SPContext.fused=False), the path the CPU runs anyway; named so that
+    the test says which path it checks."""
+    return sp_gla(*ins, sp=dataclasses.replace(sp, fused=False), cu_seqlens=cu_seqlens)
+
+
 def oracle_with_grads(P, varlen, seed):
     *ins, do = (t.double() for t in global_inputs(P, B=1 if varlen else B, seed=seed))
     return fwd_bwd(lambda *x: naive_gla(*x, cu_seqlens=docs_for(P, T_LOCAL) if varlen else None)[0], ins, do)
@@ -106,7 +113,7 @@ def oracle_with_grads(P, varlen, seed):
 def test_sp_gla_under_bf16_autocast_keeps_fp32_state_and_correction():
     P = 3
     inputs = {vl: global_inputs(P, B=1 if vl else B, seed=1) for vl in (False, True)}
-    per_rank = run_on_ranks(autocast_worker, P, partial(sp_gla, fused=False), inputs, docs_for(P, T_LOCAL),
+    per_rank = run_on_ranks(autocast_worker, P, composed_sp_gla, inputs, docs_for(P, T_LOCAL),
                             AUTOCAST_VARIANTS, T_LOCAL, timeout_s=180)
     oracles = {vl: oracle_with_grads(P, vl, seed=1) for vl in (False, True)}
     expect_all_close(per_rank, AUTOCAST_VARIANTS, lambda variant: oracles[variant[2]], NAMES, AUTOCAST_TOL,

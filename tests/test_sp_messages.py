@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lingua_zeco.comm import AllScanArgs
-from lingua_zeco.sp import sp_gla
-from lingua_zeco.testing import run_on_ranks
+from lingua_zeco.kernels import GLAOptions
+from lingua_zeco.sp import SPContext, sp_gla
+from local_ranks import run_on_ranks
 
 B, H, K, V, T_LOCAL, LAYERS = 1, 3, 8, 8, 16, 2
 STATE_BYTES = B * H * K * V * 4  # one fp32 K×V state per head
@@ -64,12 +65,13 @@ def _layers_worker(rank, P, method, n_blocks):
     """LAYERS sp_gla layers on this rank's slice, forward then backward, each direction counted apart."""
     torch.manual_seed(rank)
     x = torch.randn(B, T_LOCAL, H, K, requires_grad=True)
-    scan = AllScanArgs(algorithm="chain", n_blocks=n_blocks)
+    sp = SPContext(method=method, scan=AllScanArgs(algorithm="chain", n_blocks=n_blocks),
+                   gla=GLAOptions(backend="torch"))
     with CountLink() as fwd:
         h = x
         for _ in range(LAYERS):
             g = F.logsigmoid(h.detach() + 2)  # a gate of the layer's input; the state passing is what counts
-            h = sp_gla(h, h * 0.5, h * 0.25, g, method=method, backend="torch", scan=scan)
+            h = sp_gla(h, h * 0.5, h * 0.25, g, sp=sp)
     with CountLink() as bwd:
         h.sum().backward()
     return fwd.summary(), bwd.summary()

@@ -6,13 +6,15 @@ import torch
 import torch.nn.functional as F
 
 from lingua_zeco.comm import AllScanArgs
-from lingua_zeco.kernels import chunk_simple_gla, naive_gla, naive_simple_gla
-from lingua_zeco.sp import sp_simple_gla
-from lingua_zeco.testing import run_on_ranks
+from lingua_zeco.kernels import GLAOptions, naive_gla, naive_simple_gla
+from lingua_zeco.sp import SPContext, sp_simple_gla
+from local_ranks import run_on_ranks
 from sp_harness import (docs_for, expect_matches_reference, fwd_bwd, gather, gla_inputs, grads_or_skip, max_rel,
                         rank_results)
 
 B, H, K, V, T_LOCAL = 2, 2, 8, 4, 12
+
+TORCH = GLAOptions(backend="torch")
 
 
 def global_inputs(P, B=B, seed=1):
@@ -26,17 +28,16 @@ def test_oracle_is_gla_with_broadcast_decay_and_kernel_matches_it():
     o_gla, ht_gla = naive_gla(q, k, v, g[..., None].expand_as(q), initial_state=h0, output_final_state=True)
     assert max_rel(o64, o_gla) < 1e-6 and max_rel(ht64, ht_gla) < 1e-12
     q, k, v, g = (t.requires_grad_() for t in (q, k, v, g))
-    o, ht = chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True, backend="torch")
+    o, ht = TORCH.chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     assert max_rel(o, o64) < 1e-10 and max_rel(ht, ht64) < 1e-10
     # dg of the broadcast gate is summed over K by autograd: check it against finite differences
-    assert torch.autograd.gradcheck(lambda g_: chunk_simple_gla(q[:1, :9], k[:1, :9], v[:1, :9], g_,
-                                                                backend="torch")[0], (g[:1, :9],))
+    assert torch.autograd.gradcheck(lambda g_: TORCH.chunk_simple_gla(q[:1, :9], k[:1, :9], v[:1, :9], g_)[0],
+                                    (g[:1, :9],))
     cu = torch.tensor([0, 7, 20, 36])
-    o_v, _ = chunk_simple_gla(q[:1].detach(), k[:1].detach(), v[:1].detach(), g[:1].detach(), cu_seqlens=cu,
-                              backend="torch")
+    o_v, _ = TORCH.chunk_simple_gla(q[:1].detach(), k[:1].detach(), v[:1].detach(), g[:1].detach(), cu_seqlens=cu)
     assert max_rel(o_v, naive_simple_gla(q[:1], k[:1], v[:1], g[:1], cu_seqlens=cu)[0]) < 1e-10
     with pytest.raises(ValueError, match=r"g must be \[B, T, H\]"):
-        chunk_simple_gla(q, k, v, g[..., None].expand_as(q), backend="torch")
+        TORCH.chunk_simple_gla(q, k, v, g[..., None].expand_as(q))
 
 
 VARIANTS = [("zeco", "chain", False), ("zeco", "tree", False), ("zeco", "chain", True),
@@ -50,8 +51,8 @@ NAMES = "o dq dk dv dg".split()
 def _worker(rank, P):
     def run(variant, q, k, v, g):
         method, algo, varlen = variant
-        return sp_simple_gla(q, k, v, g, method=method, cu_seqlens=docs_for(P, T_LOCAL) if varlen else None,
-                             scan=AllScanArgs(algorithm=algo, n_blocks=3))
+        return sp_simple_gla(q, k, v, g, sp=SPContext(method=method, scan=AllScanArgs(algorithm=algo, n_blocks=3)),
+                             cu_seqlens=docs_for(P, T_LOCAL) if varlen else None)
     return rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
 
 
@@ -79,14 +80,14 @@ def test_sp_simple_gla_equals_single_device(P):
 def test_one_rank_hands_the_kernel_no_zero_length_document(monkeypatch):
     """Packed documents with zero-length ones (equal consecutive boundaries) on one rank: the kernel (fla's
     chunk_simple_gla on CUDA) gets the boundaries without them, as sp_gla's, and the output is the oracle's."""
-    from lingua_zeco import kernels  # sp/gla.py looks the kernel up on this module at each call
-    seen, kernel = [], kernels.chunk_simple_gla
+    seen, kernel = [], GLAOptions.chunk_simple_gla  # sp/gla.py calls the context's options at each call
 
-    def recording(*a, cu_seqlens=None, **kw):  # the real kernel, its boundaries noted
-        seen.append(None if cu_seqlens is None else cu_seqlens.tolist())
-        return kernel(*a, cu_seqlens=cu_seqlens, **kw)
+    def recording(self, *a, cu_seqlens=None, **kw):  # the real kernel, its boundaries noted
+        cu = getattr(cu_seqlens, "cu_seqlens", cu_seqlens)  # a tensor, or the planned LocalSegments
+        seen.append(None if cu is None else cu.tolist())
+        return kernel(self, *a, cu_seqlens=cu_seqlens, **kw)
 
-    monkeypatch.setattr(kernels, "chunk_simple_gla", recording)
+    monkeypatch.setattr(GLAOptions, "chunk_simple_gla", recording)
     q, k, v, g, _ = gla_inputs(1, 24, 1, H, K, V, seed=3, gate_per_key=False)
     o = sp_simple_gla(q, k, v, g, cu_seqlens=[0, 0, 5, 5, 5, 17, 24, 24])
     assert seen == [[0, 5, 17, 24]]
@@ -109,7 +110,7 @@ def test_fla_simple_gla_matches_torch_on_gpu():
     q, k, v, g = (t.requires_grad_() for t in (q, k, v, g))
     h0 = torch.randn(2, 4, 64, 64, device="cuda")
     do = torch.randn_like(v)
-    res = {b: list(chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True, backend=b))
+    res = {b: list(GLAOptions(backend=b).chunk_simple_gla(q, k, v, g, initial_state=h0, output_final_state=True))
            for b in ("fla", "torch")}
 
     def check(names):

@@ -70,10 +70,10 @@ def test_output_stage_with_incoming_state_equals_recurrence(T, BT):
     g_cs = zs.chunk_local_cumsum_torch(g, BT)
     h, _ = _chunk_states(k, v, g_cs, BT)
     Gx, _ = zs.chunk_decay_prefix_torch(g_cs, BT)
-    o = zs.zeco_fwd_o_torch(q, v, g_cs, _intra_A(q, k, g_cs, scale, BT), h, S_in, Gx, scale, BT)
+    o = zs.zeco_fwd_o_torch(q, v, g_cs, _intra_A(q, k, g_cs, scale, BT), h, (S_in, Gx), scale)
     ref, _ = naive_gla(q, k, v, g, scale=scale, initial_state=S_in)
     assert (o - ref).abs().max() < 1e-10
-    o_dropped = zs.zeco_fwd_o_torch(q, v, g_cs, _intra_A(q, k, g_cs, scale, BT), h, 0 * S_in, Gx, scale, BT)
+    o_dropped = zs.zeco_fwd_o_torch(q, v, g_cs, _intra_A(q, k, g_cs, scale, BT), h, (0 * S_in, Gx), scale)
     assert (o_dropped - ref).abs().max() > 1e-2  # the fold is what carries S_in
 
 
@@ -110,7 +110,7 @@ def test_fused_schedule_on_virtual_ranks_equals_whole_sequence(P):
         Gx, b_end = zs.chunk_decay_prefix_torch(g_cs, BT)
         S_in = scan.scan_fn(p)(S_end, b_end, False).wait()
         A = _intra_A(q[:, sl[p]], k[:, sl[p]], g_cs, scale, BT)
-        outs.append(zs.zeco_fwd_o_torch(q[:, sl[p]], v[:, sl[p]], g_cs, A, h, S_in, Gx, scale, BT))
+        outs.append(zs.zeco_fwd_o_torch(q[:, sl[p]], v[:, sl[p]], g_cs, A, h, (S_in, Gx), scale))
         prefix.append((Gx, b_end))
     ref, _ = naive_gla(q, k, v, g, scale=scale)
     assert (torch.cat(outs, 1) - ref).abs().max() < 1e-10
@@ -176,7 +176,7 @@ def test_dS_in_triton_kernel_under_the_interpreter(variant):
     """The Triton kernel of D itself (not its torch oracle), run by Triton's CPU interpreter: every
     launch shape (chunks per program, chunks per iteration, grid order) from fla's fp32 cumsum and
     from the raw 16-bit gates (the in-kernel cumsum) against the float64 oracle; a changed gate is caught."""
-    from lingua_zeco.testing import run_interpreted
+    from triton_cpu import run_interpreted
     pytest.importorskip("triton")
     worst = run_interpreted(_INTERPRETED_DS_IN, variant)
     if variant == "exact":
@@ -201,7 +201,7 @@ for K, V, BK, BV in ((32, 32, 32, 32), (32, 32, 16, 16), (40, 24, 16, 16)):
     A = 0.1 * torch.randn(B, T, H, BT, generator=gen)
     h = 0.1 * torch.randn(B, NT, H, K, V, generator=gen)  # the chunk states from a zero state
     S_in = torch.randn(B, H, K, V, generator=gen)
-    ref = zs.zeco_fwd_o_torch(*(t.double() for t in (q, v, g_cs, A, h, S_in, Gx)), 0.5, BT)
+    ref = zs.zeco_fwd_o_torch(*(t.double() for t in (q, v, g_cs, A, h)), (S_in.double(), Gx.double()), 0.5)
     h_ref = zs.fold_S_in_torch(h.double(), S_in.double(), Gx.double())  # the states from S_in (store_h)
     if sys.argv[1] == "broken":
         Gx = Gx.roll(1, dims=1)  # each chunk folded with its neighbour's decay
@@ -220,7 +220,7 @@ def test_fwd_o_triton_kernel_under_the_interpreter(variant):
     float64 oracle: S_in folded into every chunk's state, a partial last chunk, several K and V blocks, masked
     ones; with STORE_H the true states it wrote back into h (kept for the backward). A chunk folded with its neighbour's
     decay is caught in both."""
-    from lingua_zeco.testing import run_interpreted
+    from triton_cpu import run_interpreted
     pytest.importorskip("triton")
     worst, worst_h = run_interpreted(_INTERPRETED_FWD_O, variant, values=2)
     if variant == "exact":
@@ -236,6 +236,6 @@ def test_fwd_o_stores_the_states_in_place_off_cuda():
     g_cs = zs.chunk_local_cumsum_torch(-torch.rand(B, T, H, K), BT)
     h, S_in, Gx = torch.randn(B, 3, H, K, V), torch.randn(B, H, K, V), -torch.rand(B, 3, H, K)
     expected = h + torch.exp2(Gx)[..., None] * S_in[:, None]
-    o_plain = zs.zeco_fwd_o(q, v, g_cs, A, h.clone(), S_in, Gx, 0.5, BT)
-    o = zs.zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, 0.5, BT, store_h=True)
+    o_plain = zs.zeco_fwd_o(q, v, g_cs, A, h.clone(), (S_in, Gx), 0.5)
+    o = zs.zeco_fwd_o(q, v, g_cs, A, h, (S_in, Gx), 0.5, store_h=True)
     assert torch.allclose(h, expected) and torch.equal(o, o_plain)  # the output read the states before the store

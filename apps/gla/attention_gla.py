@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch.nn as nn
 
 from apps.gla.layers import GatedRMSNorm, GLAArgs, LinearAttention, log_forget_gate
-from lingua_zeco import kernels
 from lingua_zeco.sp import SPContext, sp_gla, sp_gla_carry, sp_simple_gla
 
 
@@ -26,7 +25,6 @@ class GatedLinearAttention(LinearAttention):
         self.o_proj = nn.Linear(vd, d, bias=False)
         self.g_norm_swish_gate = GatedRMSNorm(self.head_v, args.norm_eps, args.fused_kernels)
         self.compile_gates = args.compile_gates
-        self.bwd_intra, self.split, self.save_h = args.gla_bwd_intra, args.gla_split, args.gla_save_h
 
     def _inputs(self, x):
         """q, k, v (_qkv) and the log forget gate: [B, T, H, K] (gla) or [B, T, H] (simple_gla)."""
@@ -39,16 +37,12 @@ class GatedLinearAttention(LinearAttention):
         """carry (lingua_zeco.sp.StateCarry): one segment of a longer sequence, from this layer's carried
         state; its final state goes back into carry (model.segment_len, lingua_zeco/segments.py)."""
         q, k, v, gk = self._inputs(x)
-        sp = dict(group=self.sp.group, method=self.sp.method, cu_seqlens=cu_seqlens, scan=self.sp.scan,
-                  bwd_intra=self.bwd_intra)
         if carry is not None:
-            o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), split=self.split, save_h=self.save_h,
-                                    **sp)
+            o, state = sp_gla_carry(q, k, v, gk, carry.state_in(self.layer_idx), sp=self.sp, cu_seqlens=cu_seqlens)
             carry.put(self.layer_idx, state)
-        elif self.variant == "simple_gla":
-            o = sp_simple_gla(q, k, v, gk, **sp)
         else:
-            o = sp_gla(q, k, v, gk, split=self.split, save_h=self.save_h, **sp)
+            o = (sp_simple_gla if self.variant == "simple_gla" else sp_gla)(q, k, v, gk, sp=self.sp,
+                                                                            cu_seqlens=cu_seqlens)
         return self._output(o, x)
 
     def _state_inputs(self, x):
@@ -62,4 +56,4 @@ class GatedLinearAttention(LinearAttention):
         return g.exp()[..., None] * state + k[..., None] * v[..., None, :]
 
     def _chunk(self, q, k, v, g, state):
-        return kernels.chunk_gla(q, k, v, g.to(q.dtype), initial_state=state, output_final_state=True)
+        return self.sp.gla.chunk_gla(q, k, v, g.to(q.dtype), initial_state=state, output_final_state=True)

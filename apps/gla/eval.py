@@ -138,7 +138,7 @@ def run(args: EvalCLIArgs) -> dict:
     trained_on = training_data_args(cfg.data, cfg.eval)
     validation_data_args(cfg.data, args.eval, trained_on)
     try:
-        env = distributed.setup(mesh_args(cfg, args.sp_size))
+        env = distributed.setup(mesh_args(cfg, args.sp_size), cfg.model.gla_options())
     except ValueError as e:
         raise ConfigError(f"{e}; for evaluation set sp_size=<ranks per sequence>, a divisor of the ranks "
                           f"launched (the context stays the training one)") from e

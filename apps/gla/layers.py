@@ -7,12 +7,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lingua_zeco.kernels import BWD_INTRA, acc_dtype
+from lingua_zeco.kernels import GLAOptions, acc_dtype
 from lingua_zeco.segments import SEGMENT_GRADS  # model.segment_grad
 from lingua_zeco.sp import SPContext
 
@@ -51,20 +52,11 @@ class GLAArgs:
     # torchao float8 training of the block linears (apps/gla/compile.py): none | tensorwise | rowwise
     float8: str = "none"
     float8_head: bool = False  # the LM head in float8 too (its loss then materialises the logits)
-    # CUDA, gla: the intra-chunk stages of the GLA operator: zeco_chunk (ours by whole chunks where the gates
-    # allow, the backward's dq/dk in lingua_zeco/kernels/gla_bwd_intra.py and the forward's A in gla_fwd_intra.py;
-    # the fastest measured) | zeco (ours, the backward's dq/dk by 16-token sub-chunks) | fla (fla's; on one rank
-    # fla's whole chunk_gla, as before these stages existed)
-    gla_bwd_intra: str = "zeco_chunk"
-    # CUDA, gla, dense sequences: each sequence (each rank's slice under SP) as this many segments in one
-    # batch, the scan between them inside the GPU (lingua_zeco/sp/split.py): 1 = off, 0 = auto (enough
-    # segments to fill the SMs), S = S segments (T/S a multiple of 64)
-    gla_split: int = 1
-    # CUDA, gla, gla_split=1: keep the forward's chunk states h (16 bits) for the backward instead of recomputing
-    # them: one state scan fewer per layer, 2·T_local·H·K·V/64 bytes more per layer until its backward (one rank:
-    # lingua_zeco/kernels/gla_chunk.py; the fused ZeCO / LASP-2 slices: sp/fused_zeco.py; packed slices where a
-    # document starts recompute theirs). Off by default (memory); configs/gla_1b_base.yaml turns it on
-    gla_save_h: bool = False
+    # CUDA: the GLA operator keeps the forward's chunk states (16 bits) for the backward instead of recomputing
+    # them (lingua_zeco.kernels.GLAOptions.save_h): 2·T_local·H·K·V/64 bytes per GLA layer until its backward
+    # (GLA-1B at 16K tokens: 128 MiB a layer, 2.5 GiB in all) for one state pass fewer per layer. false: where
+    # memory is short (the memory check names it)
+    gla_save_h: bool = True
     activation_checkpointing: str = "none"  # none | full (whole block) | selective (MLP half only)
     # tokens per GPU of one segment: the step trains the sequence segment by segment with exact gradients,
     # carrying each layer's state (lingua_zeco/segments.py; docs/long_context.md). 0 = the whole sequence
@@ -101,6 +93,18 @@ class GLAArgs:
             return self.ffn_hidden
         return 256 * math.ceil(int(self.dim * 8 / 3) / 256)
 
+    # keys older run folders hold (their config.yaml still loads, with a warning; on the command line: an error)
+    RETIRED: ClassVar[dict[str, str]] = {
+        "gla_bwd_intra": "since 2026-12-04 the GLA operator has one set of stages (our whole-chunk intra-chunk "
+                         "stages; the others measured slower, docs/results/README.md)",
+        "gla_split": "since 2026-12-04 the in-GPU segment split is gone (slower than the unsplit operator at every "
+                     "length measured, docs/results/README.md)"}
+
+    def gla_options(self) -> GLAOptions:
+        """The GLA operator's options this model runs with (lingua_zeco.distributed.setup puts them into the SP
+        context)."""
+        return GLAOptions(save_h=self.gla_save_h)
+
     def check(self) -> None:
         """Sizes no model can have, named by key (a 0 would surface as a ZeroDivisionError deep in init)."""
         for key in ("dim", "n_layers", "n_heads", "gate_low_rank_dim", "gate_logit_normalizer"):
@@ -134,13 +138,6 @@ class GLAArgs:
                              f"layer's state carried across segments: {what} cannot; use attn_variant in "
                              f"{SEGMENT_VARIANTS} "
                              f"without softmax layers, or model.segment_len=0")
-        if self.gla_bwd_intra not in BWD_INTRA:
-            raise ValueError(f"model.gla_bwd_intra={self.gla_bwd_intra!r}; choose from {BWD_INTRA}")
-        if self.gla_split < 0:
-            raise ValueError(f"model.gla_split={self.gla_split}: give 1 (off), 0 (auto) or the segments per sequence")
-        if self.gla_save_h and self.gla_split != 1:
-            raise ValueError(f"model.gla_save_h=true keeps the unsplit operator's states; the split operator "
-                             f"(model.gla_split={self.gla_split}) recomputes its own: set one of them off")
 
 
 def _exact(x: float, what: str) -> int:

@@ -127,13 +127,13 @@ class GLAModel(nn.Module):
 class GLAForCausalLM(nn.Module):
     def __init__(self, args: GLAArgs, sp: SPContext | None = None):
         """sp: the sequence parallelism the layers run under (DistEnv.sp from lingua_zeco.distributed.setup;
-        None: one rank, no exchange)."""
+        None: one rank, no exchange, the GLA operator as the model's args say)."""
         super().__init__()
         args.check()
         if args.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer fills 0 from the tokenizer)")
         self.args = args
-        self.model = GLAModel(args, sp or SPContext())
+        self.model = GLAModel(args, sp or SPContext(method="none", gla=args.gla_options()))
         self.lm_head = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.lm_head.weight = self.model.embeddings.weight

@@ -29,7 +29,6 @@ from apps.gla.train_state import TrainState
 from apps.gla.train_step import StepParts, train_step
 from lingua_zeco import distributed
 from lingua_zeco import evaluation
-from lingua_zeco import gc_control
 from lingua_zeco import meta_init
 from lingua_zeco import reliability
 from lingua_zeco.args import CONFIG_NAME, ConfigError, at_least, check_sections, dump_config, parse_args, to_dict
@@ -40,7 +39,7 @@ from lingua_zeco.metrics import (
     LoggingArgs, MetricLogger, MetricsWriteError, StepTimer, memory_stats, peak_flops, throughput,
 )
 from lingua_zeco.optim import OptimArgs, build_optimizer, hyperparameters, reapply
-from lingua_zeco.profiling import ProfilerArgs, maybe_profile
+from lingua_zeco.profiling import GCArgs, ProfilerArgs, collecting, maybe_profile
 from lingua_zeco.tokenizer import build_tokenizer
 
 logger = logging.getLogger("train")
@@ -63,7 +62,7 @@ class TrainArgs:
     # validation loss (lingua_zeco/evaluation.py)
     eval: evaluation.EvalArgs = field(default_factory=evaluation.EvalArgs)
     reliability: reliability.ReliabilityArgs = field(default_factory=reliability.ReliabilityArgs)
-    gc: gc_control.GCArgs = field(default_factory=gc_control.GCArgs)  # lingua_zeco/gc_control.py
+    gc: GCArgs = field(default_factory=GCArgs)  # garbage collection on the loop's schedule (profiling.py)
 
     def check(self) -> None:
         at_least({"steps": self.steps, "grad_acc_steps": self.grad_acc_steps})
@@ -105,7 +104,7 @@ def _model_changed(args: TrainArgs, dump_dir: str, ckpt_path: str, e: ModelMisma
 
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
-    env = distributed.setup(args.distributed)
+    env = distributed.setup(args.distributed, args.model.gla_options())
     locks = []
     try:
         dump_dir = _dump_dir(args)
@@ -323,7 +322,7 @@ class Trainer:
         try:
             with maybe_profile(args.profiling, _dump_dir(args), env.rank) as prof, \
                     reliability.StopSignals(args.reliability.handle_signals) as signals, \
-                    gc_control.collecting(args.gc) as gcs:
+                    collecting(args.gc) as gcs:
                 while self.step < args.steps:
                     nxt = self.step + 1
                     log_now = nxt % args.logging.freq == 0 or nxt == args.steps or nxt == 1  # step 1: the starting loss

@@ -1,63 +1,73 @@
-"""GLA compute backends behind one call: `chunk_gla(q, k, v, g, ...) -> (o, final_state)`.
+"""GLA compute backends behind one call: `chunk_gla(q, k, v, g, ...) -> (o, final_state)`, fla's contract.
 
-* "fla":   fla's Triton kernels (CUDA). Fast; its internal stages (kernels/fla_stages.py) are reordered
-           by lingua_zeco.sp's fused ZeCO, and dense sequences and packed documents run them with our
-           intra-chunk dq/dk stage (kernels/gla_chunk.py, kernels/gla_bwd_intra.py;
-           `bwd_intra="fla"`: fla's chunk_gla).
+* "fla":   on CUDA, fla's Triton stages with our whole-chunk intra-chunk stages (kernels/gla_chunk.py,
+           gla_fwd_intra.py, gla_bwd_intra.py), reordered by lingua_zeco.sp's fused ZeCO.
 * "torch": pure PyTorch chunked GLA (any device, fp32 inside, autograd).
 * oracle:  lingua_zeco.kernels.naive.naive_gla, float64 token by token.
+fla's own `fla.ops.gla.chunk_gla` is the reference the tests and benchmarks compare against.
+`GLAOptions` holds the operator's settings (backend, kept states); `chunk_gla` is its default.
 `chunk_gla_op` is the same operator as one opaque custom op for torch.compile'd code (kernels/gla_op.py).
 `chunk_simple_gla` is the scalar-decay variant (g [B, T, H]; fla's chunk_simple_gla / RetNet style),
 oracle naive_simple_gla.
-
 The backend follows the device (lingua_zeco.kernels.common.pick_backend).
 """
 from __future__ import annotations
 
-from .common import BACKENDS, BWD_INTRA, acc_dtype, check_bwd_intra, fla_available, pick_backend
+from dataclasses import dataclass
+
+from .common import BACKENDS, ChunkLayout, acc_dtype, chunk_layout, fla_available, pick_backend
 from .gla_op import chunk_gla_op
 from .naive import naive_gla, naive_simple_gla
 from .torch_chunk import torch_chunk_gla
 
 
-def chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-              cu_seqlens=None, backend: str | None = None, bwd_intra: str = "zeco", chunk_tables=None,
-              save_h: bool = False):
-    """GLA over [B, T, H, *] tensors with fla's contract; returns (o, final_state or None).
-    fla backend: fla's stages with the intra-chunk dq/dk stage `bwd_intra` (kernels/gla_chunk.py), dense
-    or packed (`chunk_tables(BT)`: fla's chunk tables planned on the host, as LocalSegments.chunk_index
-    gives them; planned from cu_seqlens when None); bwd_intra="fla": fla's chunk_gla itself. save_h: the
-    staged operator keeps the forward's states for the backward (kernels/gla_chunk.py; other backends
-    recompute or keep what they always do)."""
-    check_bwd_intra(bwd_intra)
-    name = pick_backend(q.device, backend)
-    if name == "fla" and bwd_intra != "fla":
-        from .gla_chunk import chunk_gla_staged
-        return chunk_gla_staged(q, k, v, g, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                bwd_intra=bwd_intra, chunk_tables=chunk_tables, save_h=save_h)
-    if name == "fla":
-        from fla.ops.gla import chunk_gla as fla_chunk_gla
-        return fla_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
-                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    return torch_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+@dataclass(frozen=True)
+class GLAOptions:
+    """The GLA operator's settings, made once (lingua_zeco.sp.SPContext.gla) and passed down."""
+    backend: str | None = None  # fla | torch | None: the device's (pick_backend)
+    # fla backend: keep the forward's chunk states (16 bits) for the backward instead of recomputing them: one
+    # state pass fewer per call, for 2·B·T·H·K·V/64 bytes held per call until its backward (128 MiB per layer
+    # at 16K tokens with 16 heads of 128 × 128: 2.5 GiB over GLA-1B's 20 layers). Off only where memory is short.
+    save_h: bool = True
+
+    def __post_init__(self):
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"GLA backend must be one of {BACKENDS} or None (the device's), got {self.backend!r}")
+
+    def chunk_gla(self, q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+        """GLA over [B, T, H, *] tensors with fla's contract; returns (o, final_state or None). cu_seqlens: None,
+        the boundaries of packed documents (B = 1; a long tensor), or documents planned on the host (an object
+        with .cu_seqlens and .chunk_index(BT), lingua_zeco.sp.varlen.LocalSegments: no read back from the GPU)."""
+        if pick_backend(q.device, self.backend) == "torch":
+            cu = getattr(cu_seqlens, "cu_seqlens", cu_seqlens)
+            return torch_chunk_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu_seqlens=cu)
+        from .gla_chunk import ChunkGLA  # imports fla and Triton
+        from .zeco_stages import fla_chunk_size
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        layout = chunk_layout(fla_chunk_size(q.shape[1]), cu_seqlens)
+        return ChunkGLA.apply(q, k, v, g, scale, initial_state, output_final_state, layout, self.save_h)
+
+    def chunk_simple_gla(self, q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
+                         cu_seqlens=None):
+        """Scalar-decay GLA (fla's chunk_simple_gla): g [B, T, H], one log decay per head and token. fla: its
+        chunk_simple_gla kernel; torch: the GLA kernel with the decay broadcast over K (exact). cu_seqlens: as
+        chunk_gla's."""
+        if g.shape != q.shape[:3]:
+            raise ValueError(f"simple GLA: g must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
+        cu = getattr(cu_seqlens, "cu_seqlens", cu_seqlens)
+        if pick_backend(q.device, self.backend) == "fla":
+            from fla.ops.simple_gla import chunk_simple_gla as fla_chunk_simple_gla
+            return fla_chunk_simple_gla(q, k, v, g, scale=scale, initial_state=initial_state,
+                                        output_final_state=output_final_state, cu_seqlens=cu)
+        return torch_chunk_gla(q, k, v, g[..., None].expand_as(q), scale=scale, initial_state=initial_state,
+                               output_final_state=output_final_state, cu_seqlens=cu)
 
 
-def chunk_simple_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-                     cu_seqlens=None, backend: str | None = None):
-    """Scalar-decay GLA (fla's chunk_simple_gla): g [B, T, H], one log decay per head and token.
-    fla: its chunk_simple_gla kernel; torch: the GLA kernel with the decay broadcast over K (exact)."""
-    if g.shape != q.shape[:3]:
-        raise ValueError(f"simple GLA: g must be [B, T, H] = {tuple(q.shape[:3])}, got {tuple(g.shape)}")
-    name = pick_backend(q.device, backend)
-    if name == "fla":
-        from fla.ops.simple_gla import chunk_simple_gla as fla_chunk_simple_gla
-        return fla_chunk_simple_gla(q, k, v, g, scale=scale, initial_state=initial_state,
-                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    return torch_chunk_gla(q, k, v, g[..., None].expand_as(q), scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+DEFAULT = GLAOptions()
+chunk_gla = DEFAULT.chunk_gla
+chunk_simple_gla = DEFAULT.chunk_simple_gla
 
 
-__all__ = ["BACKENDS", "BWD_INTRA", "acc_dtype", "check_bwd_intra", "chunk_gla", "chunk_gla_op", "chunk_simple_gla",
-           "fla_available", "naive_gla", "naive_simple_gla", "pick_backend", "torch_chunk_gla"]
+__all__ = ["BACKENDS", "ChunkLayout", "GLAOptions", "acc_dtype", "chunk_gla", "chunk_gla_op", "chunk_layout",
+           "chunk_simple_gla", "fla_available", "naive_gla", "naive_simple_gla", "pick_backend", "torch_chunk_gla"]

@@ -9,17 +9,33 @@ import bisect
 import functools
 import itertools
 import os
+from dataclasses import dataclass
 
 import torch
 
 BACKENDS = ("fla", "torch")
-# the intra-chunk dq/dk stage of the GLA backward on the fla backend: ours (kernels/gla_bwd_intra.py) or fla's
-BWD_INTRA = ("zeco", "fla", "zeco_chunk")  # zeco_chunk: ours with whole-chunk products where gates allow
 
 
-def check_bwd_intra(bwd_intra: str) -> None:
-    if bwd_intra not in BWD_INTRA:
-        raise ValueError(f"bwd_intra must be one of {BWD_INTRA}, got {bwd_intra!r}")
+@dataclass(frozen=True, eq=False)
+class ChunkLayout:
+    """How fla's stages see a sequence: chunks of BT tokens, and for packed documents (B = 1) the boundaries
+    cu_seqlens with fla's chunk tables planned on the host (varlen_chunk_tables), so that no stage reads them
+    back from the GPU: chunk_indices [NT, 2] (document, chunk in document), chunk_offsets [N + 1] (first chunk
+    of each document) and NT = n_chunks."""
+    BT: int
+    cu_seqlens: torch.Tensor | None = None
+    chunk_indices: torch.Tensor | None = None
+    chunk_offsets: torch.Tensor | None = None
+    n_chunks: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def varlen(self) -> dict:
+        """The keywords fla's intra-chunk and output stages take."""
+        return dict(cu_seqlens=self.cu_seqlens, chunk_size=self.BT, chunk_indices=self.chunk_indices)
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,6 +126,17 @@ def varlen_chunk_tables(bounds, BT: int, device) -> tuple[torch.Tensor, torch.Te
     rows = [(d, c) for d, n in enumerate(n_N) for c in range(n)]
     offsets = [0, *itertools.accumulate(n_N)]
     return to_device(rows, device).reshape(-1, 2), to_device(offsets, device), offsets[-1]
+
+
+def chunk_layout(BT: int, docs=None) -> ChunkLayout:
+    """docs: None (dense sequences); a long tensor of packed-document boundaries (the tables are planned here,
+    which reads it back once); or documents planned on the host, an object with `.cu_seqlens` and
+    `.chunk_index(BT) -> (chunk_indices, chunk_offsets, NT)` (lingua_zeco.sp.varlen.LocalSegments)."""
+    if getattr(docs, "cu_seqlens", docs) is None:  # dense, also a dense slice's LocalSegments
+        return ChunkLayout(BT)
+    if torch.is_tensor(docs):
+        return ChunkLayout(BT, docs, *varlen_chunk_tables([int(b) for b in docs.tolist()], BT, docs.device))
+    return ChunkLayout(BT, docs.cu_seqlens, *docs.chunk_index(BT))
 
 
 def _bounds_on(bounds, device) -> torch.Tensor:

@@ -13,19 +13,24 @@ the state that leaves a slice of tokens is  S_out = M · S_in + S_loc  with M �
 recurrence acts on the columns of S independently, widening v by K zero columns and the initial
 state by the identity yields M from the same kernel call (lingua_zeco/sp/delta.py uses that).
 
-Backends (`chunk_gated_delta(..., backend=)`, chosen as for GLA by lingua_zeco.kernels.pick_backend):
+Backends (`DeltaOptions(backend=...).chunk_gated_delta(...)`, chosen as for GLA by
+lingua_zeco.kernels.pick_backend; `chunk_gated_delta(...)` picks the device's):
 * "fla":   fla's chunk_gated_delta_rule (Triton, CUDA), imported only when used;
-* "torch": torch_chunk_gated_delta below (any device, fp32 or fp64 inside, autograd);
+* "torch": the chunked form below (any device, fp32 or fp64 inside, autograd);
 * oracle:  naive_gated_delta, float64 token by token.
+Every function here takes fla's contract with (g, beta) as one `gates` pair: fla's nine names would be one
+more than this package's functions take, and the pair is what travels together (lasp1 calls it the gates).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .common import acc_dtype, by_segments, pick_backend
+from .common import BACKENDS, acc_dtype, by_segments, pick_backend
 from .naive import naive_recurrence
 
-CHUNK = 32
+CHUNK = 32  # the torch backend's chunk length (read at each call: tests set it small)
 L2_EPS = 1e-6  # fla's l2norm: x / sqrt(Σx² + eps)
 
 
@@ -35,10 +40,11 @@ def l2norm(x: torch.Tensor, eps: float = L2_EPS) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def naive_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+def naive_gated_delta(q, k, v, gates, *, scale=None, initial_state=None, output_final_state=False,
                       cu_seqlens=None):
-    """Ground truth. q, k [B, T, H, K]; v [B, T, H, V]; g, beta [B, T, H]; initial_state [N, H, K, V].
-    Returns (o in q's dtype, final states in float64 or None)."""
+    """Ground truth. q, k [B, T, H, K]; v [B, T, H, V]; gates = (g, beta), each [B, T, H]; initial_state
+    [N, H, K, V]. Returns (o in q's dtype, final states in float64 or None)."""
+    g, beta = gates
     k64, v64, g64, b64 = (t.double() for t in (k, v, g, beta))
     eye = torch.eye(q.shape[-1], dtype=torch.float64, device=q.device)
 
@@ -96,40 +102,52 @@ def _delta_fixed(q, k, v, g, beta, scale, h0, chunk):
     return o, S
 
 
-def torch_chunk_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                            cu_seqlens=None, chunk: int = CHUNK):
-    """Same contract as fla's chunk_gated_delta_rule (use_qk_l2norm_in_kernel=False: normalise
-    q, k before, e.g. with l2norm above); returns (o in q's dtype, final state fp32/fp64 or None).
-    fp32 inside whatever the autocast state, as fla's kernel accumulates (autocast would cast the matmuls)."""
-    return by_segments(_delta_fixed, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk=chunk)
-
-
-def check_shapes(q, k, v, g, beta, where: str = "gated delta"):
+def check_shapes(q, k, v, gates, where: str = "gated delta"):
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"{where}: q and k must share one shape [B, T, H, K]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}")
     if v.dim() != 4 or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"{where}: v must be [B, T, H, V] matching q {tuple(q.shape)} (no grouped value "
                          f"heads here); got {tuple(v.shape)}")
-    for name, t in (("g", g), ("beta", beta)):
+    if not isinstance(gates, (tuple, list)) or len(gates) != 2:
+        raise ValueError(f"{where}: gates must be the pair (g, beta)")
+    for name, t in zip(("g", "beta"), gates):
         if t.shape != q.shape[:3]:
             raise ValueError(f"{where}: {name} must be [B, T, H] = {tuple(q.shape[:3])} (one per head and "
                              f"token); got {tuple(t.shape)}")
 
 
-def chunk_gated_delta(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                      cu_seqlens=None, backend: str | None = None):
-    """The gated delta rule over [B, T, H, *] tensors with fla's contract; returns (o, final_state or None).
-    q and k are used as given (normalise them first if the model wants L2-normalised keys)."""
-    check_shapes(q, k, v, g, beta)
-    name = pick_backend(q.device, backend)
-    if name == "fla":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-        return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    return torch_chunk_gated_delta(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+@dataclass(frozen=True)
+class DeltaOptions:
+    """The single-rank gated delta operator's backend: None (the device's: fla on CUDA, torch elsewhere) |
+    "fla" | "torch"."""
+    backend: str | None = None
+
+    def __post_init__(self):
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"gated delta backend must be one of {BACKENDS} or None (the device's), "
+                             f"got {self.backend!r}")
+
+    def chunk_gated_delta(self, q, k, v, gates, *, scale=None, initial_state=None, output_final_state=False,
+                          cu_seqlens=None):
+        """The gated delta rule over [B, T, H, *] tensors with fla's contract (use_qk_l2norm_in_kernel=False:
+        q and k are used as given, normalise them first with l2norm if the model wants L2-normalised keys);
+        returns (o in q's dtype, final state or None). The torch backend runs in fp32 (fp64 for fp64 inputs)
+        whatever the autocast state, as fla's kernel accumulates (autocast would cast the matmuls)."""
+        check_shapes(q, k, v, gates)
+        g, beta = gates
+        if pick_backend(q.device, self.backend) == "fla":
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+            return chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+        return by_segments(_delta_fixed, q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk=CHUNK)
 
 
-__all__ = ["chunk_gated_delta", "check_shapes", "l2norm", "naive_gated_delta", "torch_chunk_gated_delta"]
+def chunk_gated_delta(q, k, v, gates, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """DeltaOptions().chunk_gated_delta: the device's backend."""
+    return DeltaOptions().chunk_gated_delta(q, k, v, gates, scale=scale, initial_state=initial_state,
+                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+
+
+__all__ = ["DeltaOptions", "check_shapes", "chunk_gated_delta", "l2norm", "naive_gated_delta"]

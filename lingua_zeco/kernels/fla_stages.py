@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from .common import ChunkLayout
+
 # ---- forward
 # h_n = the state entering chunk n from h0 (None: zero), and the final state(s) if asked
 from fla.ops.common.chunk_h import chunk_fwd_h
@@ -22,8 +24,6 @@ from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 from fla.ops.common.chunk_h import chunk_bwd_dh
 # dA = scale · do vᵀ inside each chunk, causal (the gradient of the intra-chunk scores, scale included)
 from fla.ops.gla.chunk import chunk_gla_bwd_dA
-# the intra-chunk parts of dq, dk, from dA
-from fla.ops.gla.chunk import chunk_gla_bwd_dqk_intra
 # dv = Aᵀ do (intra) + (k ⊙ 2^(g_cs_end − g_cs)) dh_n (inter)
 from fla.ops.gla.chunk import chunk_gla_bwd_dv
 # the inter-chunk parts of dq, dk (from h, dh) added to the intra ones, and dg (fp32; chunk_gla_bwd_dqkg_to below
@@ -49,55 +49,53 @@ def _state_grid(K, V, N, H):
     return lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
 
 
-def chunk_fwd_h_packed(k, v, gk, h0, *, cu_seqlens, chunk_offsets, n_chunks: int, chunk_size: int,
-                       output_final_state: bool, states_in_fp32: bool = False):
-    """= chunk_fwd_h(k=k, v=v, gk=gk, h0=h0, cu_seqlens=cu_seqlens, chunk_size=chunk_size, ...)."""
+def chunk_fwd_h_packed(k, v, gk, h0, *, layout: ChunkLayout, output_final_state: bool, states_in_fp32: bool = False):
+    """= chunk_fwd_h(k=k, v=v, gk=gk, h0=h0, cu_seqlens=layout.cu_seqlens, chunk_size=layout.BT, ...)."""
     B, T, H, K, V = *k.shape, v.shape[-1]
-    N = cu_seqlens.numel() - 1
-    h = k.new_empty(B, n_chunks, H, K, V, dtype=torch.float if states_in_fp32 else k.dtype)
+    N = layout.cu_seqlens.numel() - 1
+    h = k.new_empty(B, layout.n_chunks, H, K, V, dtype=torch.float if states_in_fp32 else k.dtype)
     ht = k.new_empty(N, H, K, V, dtype=torch.float) if output_final_state else None
     chunk_fwd_kernel_h[_state_grid(K, V, N, H)](
-        k=k, v=v, h=h, g=None, g_gamma=None, gk=gk, gv=None, h0=h0, ht=ht, cu_seqlens=cu_seqlens,
-        split_offsets=chunk_offsets, T=T, H=H, K=K, V=V, BT=chunk_size, BS=chunk_size, USE_G=False,
+        k=k, v=v, h=h, g=None, g_gamma=None, gk=gk, gv=None, h0=h0, ht=ht, cu_seqlens=layout.cu_seqlens,
+        split_offsets=layout.chunk_offsets, T=T, H=H, K=K, V=V, BT=layout.BT, BS=layout.BT, USE_G=False,
         USE_G_GAMMA=False, USE_GK=True, USE_GV=False, STATE_V_FIRST=False)
     return h, ht
 
 
-def chunk_bwd_dh_packed(q, k, v, do, dht, gk, *, scale, cu_seqlens, chunk_offsets, n_chunks: int, chunk_size: int,
-                        h0=None):
-    """= chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=gk, cu_seqlens=cu_seqlens,
-    chunk_size=chunk_size, states_in_fp32=True): (dh [B, NT, H, K, V] in fp32, dh0 [N, H, K, V] or None)."""
-    B, T, H, K, V = *k.shape, v.shape[-1]
-    N = cu_seqlens.numel() - 1
-    dh = k.new_empty(B, n_chunks, H, K, V, dtype=torch.float)
+def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout: ChunkLayout, h0=None):
+    """= chunk_bwd_dh(q=q, k=q, v=do, do=do, h0=h0, dht=dht, scale=scale, gk=gk, cu_seqlens=layout.cu_seqlens,
+    chunk_size=layout.BT, states_in_fp32=True): (dh [B, NT, H, K, V] in fp32, dh0 [N, H, K, V] or None); the
+    kernel reads neither k nor v (only their sizes, which q and do have)."""
+    B, T, H, K, V = *q.shape, do.shape[-1]
+    N = layout.cu_seqlens.numel() - 1
+    dh = q.new_empty(B, layout.n_chunks, H, K, V, dtype=torch.float)
     dh0 = None if h0 is None else torch.empty_like(h0, dtype=torch.float)
     chunk_bwd_kernel_dh[_state_grid(K, V, N, H)](
-        q=q, g=None, g_gamma=None, gk=gk, gv=None, do=do, dh=dh, dht=dht, dh0=dh0, cu_seqlens=cu_seqlens,
-        split_offsets=chunk_offsets, scale=scale, T=T, HQ=H, H=H, K=K, V=V, BT=chunk_size, BS=chunk_size, NG=1,
-        USE_G=False, USE_G_GAMMA=False, USE_GK=True, USE_GV=False, STATE_V_FIRST=False)
+        q=q, g=None, g_gamma=None, gk=gk, gv=None, do=do, dh=dh, dht=dht, dh0=dh0, cu_seqlens=layout.cu_seqlens,
+        split_offsets=layout.chunk_offsets, scale=scale, T=T, HQ=H, H=H, K=K, V=V, BT=layout.BT, BS=layout.BT,
+        NG=1, USE_G=False, USE_G_GAMMA=False, USE_GK=True, USE_GV=False, STATE_V_FIRST=False)
     return dh, dh0
 
 
-def chunk_gla_bwd_dqkg_to(q, k, v, h, g, do, dh, dq, dk, scale, *, dtypes, cu_seqlens=None, chunk_size=64,
-                          chunk_indices=None):
-    """= (x.to(d) for x, d in zip(chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, ...), dtypes)) without
-    the three casts: fla's kernel already rounds each output to its buffer's dtype as it stores it, so buffers in
-    the dtypes the caller returns (dq's, dk's and the raw gate's: 16 bits in training) hold the same values up to
-    rounding (Triton lowers the fp32 arithmetic differently per output dtype: a few values land on the other
-    16-bit neighbour) while the fp32 buffers, and the three cast kernels that read them back, are not needed.
-    Packed documents need fla's chunk table (chunk_indices) with cu_seqlens."""
+def chunk_gla_bwd_dqkg_to(qkvg, h, dh, do, dqk, *, scale, dtypes, layout: ChunkLayout):
+    """= (x.to(d) for x, d in zip(chunk_gla_bwd_dqkg(q, k, v, h, g_cs, do, dh, dq, dk, scale, ...), dtypes)) with
+    (q, k, v, g_cs) = qkvg and the intra-chunk parts (dq, dk) = dqk, without the three casts: fla's kernel already
+    rounds each output to its buffer's dtype as it stores it, so buffers in the dtypes the caller returns (dq's,
+    dk's and the raw gate's: 16 bits in training) hold the same values up to rounding (Triton lowers the fp32
+    arithmetic differently per output dtype: a few values land on the other 16-bit neighbour) while the fp32
+    buffers, and the three cast kernels that read them back, are not needed."""
+    q, k, v, g = qkvg
+    dq, dk = dqk
     B, T, H, K, V = *k.shape, v.shape[-1]
-    if cu_seqlens is not None and chunk_indices is None:
-        raise ValueError("chunk_gla_bwd_dqkg_to: packed documents need chunk_indices (plan it on the host)")
-    NT = triton.cdiv(T, chunk_size) if cu_seqlens is None else chunk_indices.shape[0]
+    NT = triton.cdiv(T, layout.BT) if not layout.packed else layout.n_chunks
     dq2, dk2 = torch.empty_like(dq, dtype=dtypes[0]), torch.empty_like(dk, dtype=dtypes[1])
     dg = torch.empty_like(g, dtype=dtypes[2])
     chunk_gla_bwd_kernel_inter[lambda meta: (triton.cdiv(K, meta["BK"]) * NT, B * H)](
-        q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dg=dg, cu_seqlens=cu_seqlens,
-        chunk_indices=chunk_indices, scale=scale, T=T, H=H, K=K, V=V, BT=chunk_size, STATE_V_FIRST=False)
+        q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dg=dg, cu_seqlens=layout.cu_seqlens,
+        chunk_indices=layout.chunk_indices, scale=scale, T=T, H=H, K=K, V=V, BT=layout.BT, STATE_V_FIRST=False)
     return dq2, dk2, dg
 
 
 __all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA",
-           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv",
+           "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv",
            "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "gate_cumsum"]

@@ -16,10 +16,10 @@ far from fp32's 2^±126), the block takes an exact path instead (exact decays on
 one [BC, BC, BK] tile for dq and dk, references at the block's edges off it), so no input overflows.
 Products run in fp32 (fla's choice for this stage; its comment: bf16 here loses precision): 3×TF32 on
 the diagonal block, which holds the largest terms, TF32 off it as fla's off-diagonal products.
-WHOLE (bwd_intra "zeco_chunk"): one reference gate for the whole chunk (its middle token) where the chunk's
-gates stay within 2^±SPAN of it, as they do at GLA-1B's gate normalizer: dq and dk are then two
-[BT, BT] x [BT, BK] products in 3×TF32 (each input tile read and each exp2 taken once, instead of once per
-sub-chunk pair); chunks with steeper gates take the sub-chunk path above.
+Whole chunks first: one reference gate for the whole chunk (its middle token) where the chunk's gates stay
+within 2^±SPAN of it, as they do at GLA-1B's gate normalizer: dq and dk are then two [BT, BT] x [BT, BK]
+products in 3×TF32 (each input tile read and each exp2 taken once, instead of once per sub-chunk pair); only
+chunks with steeper gates take the sub-chunk path above.
 Packed documents (B = 1) come as fla's varlen stages take them, with its chunk table: a program's chunk
 is (document, chunk in document), and it reads that document's rows as one sequence of its own length.
 It is faster than fla's stage on H200: docs/results/performance.md, "Our intra-chunk backward stage".
@@ -133,11 +133,11 @@ if triton is not None:
     @triton.autotune(
         configs=[triton.Config({"BK": bk}, num_warps=w, num_stages=s)
                  for bk in (32, 64) for w in (2, 4, 8) for s in (1, 2)],
-        key=["BT", "K", "IS_VARLEN", "WHOLE"], cache_results=True)
+        key=["BT", "K", "IS_VARLEN"], cache_results=True)
     @triton.jit(do_not_specialize=["T"])
     def _dqk_intra_kernel(q, k, g, dA, dq, dk, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
                           BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr = False,
-                          SPAN: tl.constexpr = 64.0, WHOLE: tl.constexpr = False):
+                          SPAN: tl.constexpr = 64.0):
         NK: tl.constexpr = (K + BK - 1) // BK
         i_kn, i_bh = tl.program_id(0), tl.program_id(1)  # chunks on axis 0: no 65535 limit on T
         i_k, i_n = i_kn % NK, i_kn // NK
@@ -146,39 +146,36 @@ if triton is not None:
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
         t0 = i_n * BT
-        if WHOLE:  # the whole chunk through one reference gate (its middle token), when the gates allow
-            o_t = tl.arange(0, BT)
-            t_c = t0 + o_t
-            g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
-            mid = tl.minimum(BT // 2, T - 1 - t0)
-            g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
-            span = tl.max(tl.max(tl.where(m_ck, tl.abs(g_c - g_r[None, :]), 0.), axis=1), axis=0)
-            if span <= SPAN:  # two [BT, BT] x [BT, BK] products, 3xTF32: the diagonal's largest terms are in them
-                q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
-                k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
-                kg_c = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
-                qg_c = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
-                dA_c = _dA_block(dA, t_c, 0, T, bos, i_h, o_t, H, BT, True)
-                b_dq = tl.dot(dA_c, kg_c, input_precision="tf32x3") * tl.exp2(
-                    tl.where(m_ck, g_c - g_r[None, :], 0.))
-                b_dk = tl.dot(tl.trans(dA_c), qg_c, input_precision="tf32x3") * tl.exp2(
-                    tl.where(m_ck, g_r[None, :] - g_c, 0.))
-                rows_c = (bos + t_c) * H + i_h
-                tl.store(dq + rows_c[:, None] * K + o_k[None, :], b_dq, mask=m_ck)
-                tl.store(dk + rows_c[:, None] * K + o_k[None, :], b_dk, mask=m_ck)
-            else:
-                _sub_chunks(q, k, g, dA, dq, dk, bos, i_h, o_k, m_k, t0, T, H, K, BT, BC, BK, SPAN)
+        # the whole chunk through one reference gate (its middle token), when the gates allow
+        o_t = tl.arange(0, BT)
+        t_c = t0 + o_t
+        g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
+        mid = tl.minimum(BT // 2, T - 1 - t0)
+        g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
+        span = tl.max(tl.max(tl.where(m_ck, tl.abs(g_c - g_r[None, :]), 0.), axis=1), axis=0)
+        if span <= SPAN:  # two [BT, BT] x [BT, BK] products, 3xTF32: the diagonal's largest terms are in them
+            q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
+            k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
+            kg_c = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
+            qg_c = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
+            dA_c = _dA_block(dA, t_c, 0, T, bos, i_h, o_t, H, BT, True)
+            b_dq = tl.dot(dA_c, kg_c, input_precision="tf32x3") * tl.exp2(
+                tl.where(m_ck, g_c - g_r[None, :], 0.))
+            b_dk = tl.dot(tl.trans(dA_c), qg_c, input_precision="tf32x3") * tl.exp2(
+                tl.where(m_ck, g_r[None, :] - g_c, 0.))
+            rows_c = (bos + t_c) * H + i_h
+            tl.store(dq + rows_c[:, None] * K + o_k[None, :], b_dq, mask=m_ck)
+            tl.store(dk + rows_c[:, None] * K + o_k[None, :], b_dk, mask=m_ck)
         else:
             _sub_chunks(q, k, g, dA, dq, dk, bos, i_h, o_k, m_k, t0, T, H, K, BT, BC, BK, SPAN)
 
 
-def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int, cu_seqlens=None, chunk_indices=None,
-                            whole: bool = False):
+def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int, cu_seqlens=None, chunk_indices=None):
     """= fla's chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
     chunk_indices=chunk_indices): (dq, dk) [B, T, H, K] in fp32. Packed documents (B = 1) need fla's
     chunk table [NT, 2] (document, chunk in document) as well as the boundaries: it sizes the grid,
-    so nothing is read back from the GPU. whole: a chunk whose gates stay within 2^±SPAN of its middle
-    token's runs as two [BT, BT] products through that one reference (the 16-token sub-chunks otherwise)."""
+    so nothing is read back from the GPU. A chunk whose gates stay within 2^±SPAN of its middle token's runs as
+    two [BT, BT] products through that one reference, a steeper one by 16-token sub-chunks (module doc)."""
     B, T, H, K = q.shape
     if g_cs.dtype != torch.float or dA.dtype != torch.float:
         raise TypeError(f"dqk_intra: g_cs and dA must be fp32 (fla's stages give them so), "
@@ -195,7 +192,7 @@ def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int, cu_seqlens=None, ch
         return (triton.cdiv(K, meta["BK"]) * NT, B * H)
 
     _dqk_intra_kernel[grid](q, k, g_cs, dA, dq, dk, cu_seqlens, chunk_indices, T, H=H, K=K, BT=chunk_size,
-                            BC=min(16, chunk_size), IS_VARLEN=cu_seqlens is not None, WHOLE=whole)
+                            BC=min(16, chunk_size), IS_VARLEN=cu_seqlens is not None)
     return dq, dk
 
 

@@ -45,9 +45,9 @@ def _gla_fixed(q, k, v, g, scale, h0, chunk):
     return o, h
 
 
-def torch_chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False,
-                    cu_seqlens=None, chunk: int = CHUNK):
-    """Same contract as fla.ops.gla.chunk_gla; returns (o in q's dtype, final state fp32 or None).
-    fp32 inside whatever the autocast state, as fla's kernels accumulate (autocast would cast the matmuls)."""
+def torch_chunk_gla(q, k, v, g, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
+    """Same contract as fla.ops.gla.chunk_gla; returns (o in q's dtype, final state fp32 or None), in chunks of
+    CHUNK tokens. fp32 inside whatever the autocast state, as fla's kernels accumulate (autocast would cast the
+    matmuls)."""
     return by_segments(_gla_fixed, q, k, v, g, scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk=chunk)
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk=CHUNK)

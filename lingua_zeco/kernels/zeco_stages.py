@@ -64,10 +64,12 @@ def _chunk_index(T, BT, device):
     return torch.arange(T, device=device) // BT
 
 
-def zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT):
+def zeco_fwd_o_torch(q, v, g_cs, A, h, fold, scale):
     """Oracle of `zeco_fwd_o` (computes in at least fp32). A [B, T, H, BT] as fla's intra stage gives it
-    (row t, column j of t's chunk); h [B, NT, H, K, V] from a zero state; S_in [B, H, K, V]."""
+    (row t, column j of t's chunk); h [B, NT, H, K, V] from a zero state; fold = (S_in [B, H, K, V], Gx)."""
+    S_in, Gx = fold
     B, T, H, K = q.shape
+    BT = A.shape[-1]
     acc = acc_dtype(q.dtype)
     n_T = _chunk_index(T, BT, q.device)
     h_true = _fold(h, S_in, Gx, acc)
@@ -238,13 +240,16 @@ def chunk_decay_prefix(g_cs_BTHK, BT):
     return gx, b_end
 
 
-def zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT, store_h: bool = False):
-    """fla's output stage (chunk_gla_fwd_o_gk) with S_in folded into each chunk's state. S_in is read
-    by every chunk (from L2): pass it in h's dtype (bf16 halves that traffic; h itself is bf16).
+def zeco_fwd_o(q, v, g_cs, A, h, fold, scale, store_h: bool = False):
+    """fla's output stage (chunk_gla_fwd_o_gk) with the incoming state folded into each chunk's state:
+    fold = (S_in [B, H, K, V], Gx [B, NT, H, K] from chunk_decay_prefix); the chunk size is A's last dimension.
+    S_in is read by every chunk (from L2): pass it in h's dtype (bf16 halves that traffic; h itself is bf16).
     store_h: h [B, NT, H, K, V] (the chunk states from a zero state) is overwritten with the states from S_in,
     in h's dtype, as the output used them (the backward then reads them instead of recomputing)."""
+    S_in, Gx = fold
+    BT = A.shape[-1]
     if not _cuda(q, v, g_cs, A, h, S_in, Gx):
-        o = zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)
+        o = zeco_fwd_o_torch(q, v, g_cs, A, h, fold, scale)
         if store_h:
             h.copy_(fold_S_in_torch(h, S_in, Gx))
         return o

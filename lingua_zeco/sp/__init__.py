@@ -1,4 +1,4 @@
-"""Sequence-parallel GLA: sp_gla(q, k, v, g, group=..., method=...) on one slice of a long sequence.
+"""Sequence-parallel GLA: sp_gla(q, k, v, g, sp=SPContext(group=..., method=...)) on one slice of a long sequence.
 
 The result on rank p equals single-device GLA (fla's convention, o_t = scale · q_t · S_t) on the
 concatenation of the group's slices in rank order. Methods:
@@ -9,7 +9,7 @@ concatenation of the group's slices in rank order. Methods:
   local  diagnostic only: each rank runs its slice alone, dropping the state from before it
 sp_simple_gla: the scalar-decay variant (one decay per head and token) through the same machinery.
 sp_gla_carry: either, from a carried incoming state and returning the final state (segments, carry.py).
-SPContext: the sequence parallelism a model runs under, made once (context.py).
+SPContext: the sequence parallelism a call or a model runs under, with every setting, made once (context.py).
 The implementation is gla.py; this file only names the public API.
 """
 from .carry import StateCarry

@@ -5,8 +5,8 @@ segment by segment (lingua_zeco/segments.py), on one rank or spread over an SP g
 zero state) and writes its final state with `put(i, S)`. `lingua_zeco.sp.sp_gla_carry(q, k, v, g, S0, ...) ->
 (o, S_end)` (in gla.py, beside sp_gla, which it calls) runs:
 
-* one rank: the kernel's own initial and final state (fla's chunk_gla / our staged operator on CUDA, the
-  torch chunked kernel elsewhere), autograd through both;
+* one rank: the kernel's own initial and final state (our staged operator on CUDA, the torch chunked kernel
+  elsewhere), autograd through both;
 * an SP group: the configured method (ZeCO, LASP-1, LASP-2) on the zero-state problem, plus the carried
   state's exact contribution. GLA is linear in its initial state, so with G_t = Σ_{u≤t} g_u over the whole
   segment (every rank's tokens in order):
@@ -26,7 +26,7 @@ import torch.distributed.nn.functional as dist_nn
 from lingua_zeco import kernels
 from lingua_zeco.kernels.common import doc_ids, doc_of
 
-from .split import segments_for, split_gla
+from .context import SPContext
 
 
 class StateCarry:
@@ -49,32 +49,24 @@ class StateCarry:
         self.states_out.setdefault(layer, state)
 
 
-def one_rank_carry(q, k, v, g, S0, packing, scale, backend, bwd_intra, split: int = 1, save_h: bool = False):
-    """sp_gla_carry on a group of one rank: the kernel's own initial and final state (split: model.gla_split,
-    the split operator's on dense GLA on CUDA, sp/split.py; save_h: sp_gla's)."""
-    if split != 1 and packing is None and g.dim() == 4 and kernels.pick_backend(q.device, backend) == "fla":
-        S = segments_for(split, q, v)
-        if S > 1:
-            return split_gla(q, k, v, g, scale=scale, segments=S, initial_state=S0, output_final_state=True,
-                             bwd_intra=bwd_intra)
-    cu, tables, h0 = None, None, S0
+def one_rank_carry(qkvg, S0, packing, scale, options: kernels.GLAOptions):
+    """sp_gla_carry on a group of one rank: the kernel's own initial and final state. qkvg = (q, k, v, g)."""
+    q, k, v, g = qkvg
+    seg, h0 = None, S0
     if packing is not None:
         seg = packing.seg
-        cu, tables = seg.cu_seqlens, seg.chunk_index
         if S0 is not None and seg.n_segments > 1:  # documents after the first start from zero
             h0 = torch.cat([S0, S0.new_zeros((seg.n_segments - 1, *S0.shape[1:]))])
-    if g.dim() == 3:  # simple GLA
-        o, ht = kernels.chunk_simple_gla(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True,
-                                         cu_seqlens=cu, backend=backend)
-    else:
-        o, ht = kernels.chunk_gla(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                                  backend=backend, bwd_intra=bwd_intra, chunk_tables=tables, save_h=save_h)
+    run = options.chunk_simple_gla if g.dim() == 3 else options.chunk_gla  # simple GLA: one decay per head
+    o, ht = run(q, k, v, g, scale=scale, initial_state=h0, output_final_state=True, cu_seqlens=seg)
     return o, ht[-1:] if packing is not None else ht
 
 
-def add_carried(q, k, v, g, S0, o, packing, scale, group, rank: int, P: int):
+def add_carried(qkvg, S0, o, packing, scale, sp: SPContext):
     """sp_gla_carry on P > 1 ranks from the zero-state output o: o plus S0's contribution, and the segment's
-    final state (module doc). g [B, T_local, H, K] (a simple GLA gate broadcast over K)."""
+    final state (module doc). qkvg = (q, k, v, g), g [B, T_local, H, K] (a simple GLA gate broadcast over K)."""
+    q, k, v, g = qkvg
+    group, (rank, P) = sp.group, sp.rank_size
     B, T, H, K = q.shape
     acc = kernels.acc_dtype(q.dtype, g.dtype, *(() if S0 is None else (S0.dtype,)))
     with torch.autocast(q.device.type, enabled=False):

@@ -11,7 +11,7 @@ as in the dense layout and the dense ZeCO stages apply to it unchanged (prefix v
 Forward:  g_cs, h (zero initial states), S_last → scan starts; A and fla's output stage for the whole
           slice meanwhile; after the wait the prefix's outputs are redone with S_in folded in.
 Backward: D from the prefix → reverse scan starts; h recomputed with S_in as the first segment's
-          initial state, dA, intra dq/dk (the stage `bwd_intra`) meanwhile; then fla's dh with G as
+          initial state, dA, intra dq/dk meanwhile; then fla's dh with G as
           the last segment's final-state gradient, dv, dq/dk/dg — fla's varlen backward from (S_in, G).
 A slice inside one document (no boundary in it) takes the dense FusedZeCOGLA instead.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from lingua_zeco.kernels import chunk_layout
 from lingua_zeco.kernels import fla_stages as fla
 from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
@@ -32,36 +33,32 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
     the previous rank's document."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco"):
+    def forward(ctx, q, k, v, g, scale, scan_fn, seg):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
         BT = fla_chunk_size(q.shape[1])
-        cu, t0 = seg.cu_seqlens, seg.first_end
-        ci, co, NT = seg.chunk_index(BT)
-        g_cs_BTHK = fla.gate_cumsum(g, BT, cu, ci)
-        h_BNHKV, ht_NHKV = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, None, cu_seqlens=cu, chunk_offsets=co,
-                                                  n_chunks=NT, chunk_size=BT, output_final_state=True)
+        layout, t0 = chunk_layout(BT, seg), seg.first_end
+        g_cs_BTHK = fla.gate_cumsum(g, BT, layout.cu_seqlens, layout.chunk_indices)
+        h_BNHKV, ht_NHKV = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, None, layout=layout, output_final_state=True)
         b_end_BHK = ht_NHKV.new_zeros(ht_NHKV[-1:].shape[:-1])  # a document starts here: S_in stops
         work = scan_fn(ht_NHKV[-1:].contiguous(), b_end_BHK, False)
-        A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, BT, bwd_intra, cu_seqlens=cu, chunk_indices=ci)
-        o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs_BTHK, A=A_BTHC, h=h_BNHKV, scale=scale, cu_seqlens=cu,
-                                   chunk_size=BT, chunk_indices=ci)
+        A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, layout)
+        o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs_BTHK, A=A_BTHC, h=h_BNHKV, scale=scale, **layout.varlen)
         S_in_BHKV = work.wait()
         Gx0_BNHK = None
         if t0 > 0:  # the prefix again, now with S_in folded into its chunk states
             n0 = -(-t0 // BT)
             Gx0_BNHK, _ = chunk_decay_prefix(g_cs_BTHK[:, :t0], BT)
             o[:, :t0] = zeco_fwd_o(q[:, :t0], v[:, :t0], g_cs_BTHK[:, :t0], A_BTHC[:, :t0], h_BNHKV[:, :n0],
-                                   S_in_BHKV.to(h_BNHKV.dtype), Gx0_BNHK, scale, BT)
+                                   (S_in_BHKV.to(h_BNHKV.dtype), Gx0_BNHK), scale)
         ctx.save_for_backward(q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK)
-        ctx.scale, ctx.scan_fn, ctx.BT, ctx.seg, ctx.bwd_intra = scale, scan_fn, BT, seg, bwd_intra
+        ctx.scale, ctx.scan_fn, ctx.layout, ctx.seg = scale, scan_fn, layout, seg
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, g, A_BTHC, S_in_BHKV, Gx0_BNHK, b_end_BHK = ctx.saved_tensors
-        scale, BT, seg = ctx.scale, ctx.BT, ctx.seg
-        cu, t0 = seg.cu_seqlens, seg.first_end
-        ci, co, NT = seg.chunk_index(BT)
+        scale, layout, seg = ctx.scale, ctx.layout, ctx.seg
+        BT, t0 = layout.BT, seg.first_end
         do = do.contiguous()
         if t0 > 0:  # D of the prefix first, so that the reverse scan starts early
             g0 = g[:, :t0]
@@ -70,23 +67,20 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
         else:
             D_BHKV = torch.zeros_like(S_in_BHKV)
         work = ctx.scan_fn(D_BHKV, b_end_BHK, True)
-        g_cs_BTHK = fla.gate_cumsum(g, BT, cu, ci)
+        g_cs_BTHK = fla.gate_cumsum(g, BT, layout.cu_seqlens, layout.chunk_indices)
         N = seg.n_segments
         h0_NHKV = S_in_BHKV.new_zeros(N, *S_in_BHKV.shape[1:])
         if t0 > 0:
             h0_NHKV[0] = S_in_BHKV[0]
-        h_BNHKV, _ = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, h0_NHKV, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
-                                            chunk_size=BT, output_final_state=False, states_in_fp32=True)
-        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-        dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, ctx.bwd_intra, cu_seqlens=cu, chunk_indices=ci)
+        h_BNHKV, _ = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, h0_NHKV, layout=layout, output_final_state=False,
+                                            states_in_fp32=True)
+        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **layout.varlen)
+        dqk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, layout)
         G_BHKV = work.wait()
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]
-        dh_BNHKV, _ = fla.chunk_bwd_dh_packed(q, k, v, do, dht_NHKV, g_cs_BTHK, scale=scale, cu_seqlens=cu,
-                                              chunk_offsets=co, n_chunks=NT, chunk_size=BT)
-        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, cu_seqlens=cu, chunk_size=BT,
-                                  chunk_indices=ci)
-        dq, dk, dg = fla.chunk_gla_bwd_dqkg_to(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq,
-                                               dk=dk, scale=scale, dtypes=(q.dtype, k.dtype, g.dtype), cu_seqlens=cu,
-                                               chunk_size=BT, chunk_indices=ci)
-        return dq, dk, dv.to(v), dg, None, None, None, None
+        dh_BNHKV, _ = fla.chunk_bwd_dh_packed(q, do, dht_NHKV, g_cs_BTHK, scale=scale, layout=layout)
+        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, **layout.varlen)
+        dq, dk, dg = fla.chunk_gla_bwd_dqkg_to((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, dqk, scale=scale,
+                                               dtypes=(q.dtype, k.dtype, g.dtype), layout=layout)
+        return dq, dk, dv.to(v), dg, None, None, None

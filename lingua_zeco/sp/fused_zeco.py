@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
+from lingua_zeco.kernels import ChunkLayout
 from lingua_zeco.kernels import fla_stages as fla
 from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
@@ -39,27 +40,29 @@ from .fused_packed import FusedPackedZeCOGLA
 from .overlap import CHOOSER, post
 
 
-def zeco_forward(q, k, v, g, scale, scan_fn, intra: str = "zeco", save_h: bool = False):
+def zeco_forward(q, k, v, g, scale, scan_fn, save_h: bool = True):
     """The forward stages on contiguous inputs: (o, what zeco_backward reads). scan_fn(x, a, reverse) -> a
     handle with wait(): the exclusive scan of the slices' (state, decay) pairs, started before the intra-chunk
-    stage and waited for after it. intra: the intra-chunk stages (kernels.BWD_INTRA; fwd_A picks A's).
-    save_h: the chunk states from S_in are kept (16 bits, as kernels/gla_chunk.py's save_h) for the backward."""
+    stage and waited for after it. save_h: the chunk states from S_in are kept (16 bits, as
+    kernels.GLAOptions.save_h) for the backward."""
     BT = fla_chunk_size(q.shape[1])
+    layout = ChunkLayout(BT)
     g_cs_BTHK = fla.gate_cumsum(g, BT)
     h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
     Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs_BTHK, BT)
     work = scan_fn(S_end_BHKV, b_end_BHK, False)
-    A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, BT, intra)
+    A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, layout)
     S_in_BHKV = work.wait()
-    o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK, scale, BT, store_h=save_h)
+    o = zeco_fwd_o(q, v, g_cs_BTHK, A_BTHC, h_BNHKV, (S_in_BHKV.to(h_BNHKV.dtype), Gx_BNHK), scale, store_h=save_h)
     kept = (h_BNHKV,) if save_h else ()
     return o, (A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK, *kept)
 
 
-def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"):
+def zeco_backward(q, k, v, g, saved, do, scale, scan_fn):
     """(dq, dk, dv, dg) from the forward's inputs, what zeco_forward kept and the output gradient do."""
     A_BTHC, S_in_BHKV, Gx_BNHK, b_end_BHK, *kept = saved
     BT = fla_chunk_size(q.shape[1])
+    layout = ChunkLayout(BT)
     do = do.contiguous()
     # D first, so the scan starts as early as possible: from 16-bit gates D makes its own cumsum
     g_cs_BTHK = None if dS_in_reads_raw_gates(q, g) else fla.gate_cumsum(g, BT)
@@ -73,33 +76,32 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn, bwd_intra: str = "zeco"
         h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
                                      states_in_fp32=True)
     dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
-    dq, dk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, BT, bwd_intra)
+    dqk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, layout)
     G_BHKV = work.wait()
     dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
                                    chunk_size=BT, states_in_fp32=True)
     dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
-    dq, dk, dg = fla.chunk_gla_bwd_dqkg_to(q=q, k=k, v=v, h=h_BNHKV, g=g_cs_BTHK, do=do, dh=dh_BNHKV, dq=dq, dk=dk,
-                                           scale=scale, dtypes=(q.dtype, k.dtype, g.dtype), chunk_size=BT)
+    dq, dk, dg = fla.chunk_gla_bwd_dqkg_to((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, dqk, scale=scale,
+                                           dtypes=(q.dtype, k.dtype, g.dtype), layout=layout)
     return dq, dk, dv.to(v), dg
 
 
 class FusedZeCOGLA(torch.autograd.Function):
     """scan_fn(x, a, reverse) -> handle with wait(): the All-Scan over the SP group (injectable so that
-    one GPU can run several virtual ranks in one process for tests and benchmarks). sp/split.py runs the
-    same stages (zeco_forward / zeco_backward) on the segments of each sequence."""
+    one GPU can run several virtual ranks in one process for tests and benchmarks)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, scale, scan_fn, bwd_intra: str = "zeco", save_h: bool = False):
+    def forward(ctx, q, k, v, g, scale, scan_fn, save_h: bool = True):
         q, k, v, g = (t.contiguous() for t in (q, k, v, g))
-        o, saved = zeco_forward(q, k, v, g, scale, scan_fn, bwd_intra, save_h)
+        o, saved = zeco_forward(q, k, v, g, scale, scan_fn, save_h)
         ctx.save_for_backward(q, k, v, g, *saved)
-        ctx.scale, ctx.scan_fn, ctx.bwd_intra = scale, scan_fn, bwd_intra
+        ctx.scale, ctx.scan_fn = scale, scan_fn
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, g, *saved = ctx.saved_tensors
-        return (*zeco_backward(q, k, v, g, saved, do, ctx.scale, ctx.scan_fn, ctx.bwd_intra), None, None, None, None)
+        return (*zeco_backward(q, k, v, g, saved, do, ctx.scale, ctx.scan_fn), None, None, None)
 
 
 def zeco_scan_fn(group, scan: AllScanArgs):
@@ -120,9 +122,10 @@ def lasp2_scan_fn(group):
     return scan_fn
 
 
-def fused_zeco_apply(q, k, v, g, scale, scan_fn, seg, bwd_intra: str = "zeco", save_h: bool = False):
-    """The fused operator for this slice: dense (also a slice inside one packed document; save_h applies) or
-    packed (its states are recomputed)."""
+def fused_zeco_apply(q, k, v, g, scale, sp, seg):
+    """The fused operator for this slice under sp.method (zeco or lasp2): dense (also a slice inside one packed
+    document; sp.gla.save_h applies) or packed (its states are recomputed)."""
+    scan_fn = lasp2_scan_fn(sp.group) if sp.method == "lasp2" else zeco_scan_fn(sp.group, sp.scan)
     if seg.carries:
-        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, bwd_intra, save_h)
-    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg, bwd_intra)
+        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, sp.gla.save_h)
+    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg)

@@ -57,9 +57,9 @@ class SendNextFn(torch.autograd.Function):
         return do_BTHV, G_BHKV.to(ctx.dtype), None
 
 
-def lasp1(kernel, q_BTHK, k_BTHK, v_BTHV, *gates, scale, group, seg: LocalSegments, backend):
-    """This rank's slice under LASP-1. `kernel`: a backend call with fla's contract (kernels.chunk_gla,
-    kernels.delta.chunk_gated_delta); `gates`: its per-token inputs after v (g; or g and beta)."""
+def lasp1(kernel, q_BTHK, k_BTHK, v_BTHV, *gates, scale, group, seg: LocalSegments):
+    """This rank's slice under LASP-1. `kernel`: a backend call with fla's contract (GLAOptions.chunk_gla, the
+    gated delta rule's); `gates`: its per-token inputs after v (g; or g and beta)."""
     B, _, H, K = q_BTHK.shape
     S_in_BHKV = RecvPrevFn.apply((B, H, K, v_BTHV.shape[-1]), group, q_BTHK, k_BTHK, v_BTHV, *gates)
     h0_NHKV = S_in_BHKV
@@ -68,6 +68,6 @@ def lasp1(kernel, q_BTHK, k_BTHK, v_BTHV, *gates, scale, group, seg: LocalSegmen
         first_1HKV = S_in_BHKV if seg.continues else S_in_BHKV * 0  # keep S_in in the graph: its backward sends
         h0_NHKV = torch.cat([first_1HKV, first_1HKV.new_zeros(seg.n_segments - 1, *first_1HKV.shape[1:])])
     o_BTHV, S_out_NHKV = kernel(q_BTHK, k_BTHK, v_BTHV, *gates, scale=scale, initial_state=h0_NHKV,
-                                output_final_state=True, cu_seqlens=seg.cu_seqlens, backend=backend)
+                                output_final_state=True, cu_seqlens=seg.cu_seqlens)
     S_out_BHKV = S_out_NHKV[-1:] if seg.cu_seqlens is not None else S_out_NHKV
     return SendNextFn.apply(o_BTHV, S_out_BHKV, group)

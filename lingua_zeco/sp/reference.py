@@ -11,22 +11,23 @@ from __future__ import annotations
 import torch
 
 from lingua_zeco import kernels
-from lingua_zeco.comm import DECAY, AllScanArgs
+from lingua_zeco.comm import DECAY
 
+from .context import SPContext
 from .state_passing import ScanFn
 from .varlen import LocalSegments, incoming_decay
 
 
-def scan_then_correct(q_BTHK, k_BTHK, v_BTHV, g_BTHK, *, scale, group, method, seg: LocalSegments, backend,
-                      scan_args: AllScanArgs):
-    o_BTHV, S_loc_NHKV = kernels.chunk_gla(q_BTHK, k_BTHK, v_BTHV, g_BTHK, scale=scale, output_final_state=True,
-                                           cu_seqlens=seg.cu_seqlens, backend=backend)
+def scan_then_correct(q_BTHK, k_BTHK, v_BTHV, g_BTHK, *, scale, sp: SPContext, seg: LocalSegments):
+    """This rank's slice under sp.method (zeco: the All-Scan with sp.scan's settings; lasp2: the all-gather)."""
+    o_BTHV, S_loc_NHKV = sp.gla.chunk_gla(q_BTHK, k_BTHK, v_BTHV, g_BTHK, scale=scale, output_final_state=True,
+                                          cu_seqlens=seg)
     acc = kernels.acc_dtype(q_BTHK.dtype, g_BTHK.dtype)
     # exchange and correction in acc even under autocast, which would run the einsum's bmm in bf16
     with torch.autocast(q_BTHK.device.type, enabled=False):
         S_end_BHKV = (S_loc_NHKV[-1:] if seg.cu_seqlens is not None else S_loc_NHKV).to(acc)
         b_BTHK = incoming_decay(g_BTHK, seg).to(acc)
         b_end_BHK = b_BTHK[:, -1].contiguous()
-        S_in_BHKV = ScanFn.apply(S_end_BHKV, b_end_BHK, group, scan_args if method == "zeco" else None, DECAY)
+        S_in_BHKV = ScanFn.apply(S_end_BHKV, b_end_BHK, sp.group, sp.scan if sp.method == "zeco" else None, DECAY)
         corr_BTHV = torch.einsum("bthk,bhkv->bthv", q_BTHK.to(acc) * b_BTHK, S_in_BHKV.to(acc))
         return (o_BTHV.to(acc) + scale * corr_BTHV).to(o_BTHV.dtype)
