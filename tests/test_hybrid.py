@@ -42,9 +42,9 @@ def _batch(packed: bool):
 
 def _local_attend(self, q, k, v, packing):
     """Broken on purpose: attention to this rank's own keys only."""
-    from lingua_zeco.kernels.softmax import attention
+    from lingua_zeco.kernels.softmax import Placement, attention
 
-    return attention(q, k, v, window=self.window, backend="sdpa")[0]
+    return attention(q, k, v, Placement(window=self.window), backend="sdpa")[0]
 
 
 def _loss_and_grads(rank: int, P: int, variant) -> dict:
@@ -171,11 +171,12 @@ def _fla_attention_on_cpu(monkeypatch):
     """fla.layers.attn.Attention runs flash-attn and a Triton rotary kernel: torch stand-ins for both."""
     import fla.layers.attn as fla_attn
     import fla.modules.rotary.ops as fla_rot
-    from lingua_zeco.kernels.softmax import attention
+    from lingua_zeco.kernels.softmax import Placement, attention
 
     def flash(q, k, v, causal=True, window_size=(-1, -1), **_):
         assert causal
-        return attention(q, k, v, window=None if window_size[0] < 0 else window_size[0] + 1, backend="sdpa")[0]
+        place = Placement(window=None if window_size[0] < 0 else window_size[0] + 1)
+        return attention(q, k, v, place, backend="sdpa")[0]
 
     def rotary(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None, **_):
         assert cu_seqlens is None and isinstance(seqlen_offsets, int)

@@ -1,21 +1,26 @@
 """Gated DeltaNet through the SP machinery (lingua_zeco/kernels/delta.py, lingua_zeco/sp/delta.py):
 the torch kernel vs the float64 oracle (and fla's own CPU reference for the convention), the matrix
 pair scan, and P = 1, 2, 4 gloo ranks vs single device vs the oracle, outputs and the gradients of
-q, k, v, g, β, every method; dropping S_in (local) or M (drop_transition) must be caught. Then the
+q, k, v, g, β, every method; dropping S_in (local) or M (without_transition) must be caught. Then the
 model variant: sp_size 2 trains exactly as sp_size 1."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import lingua_zeco.kernels.delta as kdelta
+import lingua_zeco.sp.delta as spd
 from lingua_zeco.comm import AllScanArgs, pair_scan
-from lingua_zeco.kernels.delta import chunk_gated_delta, l2norm, naive_gated_delta, torch_chunk_gated_delta
-from lingua_zeco.sp import sp_gated_delta
-from lingua_zeco.testing import run_on_ranks
+from lingua_zeco.kernels.delta import DeltaOptions, chunk_gated_delta, l2norm, naive_gated_delta
+from lingua_zeco.sp import SPContext, sp_gated_delta
+from local_ranks import run_on_ranks
 from sp_harness import (autocast_worker, docs_with_empty, empty_docs_worker, expect_all_close, expect_close,
                         expect_equal, expect_matches_reference, expect_pairs_equal, fwd_bwd, grads_or_skip, max_rel,
                         on_ranks, rank_results, rel_errors)
 
 B, H, K, V, T_LOCAL = 2, 2, 6, 4, 20
+TORCH = DeltaOptions(backend="torch")
 
 
 def global_inputs(P, B=B, seed=3, T=None):
@@ -43,27 +48,29 @@ def test_oracle_matches_fla_reference_convention():
     from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
     q, k, v, g, beta, _ = (t.double() for t in global_inputs(2))
     h0 = torch.randn(B, H, K, V, dtype=torch.float64)
-    o, ht = naive_gated_delta(q, k, v, g, beta, scale=0.7, initial_state=h0, output_final_state=True)
+    o, ht = naive_gated_delta(q, k, v, (g, beta), scale=0.7, initial_state=h0, output_final_state=True)
     o_f, ht_f = naive_recurrent_gated_delta_rule(q, k, v, beta, g, scale=0.7, initial_state=h0, output_final_state=True)
     assert max_rel(o_f, o) < 1e-5 and max_rel(ht_f, ht) < 1e-5
 
 
-def test_torch_kernel_matches_oracle_forward_backward_varlen():
+def test_torch_kernel_matches_oracle_forward_backward_varlen(monkeypatch):
     q, k, v, g, beta, do = (t.double() for t in global_inputs(1, T=77))  # not a multiple of the chunk
     h0 = torch.randn(B, H, K, V, dtype=torch.float64)
-    o64, ht64 = naive_gated_delta(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-    o, ht = torch_chunk_gated_delta(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    o64, ht64 = naive_gated_delta(q, k, v, (g, beta), initial_state=h0, output_final_state=True)
+    o, ht = TORCH.chunk_gated_delta(q, k, v, (g, beta), initial_state=h0, output_final_state=True)
     assert max_rel(o, o64) < 1e-10 and max_rel(ht, ht64) < 1e-10
     # gradients of every input (and of the initial state) against finite differences
     short = [t[:1, :7, :1].clone().requires_grad_() for t in (q, k, v, g, beta)] + [h0[:1, :1].clone().requires_grad_()]
-    assert torch.autograd.gradcheck(
-        lambda q_, k_, v_, g_, b_, h_: torch_chunk_gated_delta(q_, k_, v_, g_, b_, initial_state=h_, chunk=4,
-                                                               output_final_state=True), short)
+    with monkeypatch.context() as m:
+        m.setattr(kdelta, "CHUNK", 4)  # 7 tokens: two chunks, the hand-over between them differentiated too
+        assert torch.autograd.gradcheck(
+            lambda q_, k_, v_, g_, b_, h_: TORCH.chunk_gated_delta(q_, k_, v_, (g_, b_), initial_state=h_,
+                                                                   output_final_state=True), short)
     cu = torch.tensor([0, 9, 40, 77])
     hs = torch.randn(3, H, K, V, dtype=torch.float64)
-    o_v, ht_v = torch_chunk_gated_delta(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=cu, initial_state=hs,
+    o_v, ht_v = TORCH.chunk_gated_delta(q[:1], k[:1], v[:1], (g[:1], beta[:1]), cu_seqlens=cu, initial_state=hs,
                                         output_final_state=True)
-    o_n, ht_n = naive_gated_delta(q[:1], k[:1], v[:1], g[:1], beta[:1], cu_seqlens=cu, initial_state=hs,
+    o_n, ht_n = naive_gated_delta(q[:1], k[:1], v[:1], (g[:1], beta[:1]), cu_seqlens=cu, initial_state=hs,
                                   output_final_state=True)
     assert max_rel(o_v, o_n) < 1e-10 and max_rel(ht_v, ht_n) < 1e-10
 
@@ -73,9 +80,9 @@ def test_widened_pass_gives_transition_matrix():
     q, k, v, g, beta, _ = (t.double() for t in global_inputs(1))
     v_wide = torch.cat([v, torch.zeros(*v.shape[:3], K, dtype=v.dtype)], -1)
     h0 = torch.cat([torch.zeros(B, H, K, V, dtype=v.dtype), torch.eye(K, dtype=v.dtype).expand(B, H, K, K)], -1)
-    _, S_wide = torch_chunk_gated_delta(q, k, v_wide, g, beta, initial_state=h0, output_final_state=True)
+    _, S_wide = TORCH.chunk_gated_delta(q, k, v_wide, (g, beta), initial_state=h0, output_final_state=True)
     S_in = torch.randn(B, H, K, V, dtype=torch.float64)
-    _, S_out = naive_gated_delta(q, k, v, g, beta, initial_state=S_in, output_final_state=True)
+    _, S_out = naive_gated_delta(q, k, v, (g, beta), initial_state=S_in, output_final_state=True)
     assert max_rel(S_wide[..., V:] @ S_in + S_wide[..., :V], S_out) < 1e-12
 
 
@@ -84,9 +91,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match=r"beta must be \[B, T, H\]"):
         sp_gated_delta(q, q, q, q[..., 0].clamp(max=0), q)
     with pytest.raises(ValueError, match=r"g must be \[B, T, H\]"):
-        chunk_gated_delta(q, q, q, q, q[..., 0])
+        chunk_gated_delta(q, q, q, (q, q[..., 0]))
+    with pytest.raises(ValueError, match=r"gates must be the pair \(g, beta\)"):
+        chunk_gated_delta(q, q, q, q[..., 0])
     with pytest.raises(ValueError, match="method must be one of"):
-        sp_gated_delta(q, q, q, q[..., 0], q[..., 0].sigmoid(), method="ring")
+        sp_gated_delta(q, q, q, q[..., 0], q[..., 0].sigmoid(), sp=SPContext(method="ring"))
 
 
 # ----------------------------------------------------------------------------- SP on gloo ranks
@@ -127,12 +136,28 @@ def check_pair_scan(res):
             assert max_rel(r, rev[rank]) < 1e-12 if rank < P - 1 else r.abs().max() == 0, key
 
 
+@contextlib.contextmanager
+def without_transition(drop: bool):
+    """Broken on purpose when `drop`: the combine forgets M (S_in(p+1) = S_loc(p)), as if the widened pass
+    returned no transition."""
+    saved = spd._widened_pass
+
+    def forgetful(*args, **kwargs):
+        o_loc, q_tilde, S_loc, M = saved(*args, **kwargs)
+        return o_loc, q_tilde, S_loc, torch.zeros_like(M)
+    spd._widened_pass = forgetful if drop else saved
+    try:
+        yield
+    finally:
+        spd._widened_pass = saved
+
+
 def _worker(rank, P):
     def run(variant, *ins):
         method, algo, varlen = variant
-        return sp_gated_delta(*ins, method="zeco" if method == "zeco_no_M" else method,
-                              drop_transition=method == "zeco_no_M", cu_seqlens=docs_for(P) if varlen else None,
-                              scan=AllScanArgs(algorithm=algo, n_blocks=3))
+        sp = SPContext(method="zeco" if method == "zeco_no_M" else method, scan=AllScanArgs(algorithm=algo, n_blocks=3))
+        with without_transition(method == "zeco_no_M"):
+            return sp_gated_delta(*ins, sp=sp, cu_seqlens=docs_for(P) if varlen else None)
     out = rank_results(rank, T_LOCAL, VARIANTS, lambda variant: global_inputs(P, B=1 if variant[2] else B), run)
     out["pair_scan"] = _scan_worker(rank, P)
     return out
@@ -142,7 +167,8 @@ def single_device(P, varlen):
     *ins, do = global_inputs(P, B=1 if varlen else B)
     cu = docs_for(P) if varlen else None
     ref = fwd_bwd(lambda *x: sp_gated_delta(*x, cu_seqlens=cu), ins, do)  # no process group: the plain kernel
-    oracle = fwd_bwd(lambda *x: naive_gated_delta(*x, cu_seqlens=cu)[0], [t.double() for t in ins], do.double())
+    oracle = fwd_bwd(lambda q, k, v, g, b: naive_gated_delta(q, k, v, (g, b), cu_seqlens=cu)[0],
+                     [t.double() for t in ins], do.double())
     return ref, oracle
 
 
@@ -166,14 +192,15 @@ def test_sp_gated_delta_equals_single_device(P):
 
 def _p1_worker(rank, P):
     *ins, do = global_inputs(1)
-    return fwd_bwd(lambda *x: sp_gated_delta(*x, method="none"), ins, do)
+    return fwd_bwd(lambda *x: sp_gated_delta(*x, sp=SPContext(method="none")), ins, do)
 
 
 @pytest.mark.slow
 def test_group_of_one_rank_is_the_kernel():
     got = run_on_ranks(_p1_worker, 1, timeout_s=60)[0]
     *ins, do = global_inputs(1)
-    expect_equal(got, fwd_bwd(lambda *x: chunk_gated_delta(*x)[0], ins, do), NAMES, "a group of one rank vs the kernel")
+    want = fwd_bwd(lambda q, k, v, g, b: chunk_gated_delta(q, k, v, (g, b))[0], ins, do)
+    expect_equal(got, want, NAMES, "a group of one rank vs the kernel")
 
 
 @pytest.mark.gpu
@@ -197,7 +224,7 @@ def test_fla_gated_delta_matches_torch_on_gpu():
             o, ht = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True,
                                            use_qk_l2norm_in_kernel=True)
         else:
-            o, ht = torch_chunk_gated_delta(l2norm(q.float()), l2norm(k.float()), v.float(), g, beta.float(),
+            o, ht = TORCH.chunk_gated_delta(l2norm(q.float()), l2norm(k.float()), v.float(), (g, beta.float()),
                                             scale=0.3, initial_state=h0, output_final_state=True)
         res[backend] = [o, ht]
     _close(res["fla"], res["torch"], "o ht".split())
@@ -285,13 +312,15 @@ def test_fla_widened_pass_two_virtual_ranks_on_gpu():
     beta = torch.rand(Bg, T, Hg, generator=gen, device="cuda")
     do = torch.randn_like(v)
     ins = [t.requires_grad_() for t in (q, k, v, g, beta)]
-    ref_o, _ = chunk_gated_delta(*ins, backend="fla")
+    fla = DeltaOptions(backend="fla")
+    ref_o, _ = fla.chunk_gated_delta(*ins[:3], tuple(ins[3:]))
     results = {}
     for keep in (True, False):
         h = T // 2
-        o0, S0 = chunk_gated_delta(*(t[:, :h] for t in ins), output_final_state=True, backend="fla")
-        o_loc, q_t, _, _ = _widened_pass(*(t[:, h:] for t in ins), scale=Kg ** -0.5,
-                                         seg=LocalSegments(None, h, 1), backend="fla")
+        first, second = ([t[:, :h] for t in ins], [t[:, h:] for t in ins])
+        o0, S0 = fla.chunk_gated_delta(*first[:3], tuple(first[3:]), output_final_state=True)
+        o_loc, q_t, _, _ = _widened_pass(*second[:3], tuple(second[3:]), scale=Kg ** -0.5,
+                                         seg=LocalSegments(None, h, 1), opts=fla)
         o1 = o_loc.float() + (torch.einsum("bthk,bhkv->bthv", q_t.float(), S0.float()) if keep else 0)
         results[keep] = torch.cat([o0.float(), o1], 1)
     _close([results[True]], [ref_o], ["o"])
@@ -330,5 +359,6 @@ def test_zero_length_documents_change_nothing(P):
     docs = docs_with_empty(P, T_LOCAL, inside=7, after=5, before_end=3)
     methods = [(m, "chain") for m in ("zeco", "lasp1", "lasp2")]
     per_rank = on_ranks(empty_docs_worker, P, sp_gated_delta, inputs, docs, methods, T_LOCAL, timeout_s=180)
-    oracle = naive_gated_delta(*inputs[:-1], cu_seqlens=docs)[0]  # all but do
+    q, k, v, g, beta, _ = inputs
+    oracle = naive_gated_delta(q, k, v, (g, beta), cu_seqlens=docs)[0]
     expect_pairs_equal(per_rank, NAMES, oracle, 2e-5, f"at P={P} with and without empty documents")

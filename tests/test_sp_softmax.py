@@ -5,14 +5,16 @@ sequence and the oracle, output and the gradients of q, k, v, plain / window / p
 zero-length document, a one-token document, one starting at a rank boundary). A ring that merges
 without the log-sum-exp and an allgather that drops the causal offset must be caught."""
 import contextlib
+import dataclasses
 
 import pytest
 import torch
 
 import lingua_zeco.sp.softmax as sps
 from lingua_zeco.kernels.common import doc_ids
-from lingua_zeco.kernels.softmax import (attention, explicit_backward, explicit_forward, naive_attention,
+from lingua_zeco.kernels.softmax import (Placement, attention, explicit_backward, explicit_forward, naive_attention,
                                          xformers_available)
+from lingua_zeco.sp.context import SOFTMAX_METHODS, SPContext
 from lingua_zeco.sp.softmax import causal_work, sp_softmax_attention
 from lingua_zeco.sp.varlen import pack
 from sp_harness import expect_caught, expect_close, fwd_bwd, gather, on_ranks, rank_results, rel_errors
@@ -42,31 +44,32 @@ def test_kernel_backends_match_oracle(window, with_docs):
     q, _, _, do = inputs(2, 10, seed=1)
     _, k, v, _ = inputs(2, 16, seed=2)
     bounds = [0, 6, 6, 13, 30]
-    kw = dict(q_start=14, k_start=4, window=window)
+    place = Placement(q_start=14, k_start=4, window=window)
     if with_docs:
-        kw.update(doc_q_T=doc_ids(bounds, 14, 10, "cpu"), doc_k_S=doc_ids(bounds, 4, 16, "cpu"))
-    o64, lse64 = naive_attention(q, k, v, **kw)
-    o_sdpa, none = attention(q, k, v, backend="sdpa", **kw)
-    o_auto, _ = attention(q, k, v, backend="auto", **kw)
-    o_exp, lse = explicit_forward(q, k, v, **kw, q_chunk=3)  # row chunks as the ring uses them
+        place = dataclasses.replace(place, doc_q_T=doc_ids(bounds, 14, 10, "cpu"),
+                                    doc_k_S=doc_ids(bounds, 4, 16, "cpu"))
+    o64, lse64 = naive_attention(q, k, v, place)
+    o_sdpa, none = attention(q, k, v, place, backend="sdpa")
+    o_auto, _ = attention(q, k, v, place, backend="auto")
+    o_exp, lse = explicit_forward(q, k, v, place, q_chunk=3)  # row chunks as the ring uses them
     assert none is None and (o_sdpa - o64).abs().max() < TOL and torch.equal(o_auto, o_sdpa)
     assert (o_exp - o64).abs().max() < TOL and torch.equal(torch.isinf(lse), torch.isinf(lse64))
     assert (lse - lse64)[torch.isfinite(lse64)].abs().max() < TOL
     if window is not None:
         assert torch.isinf(lse64).any(), "the case meant to hold rows that see no key holds none"
     # the explicit backward (final lse, D = rowsum(do ⊙ o)) against autograd through the oracle
-    got = explicit_backward(do, q, k, v, lse, (do * o_exp).sum(-1).transpose(1, 2), **kw, q_chunk=4)
-    want = fwd_bwd(lambda q_, k_, v_: naive_attention(q_, k_, v_, **kw)[0], (q, k, v), do)[1:]
+    got = explicit_backward(do, q, k, v, (lse, (do * o_exp).sum(-1).transpose(1, 2)), place, q_chunk=4)
+    want = fwd_bwd(lambda q_, k_, v_: naive_attention(q_, k_, v_, place)[0], (q, k, v), do)[1:]
     expect_close(rel_errors(got, want, NAMES[1:]), TOL, "explicit_backward")
 
 
 def test_rows_that_see_nothing_give_zero_without_nan():
     q, k, v, do = inputs(1, 6, seed=3)
     for backend in ("sdpa", "naive"):  # keys [10, 16) all lie in the future of queries [0, 6)
-        got = fwd_bwd(lambda q_, k_, v_, backend=backend: attention(q_, k_, v_, k_start=10, backend=backend)[0],
-                      (q, k, v), do)
+        got = fwd_bwd(lambda q_, k_, v_, backend=backend: attention(q_, k_, v_, Placement(k_start=10),
+                                                                    backend=backend)[0], (q, k, v), do)
         assert all(torch.isfinite(t).all() for t in got) and got[0].abs().max() == 0, backend
-    o, lse = explicit_forward(q, k, v, k_start=10)
+    o, lse = explicit_forward(q, k, v, Placement(k_start=10))
     assert o.abs().max() == 0 and torch.isneginf(lse).all()
     o, lse = sps.merge(o, lse, o, lse)  # two empty partials merge to an empty one
     assert o.abs().max() == 0 and torch.isneginf(lse).all()
@@ -74,9 +77,9 @@ def test_rows_that_see_nothing_give_zero_without_nan():
 
 def test_merge_of_two_key_blocks_equals_the_whole():
     q, k, v, _ = inputs(2, 12, seed=4)
-    whole, lse_whole = naive_attention(q, k, v, window=7)
-    a = explicit_forward(q, k[:, :5], v[:, :5], window=7)
-    b = explicit_forward(q, k[:, 5:], v[:, 5:], k_start=5, window=7)
+    whole, lse_whole = naive_attention(q, k, v, Placement(window=7))
+    a = explicit_forward(q, k[:, :5], v[:, :5], Placement(window=7))
+    b = explicit_forward(q, k[:, 5:], v[:, 5:], Placement(k_start=5, window=7))
     o, lse = sps.merge(*a, *b)
     assert (o - whole).abs().max() < TOL and (lse - lse_whole).abs().max() < TOL
 
@@ -88,14 +91,14 @@ def test_xformers_backend():
             attention(*inputs(1, 8)[:3], backend="xformers")
         pytest.skip(f"xformers backend unavailable: {why}")
     q, k, v, _ = (t.cuda().half() for t in inputs(1, 32))
-    for kw in ({}, dict(window=5), dict(q_start=8, k_start=0)):
-        want = naive_attention(q, k, v, **kw)[0]
-        assert (attention(q, k, v, backend="xformers", **kw)[0] - want).abs().max() < 5e-3, kw
+    for place in (Placement(), Placement(window=5), Placement(q_start=8, k_start=0)):
+        want = naive_attention(q, k, v, place)[0]
+        assert (attention(q, k, v, place, backend="xformers")[0] - want).abs().max() < 5e-3, place
 
 
 # ----------------------------------------------------------------------------- P ranks
 
-VARIANTS = [(m, w, d, None) for m in sps.METHODS for w in (None, WINDOW) for d in (None, "ints", "packing")
+VARIANTS = [(m, w, d, None) for m in SOFTMAX_METHODS for w in (None, WINDOW) for d in (None, "ints", "packing")
             if not (w and d == "ints")]
 BROKEN = [("allgather", None, None, "no_offset"), ("ring", None, None, "no_lse")]
 
@@ -106,7 +109,8 @@ def broken(how):
     rectangular block); no_lse: the ring adds partial outputs without weighting them by their lse."""
     saved = sps.attention, sps.merge
     if how == "no_offset":
-        sps.attention = lambda *a, q_start, k_start, **kw: saved[0](*a, q_start=k_start, k_start=k_start, **kw)
+        sps.attention = lambda q, k, v, place, **kw: saved[0](
+            q, k, v, dataclasses.replace(place, q_start=place.k_start), **kw)
     elif how == "no_lse":
         sps.merge = lambda o, lse, o_b, lse_b: (o + o_b, torch.logaddexp(lse, lse_b))
     try:
@@ -129,7 +133,8 @@ def worker(rank, P, variants):
     def run(variant, q, k, v):
         method, window, kind, how = variant
         with broken(how):
-            return sp_softmax_attention(q, k, v, method=method, window=window, cu_seqlens=cu_for(P, rank, kind))
+            return sp_softmax_attention(q, k, v, sp=SPContext(softmax=method), window=window,
+                                        cu_seqlens=cu_for(P, rank, kind))
     return rank_results(rank, T_LOCAL, variants, lambda variant: global_inputs(P, variant), run)
 
 
@@ -139,7 +144,7 @@ def references(P, variant):
     *qkv, do = global_inputs(P, variant)
     cu = None if kind is None else docs(P)
     single = fwd_bwd(lambda *x: sp_softmax_attention(*x, window=window, cu_seqlens=cu, backend="sdpa"), qkv, do)
-    oracle = fwd_bwd(lambda *x: naive_attention(*x, window=window, cu_seqlens=cu)[0], qkv, do)
+    oracle = fwd_bwd(lambda *x: naive_attention(*x, Placement(window=window), cu_seqlens=cu)[0], qkv, do)
     return single, oracle
 
 
@@ -164,7 +169,7 @@ def test_sp_matches_single_device_and_oracle(P):
     (dict(q=torch.zeros(2, 8, 2)), r"\[B, T_local, H, D\]"),
     (dict(k=torch.zeros(2, 8, 2, 4)), "share"),
     (dict(v=torch.zeros(2, 8, 2, 8, dtype=torch.float32)), "dtype"),
-    (dict(method="ulysses"), r"method must be one of \('allgather', 'ring'\)"),
+    (dict(softmax="ulysses"), "softmax_sp='ulysses'; choose one of allgather, ring"),
     (dict(backend="flash"), "backend must be one of"),
     (dict(window=0), "window"),
     (dict(window=2.5), "window"),
@@ -172,10 +177,11 @@ def test_sp_matches_single_device_and_oracle(P):
 ])
 def test_bad_inputs_are_named(change, match):
     q, k, v, _ = inputs(2, 8)
-    args = dict(q=q, k=k, v=v, method="ring", backend="auto", window=None, cu_seqlens=None)
+    args = dict(q=q, k=k, v=v, softmax="ring", backend="auto", window=None, cu_seqlens=None)
     args.update(change)
     with pytest.raises(ValueError, match=match):
-        sp_softmax_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+        sp = SPContext(softmax=args.pop("softmax"))  # the exchange's name is checked where the context is made
+        sp_softmax_attention(args.pop("q"), args.pop("k"), args.pop("v"), sp=sp, **args)
 
 
 def test_ring_skips_blocks_it_cannot_see():

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from apps.gla.layers import GLAArgs
 from lingua_zeco.kernels.common import acc_dtype, doc_offsets
-from lingua_zeco.kernels.softmax import BACKENDS, attention
+from lingua_zeco.kernels.softmax import BACKENDS, Placement, attention
 from lingua_zeco.sp.softmax import sp_softmax_attention
 from lingua_zeco.sp import SPContext
 from lingua_zeco.sp.varlen import Packing
@@ -100,8 +100,7 @@ class SoftmaxAttention(nn.Module):
 
     def attend(self, q, k, v, packing):
         """The SP exchange (a separate method so that tests can swap in a broken one)."""
-        return sp_softmax_attention(q, k, v, group=self.sp.group, method=self.sp.softmax, window=self.window,
-                                    cu_seqlens=packing, backend=self.backend)
+        return sp_softmax_attention(q, k, v, sp=self.sp, window=self.window, cu_seqlens=packing, backend=self.backend)
 
     def forward(self, x, cu_seqlens=None):
         B, T, _ = x.shape
@@ -123,7 +122,7 @@ class SoftmaxAttention(nn.Module):
         q, k, v = self._qkv(x, torch.arange(n, n + T, device=x.device))
         if k_old is not None:
             k, v = torch.cat([k_old, k], 1), torch.cat([v_old, v], 1)
-        o, _ = attention(q, k, v, q_start=n, k_start=n + T - k.shape[1], window=self.window, backend="sdpa")
+        o, _ = attention(q, k, v, Placement(q_start=n, k_start=n + T - k.shape[1], window=self.window), backend="sdpa")
         if self.window is not None:  # a query at position >= n + T sees keys after n + T - window
             k, v = k[:, max(0, k.shape[1] - (self.window - 1)):], v[:, max(0, v.shape[1] - (self.window - 1)):]
         return self.o_proj(o.reshape(B, T, -1).to(x.dtype)), (k, v, n + T)

@@ -64,12 +64,11 @@ class GatedDeltaNet(LinearAttention):
         return q, k, v, g, beta
 
     def forward(self, x, cu_seqlens=None):
-        q, k, v, g, beta = self._inputs(x)
-        o = sp_gated_delta(q, k, v, g, beta, group=self.sp.group, method=self.sp.method, cu_seqlens=cu_seqlens,
-                           use_qk_l2norm=True, scan=self.sp.scan)
+        o = sp_gated_delta(*self._state_inputs(x), sp=self.sp, cu_seqlens=cu_seqlens)
         return self._output(o, x)
 
     def _state_inputs(self, x):
+        """q and k L2-normalised (fla's use_qk_l2norm_in_kernel=True), v and the gates: the kernels' inputs."""
         q, k, v, g, beta = self._inputs(x)
         return l2norm(q), l2norm(k), v, g, beta
 
@@ -80,4 +79,4 @@ class GatedDeltaNet(LinearAttention):
         return state + beta[..., None, None] * k[..., None] * err[..., None, :]
 
     def _chunk(self, q, k, v, g, beta, state):
-        return chunk_gated_delta(q, k, v, g, beta, initial_state=state, output_final_state=True)
+        return chunk_gated_delta(q, k, v, (g, beta), initial_state=state, output_final_state=True)

@@ -18,8 +18,8 @@ lingua_zeco.kernels.pick_backend; `chunk_gated_delta(...)` picks the device's):
 * "fla":   fla's chunk_gated_delta_rule (Triton, CUDA), imported only when used;
 * "torch": the chunked form below (any device, fp32 or fp64 inside, autograd);
 * oracle:  naive_gated_delta, float64 token by token.
-Every function here takes fla's contract with (g, beta) as one `gates` pair: fla's nine names would be one
-more than this package's functions take, and the pair is what travels together (lasp1 calls it the gates).
+Every function here takes fla's contract with (g, beta) as one `gates` pair (fla's nine names are one more
+than this package's functions take) and the backend from DeltaOptions, as GLA's from GLAOptions.
 """
 from __future__ import annotations
 
@@ -144,10 +144,7 @@ class DeltaOptions:
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk=CHUNK)
 
 
-def chunk_gated_delta(q, k, v, gates, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None):
-    """DeltaOptions().chunk_gated_delta: the device's backend."""
-    return DeltaOptions().chunk_gated_delta(q, k, v, gates, scale=scale, initial_state=initial_state,
-                                            output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+chunk_gated_delta = DeltaOptions().chunk_gated_delta  # the device's backend
 
 
 __all__ = ["DeltaOptions", "check_shapes", "chunk_gated_delta", "l2norm", "naive_gated_delta"]

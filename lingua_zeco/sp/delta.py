@@ -1,4 +1,4 @@
-"""Sequence-parallel Gated DeltaNet: sp_gated_delta(q, k, v, g, beta, group=..., method=...).
+"""Sequence-parallel Gated DeltaNet: sp_gated_delta(q, k, v, g, beta, sp=SPContext(...)).
 
 The gated delta rule's transition exp(g_t)(I − β_t k_t k_tᵀ) is a K×K matrix, so the state that
 leaves rank p's slice is affine in the state that enters it:
@@ -39,17 +39,18 @@ from __future__ import annotations
 import torch
 
 from lingua_zeco import kernels
-from lingua_zeco.comm import MATRIX, AllScanArgs, group_rank_size
-from lingua_zeco.kernels.delta import check_shapes, chunk_gated_delta, l2norm
+from lingua_zeco.comm import MATRIX
+from lingua_zeco.kernels.delta import DeltaOptions, check_shapes
 
+from .context import SPContext
+from .graph import outside_graph
 from .lasp1 import lasp1
 from .state_passing import ScanFn
 from .validate import check_across_ranks, check_local
-from .graph import outside_graph
 from .varlen import LocalSegments, as_packing, local_segments
 
 
-def _widened_pass(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, *, scale, seg: LocalSegments, backend):
+def _widened_pass(q_BTHK, k_BTHK, v_BTHV, gates, *, scale, seg: LocalSegments, opts: DeltaOptions):
     """One kernel call on [v | 0] from [0 | I]: (o_loc, q̃, S_loc, M), see the module docstring."""
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
@@ -62,8 +63,8 @@ def _widened_pass(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, *, scale, seg: LocalS
         h0_NHKW[..., V:] = eye_KK
     elif seg.continues:  # only the segment that continues the previous rank's document sees S_in
         h0_NHKW[0, :, :, V:] = eye_KK
-    o_BTHW, S_NHKW = chunk_gated_delta(q_BTHK, k_BTHK, v_wide, g_BTH, beta_BTH, scale=scale, initial_state=h0_NHKW,
-                                       output_final_state=True, cu_seqlens=seg.cu_seqlens, backend=backend)
+    o_BTHW, S_NHKW = opts.chunk_gated_delta(q_BTHK, k_BTHK, v_wide, gates, scale=scale, initial_state=h0_NHKW,
+                                            output_final_state=True, cu_seqlens=seg.cu_seqlens)
     if seg.cu_seqlens is not None:
         S_NHKW = S_NHKW[-1:]  # the slice's end state is its last segment's
     S_BHKW = S_NHKW.to(acc)
@@ -71,42 +72,38 @@ def _widened_pass(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, *, scale, seg: LocalS
 
 
 @outside_graph  # compiled blocks: the exchange and fla's kernels run outside the graph
-def sp_gated_delta(q, k, v, g, beta, *, group=None, method: str = "zeco", scale: float | None = None,
-                   cu_seqlens=None, use_qk_l2norm: bool = False, backend: str | None = None,
-                   scan: AllScanArgs | None = None, drop_transition: bool = False):
-    """Gated delta rule on rank p's slice of a sequence split over `group`; equals the single-device
-    result on the concatenation. q, k [B, T_local, H, K]; v [B, T_local, H, V]; g (log decay ≤ 0),
-    beta [B, T_local, H]. use_qk_l2norm: normalise q and k first (fla's use_qk_l2norm_in_kernel).
-    scan.algorithm: chain | tree | auto (zeco only). drop_transition: a deliberately wrong variant
-    for tests (the combine forgets M: S_in(p+1) = S_loc(p)); never use it otherwise."""
-    check_shapes(q, k, v, g, beta, "sp_gated_delta")
-    rank, P = group_rank_size(group)
+def sp_gated_delta(q, k, v, g, beta, *, sp: SPContext | None = None, scale: float | None = None, cu_seqlens=None):
+    """Gated delta rule on rank p's slice of a sequence split over sp.group; equals the single-device
+    result on the concatenation. q, k [B, T_local, H, K] as the kernel uses them (the model L2-normalises
+    them first: kernels.delta.l2norm); v [B, T_local, H, V]; g (log decay ≤ 0), beta [B, T_local, H].
+    Reads sp.group, sp.method (zeco | lasp1 | lasp2 | none | local), sp.scan (zeco's All-Scan) and
+    sp.gla.backend (the kernel's; sp.gla.save_h and sp.fused are GLA's). sp=None: SPContext()."""
+    sp = SPContext() if sp is None else sp
+    check_shapes(q, k, v, (g, beta), "sp_gated_delta")
+    rank, P = sp.rank_size
     g_wide = g[..., None].expand_as(q)  # the shared checks know GLA's per-key gate shape
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=q.shape[1], device=q.device)
-    check_local(q, k, v, g_wide, method, packing, P)
+    check_local(q, k, v, g_wide, sp.method, packing, P)
     if beta.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         raise ValueError(f"sp_gated_delta: beta must be floating, got {beta.dtype}")
-    check_across_ranks(q, v, g_wide, packing, group, P)
+    check_across_ranks(q, v, g_wide, packing, sp.group, P)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
-    name = kernels.pick_backend(q.device, backend)
+    opts = DeltaOptions(backend=kernels.pick_backend(q.device, sp.gla.backend))
     if P == 1:
         cu = None if packing is None else packing.cu_seqlens
-        return chunk_gated_delta(q, k, v, g, beta, scale=scale, cu_seqlens=cu, backend=name)[0]
+        return opts.chunk_gated_delta(q, k, v, (g, beta), scale=scale, cu_seqlens=cu)[0]
     seg = local_segments(None, rank, q.shape[1], q.device) if packing is None else packing.seg
-    if method == "local":  # diagnostic: every rank alone, S_in dropped (wrong on purpose)
-        return chunk_gated_delta(q, k, v, g, beta, scale=scale, cu_seqlens=seg.cu_seqlens, backend=name)[0]
-    if method == "lasp1":  # serial hand-over: no M needed, the slice simply runs from the received state
-        return lasp1(chunk_gated_delta, q, k, v, g, beta, scale=scale, group=group, seg=seg, backend=name)
-    o_loc_BTHV, q_tilde_BTHK, S_loc_BHKV, M_BHKK = _widened_pass(q, k, v, g, beta, scale=scale, seg=seg,
-                                                                 backend=name)
-    if drop_transition:
-        M_BHKK = torch.zeros_like(M_BHKK)
+    if sp.method == "local":  # diagnostic: every rank alone, S_in dropped (wrong on purpose)
+        return opts.chunk_gated_delta(q, k, v, (g, beta), scale=scale, cu_seqlens=seg.cu_seqlens)[0]
+    if sp.method == "lasp1":  # serial hand-over: no M needed, the slice simply runs from the received state
+        def kernel(q, k, v, g, beta, **contract):  # lasp1 spreads the gates: each anchors its receive in the graph
+            return opts.chunk_gated_delta(q, k, v, (g, beta), **contract)
+        return lasp1(kernel, q, k, v, g, beta, scale=scale, group=sp.group, seg=seg)
+    o_loc_BTHV, q_tilde_BTHK, S_loc_BHKV, M_BHKK = _widened_pass(q, k, v, (g, beta), scale=scale, seg=seg, opts=opts)
     acc = S_loc_BHKV.dtype  # fp32 (fp64 stays): exchange and correction in it even under autocast,
     with torch.autocast(q.device.type, enabled=False):  # which would run the products in bf16
-        args = (scan or AllScanArgs()) if method == "zeco" else None  # None: lasp2's all-gather
-        S_in_BHKV = ScanFn.apply(S_loc_BHKV, M_BHKK, group, args, MATRIX)
+        args = sp.scan if sp.method == "zeco" else None  # None: lasp2's all-gather
+        S_in_BHKV = ScanFn.apply(S_loc_BHKV, M_BHKK, sp.group, args, MATRIX)
         o_BTHV = o_loc_BTHV.to(acc) + torch.einsum("bthk,bhkv->bthv", q_tilde_BTHK.to(acc), S_in_BHKV.to(acc))
         return o_BTHV.to(o_loc_BTHV.dtype)
 

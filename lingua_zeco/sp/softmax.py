@@ -14,6 +14,7 @@ arrive rotated at their global positions. The result on rank p equals single-dev
              blocks (D = rowsum(do ⊙ o), dS = P ⊙ (dP − D)), in the accumulation dtype (fp32; fp64).
              Block compute uses the explicit-score path of lingua_zeco.kernels.softmax (it needs lse);
              `backend` applies to P = 1 and allgather.
+The exchange is the SPContext's `softmax` (distributed.softmax_sp), over its `group`.
 Contiguous slices load causal attention unevenly (the last rank computes the most): causal_work.
 """
 from __future__ import annotations
@@ -23,24 +24,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.comm import global_rank, group_rank_size, wait_all
+from lingua_zeco.comm import global_rank, wait_all
 from lingua_zeco.kernels.common import acc_dtype, doc_ids, doc_of
-from lingua_zeco.kernels.softmax import attention, check_backend, explicit_backward, explicit_forward
+from lingua_zeco.kernels.softmax import Placement, attention, check_backend, explicit_backward, explicit_forward
 
+from .context import SPContext
 from .graph import outside_graph
 from .varlen import Packing, as_packing
 
-METHODS = ("allgather", "ring")
-
-
-def check_method(method: str) -> None:
-    """The one check of distributed.softmax_sp (the config's, and an SPContext made by hand)."""
-    if method not in METHODS:
-        raise ValueError(f"distributed.softmax_sp={method!r}; choose one of {', '.join(METHODS)}")
 _TAG_KV, _TAG_DKV = 11, 12  # gloo matches messages by tag: keep the two rings of the backward apart
 
 
-def check_inputs(q_BTHD, k_BTHD, v_BTHD, method, backend, window, cu_seqlens) -> None:
+def check_inputs(q_BTHD, k_BTHD, v_BTHD, backend, window, cu_seqlens) -> None:
     where = "sp_softmax_attention"
     if any(not torch.is_tensor(t) or t.dim() != 4 for t in (q_BTHD, k_BTHD, v_BTHD)):
         raise ValueError(f"{where}: q, k, v must be [B, T_local, H, D] tensors")
@@ -50,8 +45,6 @@ def check_inputs(q_BTHD, k_BTHD, v_BTHD, method, backend, window, cu_seqlens) ->
     if not (q_BTHD.dtype == k_BTHD.dtype == v_BTHD.dtype) or not q_BTHD.is_floating_point():
         raise ValueError(f"{where}: q, k, v must share one floating dtype; got {q_BTHD.dtype}, {k_BTHD.dtype}, "
                          f"{v_BTHD.dtype}")
-    if method not in METHODS:
-        raise ValueError(f"{where}: method must be one of {METHODS}, got {method!r}")
     check_backend(backend, where)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"{where}: window must be None or an int ≥ 1 (a query at i sees keys i−window < j ≤ i); "
@@ -61,24 +54,23 @@ def check_inputs(q_BTHD, k_BTHD, v_BTHD, method, backend, window, cu_seqlens) ->
 
 
 @outside_graph  # compiled blocks: the exchange and fla's kernels run outside the graph
-def sp_softmax_attention(q_BTHD, k_BTHD, v_BTHD, *, group=None, method: str = "allgather",
-                         scale: float | None = None, window: int | None = None, cu_seqlens=None,
-                         backend: str = "auto") -> torch.Tensor:
-    """Causal softmax attention of this rank's slice. q, k [B, T_local, H, D], v [B, T_local, H, Dv],
-    rotated at their global positions. cu_seqlens: None, a `Packing` (lingua_zeco.sp.varlen.pack) or
-    the global boundaries 0 … P·T_local (tensor or ints; B = 1). Returns o [B, T_local, H, Dv]."""
-    check_inputs(q_BTHD, k_BTHD, v_BTHD, method, backend, window, cu_seqlens)
-    rank, P = group_rank_size(group)
+def sp_softmax_attention(q_BTHD, k_BTHD, v_BTHD, *, sp: SPContext | None = None, window: int | None = None,
+                         cu_seqlens=None, backend: str = "auto", scale: float | None = None) -> torch.Tensor:
+    """Causal softmax attention of this rank's slice of sp.group, exchanged by sp.softmax (allgather | ring;
+    sp=None: SPContext()). q, k [B, T_local, H, D], v [B, T_local, H, Dv], rotated at their global positions.
+    cu_seqlens: None, a `Packing` (lingua_zeco.sp.varlen.pack) or the global boundaries 0 … P·T_local
+    (tensor or ints; B = 1). Returns o [B, T_local, H, Dv]."""
+    sp = SPContext() if sp is None else sp
+    check_inputs(q_BTHD, k_BTHD, v_BTHD, backend, window, cu_seqlens)
+    rank, P = sp.rank_size
     T = q_BTHD.shape[1]
     packing = as_packing(cu_seqlens, rank=rank, P=P, T_local=T, device=q_BTHD.device)
     scale = q_BTHD.shape[-1] ** -0.5 if scale is None else scale
-    ring = Ring(group, rank, P, T, scale, window, packing)
+    ring = Ring(sp.group, rank, P, T, scale, window, packing)
     if P == 1:
-        doc_T = ring.doc_ids(0, q_BTHD.device)
-        o, _ = attention(q_BTHD, k_BTHD, v_BTHD, scale=scale, window=window, doc_q_T=doc_T, doc_k_S=doc_T,
-                         backend=backend)
+        o, _ = attention(q_BTHD, k_BTHD, v_BTHD, ring.place(0, q_BTHD.device), scale=scale, backend=backend)
         return o.to(q_BTHD.dtype)
-    if method == "allgather":
+    if sp.softmax == "allgather":
         return allgather_attention(q_BTHD, k_BTHD, v_BTHD, ring, backend)
     return RingAttention.apply(q_BTHD, k_BTHD, v_BTHD, ring)
 
@@ -98,6 +90,11 @@ class Ring:
         if self.packing is None:
             return None
         return doc_ids(self.packing.cu_seqlens, block * self.T_local, self.T_local, device)
+
+    def place(self, block: int, device) -> Placement:
+        """This rank's queries against rank `block`'s slice of keys."""
+        return Placement(self.rank * self.T_local, block * self.T_local, self.window, self.doc_ids(self.rank, device),
+                         self.doc_ids(block, device))
 
     def first_key(self) -> int:
         """The earliest key any of this rank's queries sees (window, the first query's document)."""
@@ -157,10 +154,9 @@ def allgather_attention(q_BTHD, k_BTHD, v_BTHD, ring: Ring, backend: str) -> tor
     kv_BSHC = kv_PBTHC[:ring.rank + 1].permute(1, 0, 2, 3, 4).reshape(B, end, H, -1)
     lo = ring.first_key()  # keys before it are invisible to every local query: not computed
     kv_BSHC = kv_BSHC[:, lo:]
-    doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
     doc_k_S = None if ring.packing is None else doc_ids(ring.packing.cu_seqlens, lo, end - lo, q_BTHD.device)
-    o, _ = attention(q_BTHD, kv_BSHC[..., :D], kv_BSHC[..., D:], q_start=ring.rank * T, k_start=lo,
-                     scale=ring.scale, window=ring.window, doc_q_T=doc_q_T, doc_k_S=doc_k_S, backend=backend)
+    place = Placement(ring.rank * T, lo, ring.window, ring.doc_ids(ring.rank, q_BTHD.device), doc_k_S)
+    o, _ = attention(q_BTHD, kv_BSHC[..., :D], kv_BSHC[..., D:], place, scale=ring.scale, backend=backend)
     return o.to(q_BTHD.dtype)
 
 
@@ -201,14 +197,12 @@ class RingAttention(torch.autograd.Function):
     def forward(ctx, q_BTHD, k_BTHD, v_BTHD, ring: Ring):
         B, T, H, D = q_BTHD.shape
         acc = acc_dtype(q_BTHD.dtype)
-        doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
         o_BTHD = q_BTHD.new_zeros(B, T, H, v_BTHD.shape[-1], dtype=acc)
         lse_BHT = q_BTHD.new_full((B, H, T), float("-inf"), dtype=acc)
         for _, src, kv_BTHC in _visiting_blocks(torch.cat([k_BTHD, v_BTHD], -1).contiguous(), ring):
             if ring.sees(src):
-                o_blk_BTHD, lse_blk_BHT = explicit_forward(
-                    q_BTHD, kv_BTHC[..., :D], kv_BTHC[..., D:], q_start=ring.rank * T, k_start=src * T,
-                    scale=ring.scale, window=ring.window, doc_q_T=doc_q_T, doc_k_S=ring.doc_ids(src, q_BTHD.device))
+                o_blk_BTHD, lse_blk_BHT = explicit_forward(q_BTHD, kv_BTHC[..., :D], kv_BTHC[..., D:],
+                                                           ring.place(src, q_BTHD.device), scale=ring.scale)
                 o_BTHD, lse_BHT = merge(o_BTHD, lse_BHT, o_blk_BTHD, lse_blk_BHT)
         ctx.ring = ring
         # o stays in the accumulation dtype: D = rowsum(do ⊙ o) of the backward is taken from it
@@ -221,17 +215,15 @@ class RingAttention(torch.autograd.Function):
         ring = ctx.ring
         B, T, H, D = q_BTHD.shape
         do_BTHD = do_BTHD.to(o_BTHD.dtype)
-        delta_BHT = (do_BTHD * o_BTHD).sum(-1).transpose(1, 2)
-        doc_q_T = ring.doc_ids(ring.rank, q_BTHD.device)
+        stats = lse_BHT, (do_BTHD * o_BTHD).sum(-1).transpose(1, 2)  # (lse, D = rowsum(do ⊙ o))
         dq_BTHD = torch.zeros_like(q_BTHD, dtype=o_BTHD.dtype)
         dkv_in_BTHC = dkv_works = None  # set by step 0 (there is always one), read from step 1 on and after the loop
         for step, src, kv_BTHC in _visiting_blocks(torch.cat([k_BTHD, v_BTHD], -1).contiguous(), ring):
             dkv_blk_BTHC = None
             if ring.sees(src):
                 dq_blk_BTHD, dk_blk_BTHD, dv_blk_BTHD = explicit_backward(
-                    do_BTHD, q_BTHD, kv_BTHC[..., :D], kv_BTHC[..., D:], lse_BHT, delta_BHT, q_start=ring.rank * T,
-                    k_start=src * T, scale=ring.scale, window=ring.window, doc_q_T=doc_q_T,
-                    doc_k_S=ring.doc_ids(src, q_BTHD.device))
+                    do_BTHD, q_BTHD, kv_BTHC[..., :D], kv_BTHC[..., D:], stats, ring.place(src, q_BTHD.device),
+                    scale=ring.scale)
                 dq_BTHD += dq_blk_BTHD
                 dkv_blk_BTHC = torch.cat([dk_blk_BTHD, dv_blk_BTHD], -1)
             # block src's accumulator arrives from the rank that held the block last step (its own share
@@ -266,4 +258,4 @@ def causal_work(P: int, T_local: int, window: int | None = None) -> list[float]:
             for p in range(P)]
 
 
-__all__ = ["METHODS", "causal_work", "sp_softmax_attention"]
+__all__ = ["causal_work", "sp_softmax_attention"]
