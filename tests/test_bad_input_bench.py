@@ -72,3 +72,13 @@ def test_bench_train_fills_vocab_size_from_the_tokenizer(results):
 @pytest.mark.parametrize("case", sorted(_bad_cases(Path("/unused"))))
 def test_bad_bench_input_is_one_error_line_and_exit_2(results, case):
     assert_one_error_line(*results[2][case])
+
+
+def test_every_bench_train_variant_is_a_config_the_trainer_takes():
+    """A variant that names a deleted or misspelt key would fail only on the GPU, minutes into a run."""
+    from apps.gla.bench.bench_train import VARIANTS
+    from apps.gla.bench.common import trainer_args
+
+    for name, overrides in VARIANTS.items():
+        if overrides is not None:  # None: fla's own model
+            assert trainer_args(["config=gla_1b_dp.yaml", *overrides]).model.n_layers > 0, name

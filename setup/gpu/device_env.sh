@@ -1,10 +1,10 @@
-# Sourced by the run scripts of setup/gpu/ on the device machine, from the repository root: installs the
+# Sourced by setup/gpu/run.sh on the device machine, from the repository root: installs the
 # carried wheels (.whl/) into /tmp/site, seeds Triton's autotune cache from the project's union and
 # prints the date and the GPU. Leaves OUT (the device tool's folder; default /tmp/out) created.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "error: carry the fla-core, flash-linear-attention, omegaconf, torchao (and for issue37.sh I pytest-xdist,"\
+    || { echo "error: carry the fla-core, flash-linear-attention, omegaconf, torchao (and for run.sh tests pytest-xdist,"\
               "execnet) wheels in .whl/ (pip download --no-deps)"; exit 2; }
 export PYTHONPATH=/tmp/site:$PWD TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1 LINGUA_ZECO_FAILURES_NOW=1 \
     LINGUA_ZECO_FAILURES_FILE=$OUT/failures_now.txt  # tests/conftest.py

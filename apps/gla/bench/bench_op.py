@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from lingua_zeco import reliability
 from lingua_zeco.comm import AllScanArgs
-from lingua_zeco.sp import sp_gla
+from lingua_zeco.sp import SPContext, sp_gla
 from lingua_zeco.sp.overlap import overlap_decisions
 from lingua_zeco.args import ConfigError
 from lingua_zeco.distributed import DTYPES
@@ -69,10 +69,10 @@ def _fla_chunk_gla():
     return chunk_gla
 
 
-def sp_kwargs(method: str, n_blocks: int, self_group) -> dict:
-    """sp_gla keyword arguments for a benchmark method name."""
+def sp_context(method: str, n_blocks: int, self_group) -> SPContext:
+    """sp_gla's SPContext for a benchmark method name."""
     if method == "none":
-        return dict(method="none", group=self_group)
+        return SPContext(group=self_group, method="none")
     if method.split("_")[0] == "zeco":
         parts = set(method.split("_")[1:])
         if parts - ZECO_VARIANTS or {"overlap", "blocking"} <= parts:
@@ -81,21 +81,21 @@ def sp_kwargs(method: str, n_blocks: int, self_group) -> dict:
         scan = AllScanArgs(algorithm="tree" if "tree" in parts else "chain", n_blocks=n_blocks,
                            transport="symm" if "symm" in parts else "nccl",
                            overlap="on" if "overlap" in parts else "off" if "blocking" in parts else "auto")
-        return dict(method="zeco", fused="composed" not in parts, scan=scan)
+        return SPContext(method="zeco", scan=scan, fused="composed" not in parts)
     if method in ("lasp1", "lasp2"):
-        return dict(method=method)
+        return SPContext(method=method)
     raise ConfigError(f"methods={method}: unknown benchmark method; choose from {', '.join(METHODS)}")
 
 
 def step_fn(method: str, inputs, self_group, n_blocks: int = 0):
     """One timed call: the gradients cleared, `method`'s forward, backward."""
     q, k, v, g, do = inputs
-    chunk_gla, kw = (_fla_chunk_gla(), None) if method == "fla" else (None, sp_kwargs(method, n_blocks, self_group))
+    chunk_gla, sp = (_fla_chunk_gla(), None) if method == "fla" else (None, sp_context(method, n_blocks, self_group))
 
     def run():
         for t in (q, k, v, g):
             t.grad = None
-        o = chunk_gla(q, k, v, g)[0] if chunk_gla else sp_gla(q, k, v, g, **kw)
+        o = chunk_gla(q, k, v, g)[0] if chunk_gla else sp_gla(q, k, v, g, sp=sp)
         o.backward(do)
     return run
 
@@ -111,7 +111,7 @@ def burn_in_cross_checks(args: BenchOpArgs, device, dtype) -> None:
     v = torch.zeros(args.batch, 64, args.heads, args.head_v, device=device, dtype=dtype)
     with torch.no_grad():
         for _ in range(validate.CROSS_CHECK_CALLS + 1):
-            sp_gla(qk, qk, v, qk, method="lasp2")
+            sp_gla(qk, qk, v, qk, sp=SPContext(method="lasp2"))
 
 
 def check_args(args: BenchOpArgs, device: torch.device) -> None:
@@ -121,7 +121,7 @@ def check_args(args: BenchOpArgs, device: torch.device) -> None:
         raise ConfigError(f"dtype={args.dtype}: choose from {', '.join(DTYPES)} (or empty: bf16 on CUDA, fp32 on CPU)")
     for method in args.methods:
         if method != "fla":
-            sp_kwargs(method, args.n_blocks, None)  # raises for an unknown name
+            sp_context(method, args.n_blocks, None)  # raises for an unknown name
         if "symm" in method.split("_")[1:] and device.type != "cuda":  # one rank would time a no-op scan
             raise ConfigError(f"methods={method}: the symm transport needs CUDA GPUs (symmetric memory); drop _symm")
 

@@ -13,7 +13,7 @@ between (a host sync inside a step shows as a longer step); the table gives the 
 tok/s and the peak memory. "ours*" variants call `apps.gla.train_step.train_step` (FSDP2, autocast,
 clipping, the non-finite guard, AdamW) on a model built by `apps.gla.train.build_model` from
 `config` plus `overrides` and the variant's own. "fla" is fla's `GLAForCausalLM` of the same shape (fp32
-weights, bf16 autocast, fused AdamW, clipping): the reference of issue 5.
+weights, bf16 autocast, fused AdamW, clipping): the reference every ours* row is set against (vs_fla).
 """
 from __future__ import annotations
 
@@ -33,41 +33,25 @@ from lingua_zeco.args import ConfigError
 # name -> extra overrides on top of `config` and `overrides`
 VARIANTS = {
     "fla": None,
-    "ours": [],  # the default config: model.compile=auto (compiled blocks on CUDA)
+    "ours": [],  # the default config: model.compile=auto (compiled blocks on CUDA), kept GLA states
     "ours_eager": ["model.compile=none"],  # no torch.compile: fla's fused norms / SwiGLU, eager everything
     # torchao float8 block linears (compiled blocks fuse the scaling casts); _head: the LM head too
     "ours_float8": ["model.float8=tensorwise"],
     "ours_float8_rowwise": ["model.float8=rowwise"],
     "ours_float8_head": ["model.float8=tensorwise", "model.float8_head=true"],
     "ours_float8_nofsdp": ["model.float8=tensorwise", "distributed.fsdp=false"],
-    "ours_float8_head_nofsdp": ["model.float8=tensorwise", "model.float8_head=true", "distributed.fsdp=false"],
     "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
-    # compiled blocks replayed from CUDA graphs (static parameter addresses: no FSDP; _fsdp: whether FSDP2's
-    # re-gathered parameters keep theirs)
+    # compiled blocks replayed from CUDA graphs (static parameter addresses: no FSDP)
     "ours_cudagraphs": ["distributed.fsdp=false", "model.compile_mode=reduce-overhead"],
-    "ours_cudagraphs_fsdp": ["model.compile_mode=reduce-overhead"],
     "ours_float8_cudagraphs": ["model.float8=tensorwise", "distributed.fsdp=false",
                                "model.compile_mode=reduce-overhead"],
-    "ours_model_unit": ["distributed.fsdp_unit=model"],  # one FSDP unit: no per-block host work
     "ours_noguard": [],  # the trainer's step without the non-finite guard (its cost is the difference)
-    "ours_no_compile_gates": ["model.compile_gates=false"],  # the forget gate in eager torch ops (issue 19)
-    # the GLA-1B configs run the whole-chunk intra stages with the forward's states kept (model.gla_bwd_intra=
-    # zeco_chunk, the default, and gla_save_h=true in gla_1b_base.yaml); the earlier stages for comparison:
-    "ours_fla_intra": ["model.gla_bwd_intra=fla", "model.gla_save_h=false"],  # on one GPU fla's whole chunk_gla
-    "ours_zeco_intra": ["model.gla_bwd_intra=zeco", "model.gla_save_h=false"],  # the default until 2026-12-04
-    "ours_chunk_intra": ["model.gla_save_h=false"],  # whole-chunk stages, states recomputed
-    "ours_save_h": ["model.gla_bwd_intra=zeco"],  # sub-chunk stages, states kept
-    # the GLA operator as segments in one batch, the scan inside the GPU (lingua_zeco/sp/split.py): auto, 2, 4
-    # (it recomputes its own states)
-    "ours_split": ["model.gla_split=0", "model.gla_save_h=false"],
-    "ours_split2": ["model.gla_split=2", "model.gla_save_h=false"],
-    "ours_split4": ["model.gla_split=4", "model.gla_save_h=false"],
-    "ours_float8_split": ["model.float8=tensorwise", "model.gla_split=0", "model.gla_save_h=false"],
+    # the memory regime: the GLA operator recomputes its chunk states in the backward instead of keeping them
+    "ours_recompute_h": ["model.gla_save_h=false"],
     # packed documents of `doc_len` tokens (boundaries in every batch, as the loader gives them with
-    # data.varlen=true): our intra-chunk stage, and fla's for comparison
+    # data.varlen=true)
     "ours_packed": [],  # compiled: the packed GLA operator runs outside the graph (one break per block)
     "ours_packed_eager": ["model.compile=none"],
-    "ours_packed_fla_intra": ["model.gla_bwd_intra=fla"],
     # GLA-1B as a hybrid (configs/gla_1b_hybrid.yaml): softmax attention at blocks 5, 11 and 17
     "ours_hybrid": ["model.softmax_layers=[5,11,17]"],
     # under torchrun: one sequence over all ranks (seq_len stays the tokens per GPU); "ours" is then DP
@@ -154,8 +138,8 @@ def build_fla(a: BenchTrainArgs, device):
 
 # ------------------------------------------------------------------------------------ profiling
 CATEGORIES = [  # first match wins; lower-case substrings of kernel names
-    ("gla (fla chunk kernels + ZeCO stages)", ("chunk_", "_fwd_o_kernel", "_dS_in_kernel", "_decay_prefix", "gla",
-                                               "fwd_h", "bwd_dh", "cumsum", "_dqk_intra_kernel")),
+    ("gla (fla chunk kernels + ZeCO stages)", ("chunk_", "_fwd_o_kernel", "_ds_in_kernel", "_decay_prefix", "gla",
+                                               "fwd_h", "bwd_dh", "cumsum", "_dqk_intra_kernel", "_fwd_a_kernel")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "_scaled_mm")),
     # Inductor's generated kernels (model.compile=blocks): norms, gates, SwiGLU, residuals, float8 casts fused
     ("inductor fused kernels", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),

@@ -298,7 +298,7 @@ def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync:
     from lingua_zeco.reliability import StepGuard
 
     args = trainer_args(argv)
-    env = distributed.setup(args.distributed)
+    env = distributed.setup(args.distributed, args.model.gla_options())
     model = train.build_model(args, env)
     optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
     guard = StepGuard(args.reliability) if guard is None else guard

@@ -3,7 +3,7 @@ with host=true, the host's Python functions that enqueue them (cProfile over eag
 that takes longer to enqueue than its GPU work spends its host time).
 
     python -m apps.gla.bench.profile_fused t_local=16384 out=docs/results/raw
-    python -m apps.gla.bench.profile_fused t_local=16384 host=true variants=fla_chunk_gla,staged_chunk_intra_save_h
+    python -m apps.gla.bench.profile_fused t_local=16384 host=true variants=fla_chunk_gla,staged_chunk_gla
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def main(argv=None):
     needs_cuda("profile_fused")
     at_least(args, **SLICE_MINIMUM)
     q, k, v, g, do = args.inputs(args.t_local, torch.device("cuda"))
-    fns = variants(q, k, v, g, do, args.head_k ** -0.5)  # bench_fused's: fla with and without S_in, fused ZeCO
+    fns = variants(q, k, v, g, do, args.head_k ** -0.5)  # bench_fused's: fla with and without S_in, ours, fused ZeCO
     wanted = [n.strip() for n in args.variants.split(",") if n.strip()] or list(fns)
     unknown = [n for n in wanted if n not in fns]
     if unknown:

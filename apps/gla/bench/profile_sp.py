@@ -32,12 +32,13 @@ def main(argv=None):
     args = parse_args(ProfileSPArgs, argv)
     needs_cuda("profile_sp")
     at_least(args, **SLICE_MINIMUM)
+    from lingua_zeco.kernels import GLAOptions
     from lingua_zeco.sp.fused_zeco import FusedZeCOGLA  # Triton: imported on the GPU only
     dev = init_distributed()
     rank = dist.get_rank()
     q, k, v, g, do = args.inputs(args.t_local, dev, seed=rank)
     scale = args.head_k ** -0.5
-    scan = AllScanArgs()
+    scan, save_h = AllScanArgs(), GLAOptions().save_h
 
     def overlapped(x, a, reverse):
         return all_scan(x, a, None, reverse=reverse, args=scan, async_op=True)
@@ -48,7 +49,7 @@ def main(argv=None):
     def no_comm(x, a, reverse):
         return ScanWork(torch.zeros_like(x))
 
-    fns = {name: (lambda fn=fn: FusedZeCOGLA.apply(q, k, v, g, scale, fn).backward(do))
+    fns = {name: (lambda fn=fn: FusedZeCOGLA.apply(q, k, v, g, scale, fn, save_h).backward(do))
            for name, fn in {"overlapped": overlapped, "blocking": blocking, "no_comm": no_comm}.items()}
     timed = time_calls(fns, dev, args.warmup, args.iters, before=lambda: barrier(dev))
     for name, (gpu_s, host_s) in timed.items():

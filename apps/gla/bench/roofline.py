@@ -1,13 +1,12 @@
-"""Every GLA kernel against the GPU's ceilings, measured in the same run (issue 37's roofline table).
+"""Every GLA kernel against the GPU's ceilings, measured in the same run (the roofline table).
 
     python -m apps.gla.bench.roofline                         # 16K tokens, B = 1, H = 16, K = V = 128
     python -m apps.gla.bench.roofline t_local=32768 out=$OUT
 
 The ceilings are this GPU's, measured first: copy bandwidth (a device-to-device copy of `copy_mib`, bytes read
-plus written per second) and bf16 GEMM throughput (an n×n×n matmul). Then each operator variant (bench_fused's
-fla_chunk_gla, staged_chunk_gla, staged_chunk_intra, staged_chunk_intra_save_h, zeco_fused_chunk_intra_save_h,
-and split_auto(_chunk_intra) where split_rule gives more than one segment) runs forward + backward under the
-torch profiler, and every kernel's mean time per call is set against the bytes and FLOPs
+plus written per second) and bf16 GEMM throughput (an n×n×n matmul). Then each operator of ROOFLINE_VARIANTS
+(bench_fused's: fla's chunk_gla, ours with the library's defaults, the fused ZeCO middle rank) runs forward +
+backward under the torch profiler, and every kernel's mean time per call is set against the bytes and FLOPs
 lingua_zeco/perf_model/gla_kernels.py gives it: achieved TB/s and TFLOP/s, which ceiling bounds it, and the
 share of that bound it reaches. Kernels the model has no entry for are listed
 with their time alone.
@@ -21,10 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from lingua_zeco import reliability
+from lingua_zeco.kernels import GLAOptions
 from lingua_zeco.perf_model.gla_kernels import gla_kernel_costs, match_kernel, roofline_row
-from lingua_zeco.sp.split import segments_for
 
-from .bench_fused import split_variants, variants
+from .bench_fused import variants
 from .common import (SLICE_MINIMUM, SliceArgs, at_least, bench_main, markdown_table, needs_cuda, profiled,
                      time_calls)
 
@@ -73,6 +72,7 @@ def table_rows(times: dict[str, tuple[float, int]], costs: dict, ceil: dict, per
     return rows
 
 
+ROOFLINE_VARIANTS = ("fla_chunk_gla", "staged_chunk_gla", "zeco_fused")
 COLS = ["kernel", "calls_per_fwd_bwd", "us", "MB", "GFLOP", "flop_per_byte", "TBps", "TFLOPs", "bound",
         "of_bound_pct"]
 
@@ -81,19 +81,15 @@ def measure(args: RooflineArgs, device):
     ceil = ceilings(args, device)
     result, md = dict(ceilings=ceil, tables={}), [f"ceilings (measured): copy {ceil['copy_Bps'] / 1e12:.2f} TB/s, "
                                                    f"bf16 GEMM {ceil['gemm_flops'] / 1e12:.0f} TFLOP/s\n"]
+    stores_h = GLAOptions().save_h  # the fused ZeCO's output stage then writes the true states back
     for T in args.t_local:
         q, k, v, g, do = args.inputs(T, device)
-        scale = args.head_k ** -0.5
-        fns = variants(q, k, v, g, do, scale) | split_variants(q, k, v, g, do, scale, "")
-        for name in ("fla_chunk_gla", "staged_chunk_gla", "staged_chunk_intra", "staged_chunk_intra_save_h",
-                     "zeco_fused_chunk_intra_save_h", "split_auto", "split_auto_chunk_intra"):
-            if name not in fns:
-                continue
+        fns = variants(q, k, v, g, do, args.head_k ** -0.5)
+        for name in ROOFLINE_VARIANTS:
             for _ in range(args.warmup):
                 fns[name]()
-            S = segments_for(0, q, v) if name.startswith("split") else 1  # split: a batch of S shorter sequences
-            costs = gla_kernel_costs(S, T // S, args.heads, args.head_k, args.head_v,
-                                     stores_h=name.startswith("zeco") and name.endswith("save_h"))
+            costs = gla_kernel_costs(1, T, args.heads, args.head_k, args.head_v,
+                                     stores_h=stores_h and name == "zeco_fused")
             rows = table_rows(kernel_times(profiled(fns[name], args.calls, host_ops=False)), costs, ceil,
                               args.calls)
             result["tables"][f"{name}_{T}"] = rows

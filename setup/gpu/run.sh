@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# The project's GPU runs on one H200, from the repository root, with the wheels carried in .whl/ (fla-core,
+# flash-linear-attention, omegaconf, torchao; pytest-xdist and execnet for `tests`):
+#     bash setup/gpu/run.sh PART...
+# Parts (minutes on one H200 with the autotune cache seeded by device_env.sh; each fits one device call of 10):
+#   tests         every GPU test (pytest -m gpu) in 14 processes, one autotune config per kernel         ≈ 5
+#   step          the GLA-1B training step, bench_train fla,ours,ours_float8 at 16K and at 32K tokens    ≈ 5
+#   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
+#   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
+#   profile       the 16K step of ours with its kernel time by category and the GPU's idle gaps          ≈ 3
+#   compare       step (16K) and operator on BASE_DIR, another checkout, and on this tree back to back   ≈ 8
+#                 (defaults unchanged or faster across a change); make one with e.g.
+#                 mkdir -p dumps/base && git archive <commit> apps lingua_zeco configs | tar -x -C dumps/base
+#                 and carry it: BASE_DIR=dumps/base bash setup/gpu/run.sh compare
+# Part P writes its raw output under $OUT/P/ ($OUT: the device tool's folder; default /tmp/out); at the end Triton's
+# autotune results go to $OUT/autotune.tgz (fold them into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when
+# every part's commands exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
+set -u
+PARTS="tests step operator long_context profile compare"
+USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
+
+# ---------------------------------------------------------------------------------------------- arguments
+# checked before anything is installed: a typo costs no device time
+[ $# -gt 0 ] || { echo "error: no part given; $USAGE"; exit 2; }
+for part in "$@"; do
+    case " $PARTS " in
+    *" $part "*) ;;
+    *) echo "error: unknown part '$part'; $USAGE"; exit 2 ;;
+    esac
+done
+case " $* " in
+*" compare "*)
+    [ -n "${BASE_DIR:-}" ] && [ -d "${BASE_DIR}/apps/gla/bench" ] \
+        || { echo "error: compare needs BASE_DIR=<a checkout of the repository, carried to the device>"; exit 2; }
+    BASE_DIR=$(cd "$BASE_DIR" && pwd) ;;
+esac
+
+source setup/gpu/device_env.sh  # wheels, autotune cache, OUT, PYTHONPATH=/tmp/site:$PWD
+HERE=$PWD
+FAILED=()
+
+# run DIR LOG LIMIT_S PATTERN CMD...: CMD in DIR (a checkout; its own code first on PYTHONPATH) under its time
+# limit, all output into LOG, the lines matching PATTERN shown; a non-zero exit is kept for the summary
+run() {
+    local dir=$1 log=$2 limit=$3 pattern=$4
+    shift 4
+    mkdir -p "$(dirname "$log")"
+    echo "== $* (in $dir, limit ${limit} s)"
+    (cd "$dir" && PYTHONPATH=/tmp/site:$dir timeout "$limit" "$@") 2>&1 | tee "$log" | grep -E "$pattern" | cut -c1-600
+    local rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ]; then
+        FAILED+=("$log: exit $rc$([ "$rc" -eq 124 ] && echo ", cut by its ${limit} s limit")")
+    fi
+}
+
+# bench_train in DIR: DIR OUT_DIR LIMIT_S key=value... (stem= among them names the log)
+train() {
+    local dir=$1 out=$2 limit=$3 stem
+    shift 3
+    stem=$(printf '%s\n' "$@" | sed -n 's/^stem=//p')
+    run "$dir" "$out/$stem.log" "$limit" "^\{|rror|Traceback" python3 -m apps.gla.bench.bench_train out="$out" "$@"
+}
+
+# bench_fused in DIR: DIR OUT_DIR LIMIT_S
+operator_bench() {
+    run "$1" "$2/bench_fused.log" "$3" "^\{|rror|Traceback" \
+        python3 -m apps.gla.bench.bench_fused out="$2" t_local=16384,32768 iters=40
+}
+STEP_16K=(stem=train_16384 seq_len=16384 warmup=3 steps=8 variants=fla,ours,ours_float8)
+
+# ---------------------------------------------------------------------------------------------- parts
+part_tests() {
+    # one config per autotuner (tests/conftest.py): the tests check values, which any config must get right;
+    # failures' reports as they happen (xdist workers' too)
+    LINGUA_ZECO_ONE_CONFIG=1 LINGUA_ZECO_FAILURES_FILE="$OUT/tests/failures_now.txt" \
+        run "$HERE" "$OUT/tests/pytest_gpu.txt" 540 "FAILED|ERROR|passed|failed" \
+        python3 -m pytest -m gpu -n 14 -v -p no:logging -p no:cacheprovider -rfEs --tb=short tests/
+}
+
+part_step() {
+    train "$HERE" "$OUT/step" 240 "${STEP_16K[@]}"
+    train "$HERE" "$OUT/step" 300 stem=train_32768 seq_len=32768 warmup=3 steps=6 variants=fla,ours,ours_float8
+}
+
+part_operator() {
+    operator_bench "$HERE" "$OUT/operator" 480
+}
+
+part_long_context() {  # three steps of ≈ 96 s: the first (compiles), one warm-up, one timed
+    train "$HERE" "$OUT/long_context" 540 stem=seg16k_4194304 variants=ours seq_len=4194304 warmup=1 steps=1 \
+        overrides=model.segment_len=16384
+}
+
+part_profile() {
+    train "$HERE" "$OUT/profile" 420 stem=train_16384_profile seq_len=16384 warmup=3 steps=8 variants=ours \
+        profile=ours
+}
+
+part_compare() {  # base then current for each benchmark: drift over the call hits both alike
+    train "$BASE_DIR" "$OUT/compare/base" 160 "${STEP_16K[@]}"
+    train "$HERE" "$OUT/compare/current" 160 "${STEP_16K[@]}"
+    operator_bench "$BASE_DIR" "$OUT/compare/base" 110
+    operator_bench "$HERE" "$OUT/compare/current" 110
+}
+
+for part in "$@"; do
+    echo "==== $part ($(date -u +%H:%M:%S) UTC)"
+    start=$SECONDS
+    "part_$part"
+    echo "==== $part: $((SECONDS - start)) s"
+done
+(cd "$TRITON_CACHE_DIR" && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
+if [ ${#FAILED[@]} -gt 0 ]; then
+    printf 'not ok: %s\n' "${FAILED[@]}"
+    exit 1
+fi
+echo "all commands exited 0"

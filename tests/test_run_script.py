@@ -1,0 +1,90 @@
+"""setup/gpu/run.sh without a GPU: a bad part name is one error line before anything is installed, and every
+part its usage names runs its commands (here a stand-in python3 that records them, and a stand-in for
+device_env.sh) with each command's output under $OUT/<part>/."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "setup/gpu/run.sh"
+
+
+def _run(cwd: Path, *parts: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "setup/gpu/run.sh", *parts], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+def _usage_parts() -> list[str]:
+    """The part names the script's own error line offers."""
+    proc = _run(ROOT, "nosuchpart")
+    match = re.search(r"PART one of: (.*)$", proc.stdout.strip())
+    assert match, proc.stdout
+    return [p.strip() for p in match.group(1).split(",")]
+
+
+def test_an_unknown_part_is_one_error_line():
+    proc = _run(ROOT, "nosuchpart")
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
+    assert lines[0].startswith("error: unknown part 'nosuchpart'; usage: bash setup/gpu/run.sh PART...")
+    assert len(_usage_parts()) >= 6
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    """A copy of the script beside a device_env.sh that only marks being sourced, a python3 that records its
+    arguments, and a base checkout for `compare`."""
+    (tmp_path / "repo/setup/gpu").mkdir(parents=True)
+    shutil.copy(SCRIPT, tmp_path / "repo/setup/gpu/run.sh")
+    (tmp_path / "repo/setup/gpu/device_env.sh").write_text(
+        'OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; touch "$SOURCED"\n'
+        'export TRITON_CACHE_DIR=$TC; mkdir -p "$TC"\n')
+    (tmp_path / "bin").mkdir()
+    stub = tmp_path / "bin/python3"
+    stub.write_text('#!/bin/sh\nprintf "%s\\n" "$PWD $*" >> "$CALLS"\n')
+    stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "base/apps/gla/bench").mkdir(parents=True)
+    env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
+               SOURCED=str(tmp_path / "sourced"), TC=str(tmp_path / "tc"), CALLS=str(tmp_path / "calls.txt"),
+               BASE_DIR=str(tmp_path / "base"))
+    return tmp_path, env
+
+
+@pytest.mark.parametrize("bad", [["step", "nosuchpart"], []])
+def test_bad_arguments_install_nothing(sandbox, bad):
+    tmp, env = sandbox
+    proc = _run(tmp / "repo", *bad, env=env)
+    assert proc.returncode == 2 and proc.stdout.startswith("error: ") and len(proc.stdout.splitlines()) == 1
+    assert not (tmp / "sourced").exists()
+
+
+def test_compare_without_a_base_is_refused(sandbox):
+    tmp, env = sandbox
+    env.pop("BASE_DIR")
+    proc = _run(tmp / "repo", "compare", env=env)
+    assert proc.returncode == 2 and "BASE_DIR" in proc.stdout and not (tmp / "sourced").exists()
+
+
+@pytest.mark.parametrize("part", _usage_parts())
+def test_every_part_runs_its_commands_into_its_own_folder(sandbox, part):
+    tmp, env = sandbox
+    proc = _run(tmp / "repo", part, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert (tmp / "sourced").exists() and (tmp / "out/autotune.tgz").is_file()
+    calls = (tmp / "calls.txt").read_text().splitlines()
+    assert calls and all(" -m " in c for c in calls), calls
+    out = tmp / "out" / part
+    for call in calls:
+        outs = [a.removeprefix("out=") for a in call.split() if a.startswith("out=")]
+        assert all(Path(o).is_relative_to(out) for o in outs), call
+    assert {p.name for p in (tmp / "out").iterdir()} == {part, "autotune.tgz"}
+    assert len(list(out.rglob("*.log")) + list(out.rglob("*.txt"))) == len(calls)  # one log per command
+    if part == "compare":  # both trees, back to back
+        assert {c.split()[0] for c in calls} == {str(tmp / "base"), str(tmp / "repo")}
