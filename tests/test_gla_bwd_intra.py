@@ -1,14 +1,16 @@
 """Our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) on CPU: its torch oracle against
 autograd through the intra-chunk scores it differentiates, and the Triton kernel itself under Triton's
 CPU interpreter against that oracle in float64 (every chunk size fla picks, every key block, a partial
-last chunk); a changed gate is caught. On the GPU, against fla's stage: tests/test_gpu_intra.py."""
+last chunk, each of its paths: whole chunks, and 16-token sub-chunks through their own reference gate or with
+exact decays, reached by steep gates or a smaller SPAN); a changed gate is caught. On the GPU, against fla's
+stage: tests/test_gpu_intra.py."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
-from lingua_zeco.testing import run_interpreted
+from triton_cpu import run_interpreted
 
 
 def _scores(q, k, g_cs, BT):
@@ -37,7 +39,33 @@ def test_oracle_is_the_gradient_of_the_intra_scores(T, BT):
     torch.testing.assert_close(chunk_gla_bwd_dqk_intra_torch(q.detach(), k.detach(), g_cs, noisy, BT)[0], dq)
 
 
-_INTERPRETED = r"""
+# The kernel's choice of path, in torch (the same fp32 comparisons on the same g_cs): a chunk whose gates all lie
+# within 2^±SPAN of its middle token's runs whole, else each 16-token sub-chunk runs through its own middle
+# token's gate when its gates allow ("sub") or with exact decays ("exact"). The scripts check that each case
+# reaches the path it is there for: both paths stay covered whatever the gates or the kernel's SPAN.
+_PATHS = r"""
+def paths(g_cs, BT, BK, SPAN, docs):
+    K, BC, n = g_cs.shape[-1], min(16, BT), dict(whole=0, sub=0, exact=0)
+    for b in range(g_cs.shape[0]):
+        for a, e in docs:
+            for k0 in range(0, K, BK):
+                x = g_cs[b, :, :, k0:k0 + BK]
+
+                def fits(lo, rows):  # per head: every gate of rows lo.. within SPAN of the middle row's
+                    mid = x[min(lo + rows // 2, e - 1)]
+                    return (x[lo:min(lo + rows, e)] - mid).abs().amax(dim=(0, 2)) <= SPAN
+
+                for t0 in range(a, e, BT):
+                    whole = fits(t0, BT)
+                    n["whole"] += int(whole.sum())
+                    for s0 in range(t0, min(t0 + BT, e), BC):
+                        sub = fits(s0, BC)
+                        n["sub"] += int((~whole & sub).sum())
+                        n["exact"] += int((~whole & ~sub).sum())
+    return n
+"""
+
+_INTERPRETED = _PATHS + r"""
 import sys, torch, triton
 import torch.nn.functional as F
 from lingua_zeco.kernels import gla_bwd_intra as gi
@@ -46,32 +74,34 @@ B, T, H, K = 2, 150, 2, 64
 gen = torch.Generator().manual_seed(0)
 q, k = torch.randn(B, T, H, K, generator=gen).half(), torch.randn(B, T, H, K, generator=gen).half()
 g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
-# (chunk, key block, gate multiplier, SPAN, WHOLE): the reference-gate path at every chunk size fla picks;
-# SPAN=0 forces the exact fallback everywhere; gates × 40 (≈ 60 bits of decay per token) take the
-# fallback where the reference would overflow. WHOLE: the whole-chunk path first; gates × 15 (≈ 4 bits a
-# token) are too steep for one reference per chunk but not per sub-chunk. "broken": one token's gates
-# changed after the oracle, and the steep gates with the fallbacks switched off (SPAN huge: 2^(g_r − g_j)
-# overflows), each for the sub-chunk and the whole-chunk path
-cases = {"exact": [(64, 32, 1, 64.0, False), (32, 64, 1, 64.0, False), (16, 64, 1, 64.0, False),
-                   (64, 64, 1, 0.0, False), (64, 64, 40, 64.0, False),
-                   (64, 32, 1, 64.0, True), (32, 64, 1, 64.0, True), (16, 64, 1, 64.0, True),
-                   (64, 64, 15, 64.0, True), (64, 64, 40, 64.0, True)],
-         "broken": [(64, 64, 1, 64.0, False), (64, 64, 40, 1e9, False),
-                    (64, 64, 1, 64.0, True), (64, 64, 40, 1e9, True)]}[sys.argv[1]]
+# (chunk, key block, gate multiplier, SPAN, the path the case is for): whole chunks at every chunk size fla picks;
+# SPAN 6 sends these gates' chunks (spans 6.2 and up in a chunk of 32 or 64, at most 5.9 in a sub-chunk) to the
+# sub-chunk path with its reference gates (at BT = 16 a chunk is one sub-chunk: the same path as whole); SPAN 0
+# forces the exact decays everywhere; gates × 15 (≈ 4 bits a token) are too steep for one reference per chunk but
+# mostly not per sub-chunk; × 40 (≈ 60 bits) take the exact decays where a reference would overflow. "broken":
+# one token's gates changed after the oracle (whole chunks and sub-chunks), and steep gates with the guard off
+# (SPAN huge: whole chunks; SPAN 300: sub-chunks whose references overflow)
+cases = {"exact": [(64, 32, 1, 64.0, "whole"), (32, 64, 1, 64.0, "whole"), (16, 64, 1, 64.0, "whole"),
+                   (64, 32, 1, 6.0, "sub"), (32, 64, 1, 6.0, "sub"), (64, 64, 1, 0.0, "exact"),
+                   (64, 64, 15, 64.0, "sub"), (64, 64, 40, 64.0, "exact")],
+         "broken": [(64, 64, 1, 64.0, "whole"), (64, 64, 1, 6.0, "sub"), (64, 64, 40, 1e9, "whole"),
+                    (64, 64, 40, 300.0, "sub")]}[sys.argv[1]]
 worst, caught = 0.0, float("inf")
-for BT, BK, mult, SPAN, WHOLE in cases:
+for BT, BK, mult, SPAN, path in cases:
     g_cs = chunk_local_cumsum_torch(g * mult, BT)
     dA = torch.randn(B, T, H, BT, generator=gen)  # upper triangle non-zero: the kernel must ignore it
     ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
     if sys.argv[1] == "broken" and mult == 1:
         g_cs[:, 70] += 0.5
+    taken = paths(g_cs, BT, BK, SPAN, [(0, T)])
+    assert taken[path] > 0, (BT, BK, mult, SPAN, path, taken)
     dq, dk = torch.empty(B, T, H, K), torch.empty(B, T, H, K)
     grid = (triton.cdiv(K, BK) * triton.cdiv(T, BT), B * H)
     gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, None, None, T, H=H, K=K, BT=BT, BC=min(16, BT), BK=BK,
-                                  SPAN=SPAN, WHOLE=WHOLE)
+                                  SPAN=SPAN)
     errs = [((a.double() - r).abs().max() / r.abs().max()).nan_to_num(float("inf")).item()
             for a, r in zip((dq, dk), ref)]
-    print(BT, BK, mult, SPAN, WHOLE, errs, file=sys.stderr)
+    print(BT, BK, mult, SPAN, taken, errs, file=sys.stderr)
     worst, caught = max(worst, *errs), min(caught, *errs)
 print(worst if sys.argv[1] == "exact" else caught)  # broken: the least any output moved (each must)
 """
@@ -87,7 +117,7 @@ def test_triton_kernel_under_the_interpreter(variant):
         assert worst > 1e-2, worst
 
 
-_PACKED = r"""
+_PACKED = _PATHS + r"""
 import sys, torch, triton
 import torch.nn.functional as F
 from lingua_zeco.kernels import gla_bwd_intra as gi
@@ -105,13 +135,16 @@ dA = torch.randn(1, T, H, BT, generator=gen)
 ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT, cu_seqlens=bounds)
 if sys.argv[1] == "broken":  # the documents read as one dense sequence: chunks cross document boundaries
     bounds = [0, T]
+docs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]  # as the kernel reads them
 ci, _, NT = varlen_chunk_tables(bounds, BT, "cpu")
 cu = torch.tensor(bounds, dtype=torch.long)
 errs = []
-for whole in (False, True):  # the sub-chunk and the whole-chunk paths
+for SPAN, path in ((64.0, "whole"), (6.0, "sub"), (0.0, "exact")):  # each path of the kernel (_PATHS)
+    taken = paths(g_cs, BT, BK, SPAN, docs)
+    assert taken[path] > 0, (SPAN, path, taken)
     dq, dk = torch.empty(1, T, H, K), torch.empty(1, T, H, K)
     gi._dqk_intra_kernel.fn[(triton.cdiv(K, BK) * NT, H)](q, k, g_cs, dA, dq, dk, cu, ci, T, H=H, K=K, BT=BT, BC=16,
-                                                          BK=BK, IS_VARLEN=True, WHOLE=whole)
+                                                          BK=BK, IS_VARLEN=True, SPAN=SPAN)
     errs += [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((dq, dk), ref)]
 print(errs, file=sys.stderr)
 print(max(errs) if sys.argv[1] == "exact" else min(errs))

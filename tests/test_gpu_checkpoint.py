@@ -1,7 +1,7 @@
 """Asynchronous checkpoints of a CUDA model (pytest -m gpu): pinned host buffers, reused save after save.
 
 On the GPU image's torch 2.11 the second asynchronous save of a run failed (`KeyError: <class 'type'>`,
-measured with bench_checkpoint on GLA-1B, run 13) while the CPU suite, without pinned buffers and on
+measured with bench_checkpoint on GLA-1B) while the CPU suite, without pinned buffers and on
 another torch, passed: several saves in a row, each loaded back and compared, are what catches it.
 """
 import pytest

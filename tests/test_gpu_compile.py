@@ -21,14 +21,14 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("save_h", [False, True], ids=["recompute_h", "save_h"])
+@pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gla_op_on_fla_stages(dtype, save_h):
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 300, 2, 64, generator=gen).to("cuda", dtype) for _ in range(2))
     v = torch.randn(1, 300, 2, 64, generator=gen).to("cuda", dtype)
     g = torch.nn.functional.logsigmoid(torch.randn(1, 300, 2, 64, generator=gen)).to("cuda", dtype) / 16
-    torch.library.opcheck(gla_fwd, (q, k, v, g, 0.125, "zeco", save_h),
+    torch.library.opcheck(gla_fwd, (q, k, v, g, 0.125, save_h),
                           test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
 
 
@@ -70,5 +70,6 @@ def test_float8_compiled_close_to_bf16(recipe):
     compile_blocks(model.blocks)
     loss, got = _loss_and_grads(model, tokens)
     assert loss != ref_loss and abs(loss - ref_loss) < 2e-2 * abs(ref_loss)
-    # float8's 3 mantissa bits at init: a weight gradient moves by ~30 % (run 38); an unrelated one by ~140 %
+    # float8's 3 mantissa bits at init: a weight gradient moves by ~30 % (measured on H200); an unrelated one
+    # by ~140 %
     assert _rel(got["model.layers.1.mlp.down_proj.weight"], ref["model.layers.1.mlp.down_proj.weight"]) < 0.5

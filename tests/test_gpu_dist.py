@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")]
@@ -28,14 +28,14 @@ def global_inputs(P, device):
 
 def _worker(rank, P):
     from lingua_zeco.comm import all_scan
-    from lingua_zeco.sp import sp_gla
+    from lingua_zeco.sp import SPContext, sp_gla
     dev = torch.device("cuda", rank)
     q, k, v, g, do, cu = global_inputs(P, dev)
     sl = slice(rank * T_LOCAL, (rank + 1) * T_LOCAL)
     out = {}
     for method, fused, varlen in VARIANTS:
         leaves = [t[:, sl].clone().requires_grad_() for t in (q, k, v, g)]
-        o = sp_gla(*leaves, method=method, fused=fused, cu_seqlens=cu if varlen else None)
+        o = sp_gla(*leaves, sp=SPContext(method=method, fused=fused), cu_seqlens=cu if varlen else None)
         grads = torch.autograd.grad((o.float() * do[:, sl].float()).sum(), leaves)
         out[(method, fused, varlen)] = [t.float().cpu() for t in (o, *grads)]
     x = torch.randn(2, 16, 128, 128, device=dev, generator=torch.Generator(device=dev).manual_seed(rank))

@@ -1,12 +1,13 @@
-"""GPU checks of our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) and of the staged
-single-device operator built on it (kernels/gla_chunk.py), pytest -m gpu (skipped without CUDA):
-against fla's original stage, the float64 oracles and fla's public chunk_gla; a changed gate is caught.
-(The Triton kernel itself also runs on CPU under Triton's interpreter: tests/test_gla_bwd_intra.py.)"""
+"""GPU checks of our intra-chunk stages (lingua_zeco/kernels/gla_bwd_intra.py, gla_fwd_intra.py) and of the
+staged single-device operator built on them (kernels/gla_chunk.py, through kernels.GLAOptions with the forward's
+states kept, the default, or recomputed), pytest -m gpu (skipped without CUDA): against fla's own stages, the
+float64 oracles and fla's public chunk_gla; a changed gate is caught. (The Triton kernels themselves also run on
+CPU under Triton's interpreter: tests/test_gla_bwd_intra.py, tests/test_gla_fwd_intra.py.)"""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from lingua_zeco.kernels import naive_gla
+from lingua_zeco.kernels import ChunkLayout, GLAOptions, naive_gla
 
 import fla_gla_cases
 
@@ -26,12 +27,15 @@ def _inputs(T, H=4, K=128, V=128, dtype=torch.bfloat16, gate_shift=2.0, gate_mul
     return q, k, v, g, do
 
 
-# T = 1000: a last chunk of 40 tokens (three sub-chunks, one partial); 16 and 40: fla's smaller chunks;
-# gate_shift -4: steep decays (≈ 6 bits a token, the reference-gate path still); × 4 (≈ 23 bits a token):
-# the reference would leave 2^±64 inside a sub-chunk, the exact fallback runs
+# T = 1000: a last chunk of 40 tokens (three sub-chunks, one partial); 16 and 40: fla's smaller chunks.
+# gate_shift 2: whole chunks through one reference gate; -4: steep decays (≈ 6 bits a token), too steep for one
+# reference per chunk: the 16-token sub-chunks through their own; × 4 (≈ 23 bits a token): a reference would
+# leave 2^±64 inside a sub-chunk too, the exact decays run
 @pytest.mark.parametrize("T,gate_shift,gate_mult", [(1000, 2.0, 1.0), (4096, -4.0, 1.0), (4096, -4.0, 4.0),
                                                     (16, 2.0, 1.0), (40, 2.0, 1.0)])
 def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
+    from fla.ops.gla.chunk import chunk_gla_bwd_dqk_intra as fla_dqk_intra
+
     from lingua_zeco.kernels import fla_stages
     from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
     from lingua_zeco.kernels.gla_chunk import dqk_intra
@@ -40,30 +44,26 @@ def test_intra_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult):
     BT = fla_chunk_size(T)
     g_cs = fla_stages.gate_cumsum(g, BT)
     dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, chunk_size=BT)
-    theirs = dqk_intra(q, k, g_cs, dA, BT, "fla")
+    theirs = fla_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT)
     exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
-    for name in ("zeco", "zeco_chunk"):  # ours by sub-chunks, and by whole chunks where the gates allow
-        for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, BT, name), theirs, exact):
-            assert a.dtype == torch.float and torch.isfinite(a).all()
-            assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3, name  # tf32 products off the diagonal, as fla's
-            assert _rel(a, b) < 3e-3, name
+    for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, ChunkLayout(BT)), theirs, exact):
+        assert a.dtype == torch.float and torch.isfinite(a).all()
+        assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3  # tf32 products off the diagonal, as fla's
+        assert _rel(a, b) < 3e-3
     if gate_mult == 1.0:  # (steep gates: a token sees almost only itself, whatever its gate)
         g_cs[0, T // 2] += 0.5  # one token's gates changed: ours must move away from the unchanged oracle
-        for name in ("zeco", "zeco_chunk"):
-            moved = dqk_intra(q, k, g_cs, dA, BT, name)
-            assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2, name
+        moved = dqk_intra(q, k, g_cs, dA, ChunkLayout(BT))
+        assert max(_rel(a, ref) for a, ref in zip(moved, exact)) > 1e-2
 
 
-@pytest.mark.parametrize("intra,save_h", [("zeco", False), ("zeco_chunk", False), ("zeco_chunk", True)],
-                         ids=["zeco", "zeco_chunk", "zeco_chunk-save_h"])
+@pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
-def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra, save_h):
-    """The staged operator (our intra stage; save_h: the forward's states kept for the backward) against fla's
-    chunk_gla and the float64 recurrence, with an initial state and a final-state gradient (every input and
-    output of fla's dense contract)."""
+def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, save_h):
+    """The staged operator (our intra stages; save_h: the forward's states kept for the backward, the default)
+    against fla's chunk_gla and the float64 recurrence, with an initial state and a final-state gradient (every
+    input and output of fla's dense contract)."""
     from fla.ops.gla import chunk_gla
 
-    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
     q, k, v, g, do = _inputs(1000, H=2)
     g = g.to(gate_dtype)
     gen = torch.Generator(device="cuda").manual_seed(3)
@@ -75,7 +75,7 @@ def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra, save_h):
         o, ht = fn(*tensors[:4], scale=0.1, initial_state=tensors[4], output_final_state=True)
         return [o, ht, *torch.autograd.grad((o, ht), tensors, (do.to(o.dtype), dht.to(ht.dtype)))]
 
-    ours = run(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, save_h=save_h, **kw), *leaves)
+    ours = run(GLAOptions(backend="fla", save_h=save_h).chunk_gla, *leaves)
     fla, exact = run(chunk_gla, *leaves), run(naive_gla, *(t.detach().double().requires_grad_() for t in leaves))
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dh0"]
     for name, a, b, ref in zip(names, ours, fla, exact):
@@ -88,57 +88,64 @@ def test_staged_chunk_gla_equals_fla_and_the_oracle(gate_dtype, intra, save_h):
 PACKED_BOUNDS = [0, 0, 1, 9, 73, 137, 1000, 2000]
 
 
-def _packed(BT):
-    from lingua_zeco.kernels.common import varlen_chunk_tables
+def _planned():
+    """PACKED_BOUNDS planned on the host as the model hands documents over (lingua_zeco.sp.varlen.LocalSegments:
+    .cu_seqlens and .chunk_index(BT)), zero-length document included (one initial state per document)."""
+    from lingua_zeco.sp.varlen import LocalSegments
     cu = torch.tensor(PACKED_BOUNDS, dtype=torch.long, device="cuda")
-    return cu, *varlen_chunk_tables(PACKED_BOUNDS, BT, "cuda")
+    return LocalSegments(cu, 0, len(PACKED_BOUNDS) - 1, tuple(PACKED_BOUNDS))
+
+
+def _packed(BT):
+    """The chunk layout of PACKED_BOUNDS (kernels.ChunkLayout, tables planned on the host)."""
+    from lingua_zeco.kernels import chunk_layout
+    return chunk_layout(BT, _planned())
 
 
 def test_intra_stage_on_packed_documents_matches_fla_and_the_oracle():
+    from fla.ops.gla.chunk import chunk_gla_bwd_dqk_intra as fla_dqk_intra
+
     from lingua_zeco.kernels import fla_stages
     from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra_torch
     from lingua_zeco.kernels.gla_chunk import dqk_intra
     from lingua_zeco.kernels.zeco_stages import fla_chunk_size
     q, k, v, g, do = _inputs(PACKED_BOUNDS[-1])
     BT = fla_chunk_size(q.shape[1])
-    cu, ci, _, _ = _packed(BT)
-    g_cs = fla_stages.gate_cumsum(g, BT, cu, ci)
-    dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-    theirs = dqk_intra(q, k, g_cs, dA, BT, "fla", cu_seqlens=cu, chunk_indices=ci)
+    layout = _packed(BT)
+    g_cs = fla_stages.gate_cumsum(g, BT, layout.cu_seqlens, layout.chunk_indices)
+    dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, **layout.varlen)
+    theirs = fla_dqk_intra(q=q, k=k, g=g_cs, dA=dA, **layout.varlen)
     exact = chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT,
                                           cu_seqlens=PACKED_BOUNDS)
-    for name in ("zeco", "zeco_chunk"):
-        for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, BT, name, cu_seqlens=cu, chunk_indices=ci), theirs, exact):
-            assert torch.isfinite(a).all()
-            assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3, name
-            assert _rel(a, b) < 3e-3, name
-    dense = dqk_intra(q, k, g_cs, dA, BT, "zeco")  # the documents' chunks read as one sequence's: caught
+    for a, b, ref in zip(dqk_intra(q, k, g_cs, dA, layout), theirs, exact):
+        assert torch.isfinite(a).all()
+        assert _rel(a, ref) < 2e-3 and _rel(b, ref) < 2e-3
+        assert _rel(a, b) < 3e-3
+    dense = dqk_intra(q, k, g_cs, dA, ChunkLayout(BT))  # the documents' chunks read as one sequence's: caught
     assert max(_rel(a, ref) for a, ref in zip(dense, exact)) > 1e-2
 
 
-@pytest.mark.parametrize("save_h", [False, True], ids=["recompute_h", "save_h"])
+@pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
 @pytest.mark.parametrize("gate_dtype", [torch.bfloat16, torch.float32], ids=["bf16_gates", "fp32_gates"])
 def test_staged_chunk_gla_on_packed_documents_equals_fla_and_the_oracle(gate_dtype, save_h):
     """The staged operator on packed documents with host-planned chunk tables, one initial state and
     one final-state gradient per document, against fla's varlen chunk_gla and the float64 recurrence."""
     from fla.ops.gla import chunk_gla
 
-    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
-    from lingua_zeco.kernels.zeco_stages import fla_chunk_size
     q, k, v, g, do = _inputs(PACKED_BOUNDS[-1], H=2)
     g = g.to(gate_dtype)
-    cu, ci, co, NT = _packed(fla_chunk_size(q.shape[1]))
+    planned = _planned()
     N = len(PACKED_BOUNDS) - 1
     gen = torch.Generator(device="cuda").manual_seed(3)
     h0 = torch.randn(N, 2, 128, 128, device="cuda", generator=gen)
     dht = 0.1 * torch.randn(N, 2, 128, 128, device="cuda", generator=gen)
     leaves = [t.requires_grad_() for t in (q, k, v, g, h0)]
 
-    def run(fn, *tensors, **kw):
-        o, ht = fn(*tensors[:4], scale=0.1, initial_state=tensors[4], output_final_state=True, cu_seqlens=cu, **kw)
+    def run(fn, *tensors, cu=planned.cu_seqlens):
+        o, ht = fn(*tensors[:4], scale=0.1, initial_state=tensors[4], output_final_state=True, cu_seqlens=cu)
         return [o, ht, *torch.autograd.grad((o, ht), tensors, (do.to(o.dtype), dht.to(ht.dtype)))]
 
-    ours = run(chunk_gla_staged, *leaves, chunk_tables=lambda BT: (ci, co, NT), save_h=save_h)
+    ours = run(GLAOptions(backend="fla", save_h=save_h).chunk_gla, *leaves, cu=planned)  # no read back
     fla = run(chunk_gla, *leaves)
     exact = run(naive_gla, *(t.detach().double().requires_grad_() for t in leaves))
     names = ["o", "ht", "dq", "dk", "dv", "dg", "dh0"]
@@ -183,14 +190,13 @@ def test_dqkg_stored_in_the_gradients_dtypes_rounds_flas_fp32_values(packed):
     from lingua_zeco.kernels.zeco_stages import fla_chunk_size
     q, k, v, g, do = _inputs(PACKED_BOUNDS[-1] if packed else 1000)
     BT = fla_chunk_size(q.shape[1])
-    cu, ci, co, NT = _packed(BT) if packed else (None, None, None, None)
-    vl = dict(cu_seqlens=cu, chunk_size=BT, chunk_indices=ci)
-    g_cs = fla_stages.gate_cumsum(g, BT, cu, ci)
+    layout = _packed(BT) if packed else ChunkLayout(BT)
+    vl = layout.varlen
+    g_cs = fla_stages.gate_cumsum(g, BT, layout.cu_seqlens, layout.chunk_indices)
     if packed:
-        h, _ = fla_stages.chunk_fwd_h_packed(k, v, g_cs, None, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT,
-                                             chunk_size=BT, output_final_state=False, states_in_fp32=True)
-        dh, _ = fla_stages.chunk_bwd_dh_packed(q, k, v, do, None, g_cs, scale=0.1, cu_seqlens=cu, chunk_offsets=co,
-                                               n_chunks=NT, chunk_size=BT)
+        h, _ = fla_stages.chunk_fwd_h_packed(k, v, g_cs, None, layout=layout, output_final_state=False,
+                                             states_in_fp32=True)
+        dh, _ = fla_stages.chunk_bwd_dh_packed(q, do, None, g_cs, scale=0.1, layout=layout)
     else:
         h, _ = fla_stages.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=False, chunk_size=BT,
                                       states_in_fp32=True)
@@ -198,9 +204,13 @@ def test_dqkg_stored_in_the_gradients_dtypes_rounds_flas_fp32_values(packed):
                                         states_in_fp32=True)
     gen = torch.Generator(device="cuda").manual_seed(1)
     dq, dk = (torch.randn(q.shape, device="cuda", generator=gen) for _ in range(2))  # the intra parts, fp32
-    args = dict(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk)
-    ref32 = fla_stages.chunk_gla_bwd_dqkg(**args, scale=0.1, **vl)
-    ours = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.1, dtypes=(torch.bfloat16,) * 3, **vl)
+    ref32 = fla_stages.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=0.1, **vl)
+
+    def ours_at(scale):
+        return fla_stages.chunk_gla_bwd_dqkg_to((q, k, v, g_cs), h, dh, do, (dq, dk), scale=scale,
+                                                dtypes=(torch.bfloat16,) * 3, layout=layout)
+
+    ours = ours_at(0.1)
 
     def within_a_bf16_step(a, r):
         step = torch.ldexp(torch.ones_like(r), torch.frexp(r).exponent - 8)  # bf16's spacing at r (8 bits)
@@ -210,7 +220,7 @@ def test_dqkg_stored_in_the_gradients_dtypes_rounds_flas_fp32_values(packed):
         assert a.dtype == torch.bfloat16 and r.dtype == torch.float32
         assert within_a_bf16_step(a, r).all()
         assert (a != r.to(torch.bfloat16)).float().mean() < 1e-2
-    wrong = fla_stages.chunk_gla_bwd_dqkg_to(**args, scale=0.2, dtypes=(torch.bfloat16,) * 3, **vl)
+    wrong = ours_at(0.2)
     assert not within_a_bf16_step(wrong[0], ref32[0]).all()
 
 
@@ -226,7 +236,8 @@ def test_fwd_A_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult, packed
     from lingua_zeco.kernels.zeco_stages import fla_chunk_size
     q, k, v, g, do = _inputs(T, gate_shift=gate_shift, gate_mult=gate_mult)
     BT = fla_chunk_size(T)
-    cu, ci = _packed(BT)[:2] if packed else (None, None)
+    layout = _packed(BT) if packed else ChunkLayout(BT)
+    cu, ci = layout.cu_seqlens, layout.chunk_indices
     g_cs = fla_stages.gate_cumsum(g, BT, cu, ci)
     ours = chunk_gla_fwd_A(q, k, g_cs, 0.1, BT, cu_seqlens=cu, chunk_indices=ci)
     theirs = fla_stages.chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=0.1, cu_seqlens=cu, chunk_size=BT,
@@ -245,21 +256,19 @@ def test_fwd_A_stage_matches_fla_and_the_oracle(T, gate_shift, gate_mult, packed
         assert _rel(chunk_gla_fwd_A(q, k, g_cs, 0.1, BT, cu_seqlens=cu, chunk_indices=ci), exact) > 1e-3
 
 
-STAGES = [("zeco", False), ("zeco_chunk", True)]
+SAVE_H = pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
 
 
-@pytest.mark.parametrize("intra,save_h", STAGES, ids=["zeco", "zeco_chunk-save_h"])
+@SAVE_H
 @pytest.mark.parametrize("B,T,H,D,gate_logit_normalizer,dtype", fla_gla_cases.CHUNK_CASES)
-def test_fla_chunk_cases(B, T, H, D, gate_logit_normalizer, dtype, intra, save_h):
+def test_fla_chunk_cases(B, T, H, D, gate_logit_normalizer, dtype, save_h):
     """fla's test_chunk, every case (T = 63 and 64: fla's smaller chunks; D = 60, 100, 320: partial key blocks)."""
-    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
-    fla_gla_cases.check_like_fla(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, save_h=save_h, **kw),
+    fla_gla_cases.check_like_fla(GLAOptions(backend="fla", save_h=save_h).chunk_gla,
                                  B, T, H, D, gate_logit_normalizer, dtype)
 
 
-@pytest.mark.parametrize("intra,save_h", STAGES, ids=["zeco", "zeco_chunk-save_h"])
+@SAVE_H
 @pytest.mark.parametrize("H,D,cu_seqlens,dtype", fla_gla_cases.VARLEN_CASES)
-def test_fla_chunk_varlen_cases(H, D, cu_seqlens, dtype, intra, save_h):
-    from lingua_zeco.kernels.gla_chunk import chunk_gla_staged
-    fla_gla_cases.check_like_fla(lambda *x, **kw: chunk_gla_staged(*x, bwd_intra=intra, save_h=save_h, **kw),
+def test_fla_chunk_varlen_cases(H, D, cu_seqlens, dtype, save_h):
+    fla_gla_cases.check_like_fla(GLAOptions(backend="fla", save_h=save_h).chunk_gla,
                                  1, cu_seqlens[-1], H, D, 1, dtype, cu_seqlens=cu_seqlens)

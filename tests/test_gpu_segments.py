@@ -1,13 +1,13 @@
 """GPU checks of segment-recurrent training (pytest -m gpu; skipped without CUDA): the one-rank operator from
-a carried state on fla's stages (ours and fla's chunk_gla) against the float64 torch kernel, dense and packed,
-with the gradients of the incoming state; a GLA model trained in segments against the whole sequence within
-bf16 noise; truncated backpropagation caught."""
+a carried state on fla's stages (chunk states kept for the backward, the default, or recomputed) against the
+float64 torch kernel, dense and packed, with the gradients of the incoming state; a GLA model trained in
+segments against the whole sequence within bf16 noise; truncated backpropagation caught."""
 import pytest
 import torch
 
 from apps.gla.model import GLAArgs, GLAForCausalLM
 from lingua_zeco import kernels, segments
-from lingua_zeco.sp import sp_gla_carry
+from lingua_zeco.sp import SPContext, sp_gla_carry
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -26,23 +26,23 @@ def _inputs(T, H, K, dtype, seed=0):
     return [t.to("cuda", dtype) for t in (q, k, v, g)], S0.cuda(), do.cuda(), dS.cuda()
 
 
-def _run(ins, S0, do, dS, cu, **kw):
+def _run(ins, S0, do, dS, cu, gla: kernels.GLAOptions):
     ins = [t.detach().requires_grad_() for t in ins]
     S0 = S0.detach().requires_grad_()
-    o, S_end = sp_gla_carry(*ins, S0, cu_seqlens=cu, **kw)
+    o, S_end = sp_gla_carry(*ins, S0, sp=SPContext(gla=gla), cu_seqlens=cu)
     torch.autograd.backward([o, S_end], [do.to(o.dtype), dS.to(S_end.dtype)])
     return [o, S_end, *(t.grad for t in ins), S0.grad]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("cu", [None, [0, 100, 100, 333, 500]], ids=["dense", "packed"])
-@pytest.mark.parametrize("bwd_intra", ["zeco", "fla"])
-def test_carry_on_fla_stages(dtype, tol, cu, bwd_intra):
+@pytest.mark.parametrize("save_h", [True, False], ids=["save_h", "recompute_h"])
+def test_carry_on_fla_stages(dtype, tol, cu, save_h):
     """T not a multiple of the chunk; S0 enters the first document only, S_end is the last one's."""
     ins, S0, do, dS = _inputs(500, 2, 64, dtype)
-    got = _run(ins, S0, do, dS, cu, backend="fla", bwd_intra=bwd_intra)
+    got = _run(ins, S0, do, dS, cu, kernels.GLAOptions(backend="fla", save_h=save_h))
     want = _run([t.double().cpu() for t in ins], S0.double().cpu(), do.double().cpu(), dS.double().cpu(), cu,
-                backend="torch")
+                kernels.GLAOptions(backend="torch"))
     names = ["o", "S_end", "dq", "dk", "dv", "dg", "dS0"]
     errs = {n: _rel(a.cpu(), b) for n, a, b in zip(names, got, want, strict=True)}
     assert max(errs.values()) < tol, errs

@@ -4,8 +4,8 @@
   own chunk states and intra-chunk attention, and the output stage against fla's at S_in = 0;
 * P = 3 and 4 virtual ranks on one GPU (lingua_zeco/sp/virtual_ranks.py): every rank's output and
   its four gradients equal single-device fla chunk_gla on the whole sequence, fp32 and bf16,
-  T_local not a multiple of the chunk size, the exchange on the side stream or not; dropping S_in
-  or G must be caught;
+  T_local not a multiple of the chunk size, the exchange on the side stream or not, the chunk states
+  kept for the backward (the default) or recomputed; dropping S_in or G must be caught;
 * 1M tokens on one rank (indices past 2^31): the stages against their oracles, and the whole
   operator against fla chunk_gla with the same initial state and final-state gradient.
 """
@@ -50,9 +50,9 @@ def test_zeco_stages_match_oracles_and_fla():
     Gx_ref, b_end_ref = zs.chunk_decay_prefix_torch(g_cs, BT)
     assert torch.allclose(Gx, Gx_ref, rtol=1e-5, atol=1e-4) and torch.allclose(b_end, b_end_ref, rtol=1e-4, atol=1e-7)
     S_in = torch.randn(2, 16, 128, 128, device="cuda")
-    o = zs.zeco_fwd_o(q, v, g_cs, A, h, S_in.bfloat16(), Gx, scale, BT)
-    assert _rel(o, zs.zeco_fwd_o_torch(q, v, g_cs, A, h, S_in, Gx, scale, BT)) < 1e-2
-    o0, o0_fla = (zs.zeco_fwd_o(q, v, g_cs, A, h, S_in * 0, Gx, scale, BT),
+    o = zs.zeco_fwd_o(q, v, g_cs, A, h, (S_in.bfloat16(), Gx), scale)
+    assert _rel(o, zs.zeco_fwd_o_torch(q, v, g_cs, A, h, (S_in, Gx), scale)) < 1e-2
+    o0, o0_fla = (zs.zeco_fwd_o(q, v, g_cs, A, h, (S_in * 0, Gx), scale),
                   chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, chunk_size=BT))
     assert _rel(o0, o0_fla) < 2e-3, "at S_in = 0 the output stage must be fla's"
     assert _rel(o[:, :BT], o0_fla[:, :BT]) > 5e-2, "S_in must change the output (its first chunk at least)"
@@ -65,11 +65,20 @@ def test_zeco_stages_match_oracles_and_fla():
         "the raw-gate path must read the gates"
 
 
-def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=None, stages=("zeco", False)):
+def _fused(q, k, v, g, scale, scan_fn, seg, save_h=True):
+    """The fused operator for one slice with an injected scan (virtual ranks, a fixed incoming state): the
+    choice sp.fused_zeco.fused_zeco_apply makes from an SPContext, dense (or inside one document; save_h as
+    GLAOptions.save_h) or packed."""
+    from lingua_zeco.sp.fused_zeco import FusedPackedZeCOGLA, FusedZeCOGLA
+    if seg.carries:
+        return FusedZeCOGLA.apply(q, k, v, g, scale, scan_fn, save_h)
+    return FusedPackedZeCOGLA.apply(q, k, v, g, scale, scan_fn, seg)
+
+
+def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=None, save_h=True):
     """Each rank's (o, dq, dk, dv, dg) for P virtual ranks: forwards 0..P-1, backwards P-1..0.
     cu_seqlens: boundaries of packed documents in the whole sequence (each rank cuts its own).
-    stages: (the intra-chunk stages, save_h) of the fused operator."""
-    from lingua_zeco.sp.fused_zeco import fused_zeco_apply
+    save_h: the fused operator keeps the chunk states for the backward (GLAOptions.save_h)."""
     from lingua_zeco.sp.varlen import local_segments
     from lingua_zeco.sp.virtual_ranks import VirtualScan
     T_local = q.shape[1] // P
@@ -79,7 +88,7 @@ def _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=None, cu_seqlens=Non
         sl = slice(p * T_local, (p + 1) * T_local)
         leaves.append([t[:, sl].clone().requires_grad_() for t in (q, k, v, g)])
         seg = local_segments(None if cu_seqlens is None else cu_seqlens.tolist(), p, T_local, q.device)
-        outs.append(fused_zeco_apply(*leaves[p], q.shape[-1] ** -0.5, scan.scan_fn(p), seg, *stages))
+        outs.append(_fused(*leaves[p], q.shape[-1] ** -0.5, scan.scan_fn(p), seg, save_h))
     results = [None] * P
     for p in reversed(range(P)):
         grads = torch.autograd.grad(outs[p], leaves[p], do[:, p * T_local:(p + 1) * T_local])
@@ -101,18 +110,17 @@ def _reference(q, k, v, g, do, P, cu_seqlens=None):
 NAMES = "o dq dk dv dg".split()
 
 
-@pytest.mark.parametrize("P,dtype,side_stream,stages", [
-    (3, torch.float32, False, ("zeco", False)), (3, torch.bfloat16, True, ("zeco", False)),
-    (4, torch.float32, True, ("zeco", False)), (4, torch.bfloat16, False, ("zeco", False)),
-    (3, torch.float32, False, ("zeco_chunk", True)), (4, torch.bfloat16, True, ("zeco_chunk", True))],
-    ids=["P3-fp32", "P3-bf16-side_stream", "P4-fp32-side_stream", "P4-bf16", "P3-fp32-chunk-save_h",
-         "P4-bf16-side_stream-chunk-save_h"])
-def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream, stages):
+@pytest.mark.parametrize("P,dtype,side_stream,save_h", [
+    (3, torch.float32, False, True), (3, torch.bfloat16, True, True), (4, torch.float32, True, True),
+    (4, torch.bfloat16, False, True), (3, torch.float32, False, False), (4, torch.bfloat16, True, False)],
+    ids=["P3-fp32", "P3-bf16-side_stream", "P4-fp32-side_stream", "P4-bf16", "P3-fp32-recompute_h",
+         "P4-bf16-side_stream-recompute_h"])
+def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream, save_h):
     T_local = 1000  # not a multiple of the chunk size (64)
     q, k, v, g, do = _inputs(P * T_local, dtype=dtype)
     ref = _reference(q, k, v, g, do, P)
     tol = 2e-3 if dtype == torch.float32 else 1.5e-2
-    got = _run_virtual_ranks(q, k, v, g, do, P, side_stream, stages=stages)
+    got = _run_virtual_ranks(q, k, v, g, do, P, side_stream, save_h=save_h)
     for p in range(P):
         errs = {n: _rel(a, b) for n, a, b in zip(NAMES, got[p], ref[p])}
         print(f"P={P} {dtype} side_stream={side_stream} rank {p}: " + " ".join(f"{n} {e:.1e}" for n, e in errs.items()))
@@ -121,7 +129,7 @@ def test_fused_zeco_virtual_ranks_equal_single_device(P, dtype, side_stream, sta
     # reaches the outputs of its slice's first tokens, G the gradients of its last ones
     mid = P // 2
     for drop, hit, near in (("S_in", ("o", "dq", "dg"), slice(0, 64)), ("G", ("dk", "dv", "dg"), slice(-64, None))):
-        bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=drop, stages=stages)
+        bad = _run_virtual_ranks(q, k, v, g, do, P, side_stream, drop=drop, save_h=save_h)
         errs = {n: _rel(a[:, near], b[:, near]) for n, a, b in zip(NAMES, bad[mid], ref[mid])}
         assert all(errs[n] > 5 * tol for n in hit), f"dropping {drop} was not caught: {errs}"
 
@@ -153,41 +161,39 @@ def test_fused_packed_documents_on_virtual_ranks(dtype):
 def test_packed_state_launchers_equal_fla_stages():
     """chunk_fwd_h_packed / chunk_bwd_dh_packed (fla's kernels, chunk tables planned on the host) give
     fla's chunk_fwd_h / chunk_bwd_dh with cu_seqlens bit for bit; a wrong table is caught."""
+    from lingua_zeco.kernels import ChunkLayout, chunk_layout
     from lingua_zeco.kernels import fla_stages as fla
     from lingua_zeco.sp.varlen import local_segments
     q, k, v, g, do = _inputs(4096)
     BT = 64
     seg = local_segments([0, 5, 70, 70, 1000, 1001, 4096], 0, 4096, "cuda")
-    ci, co, NT = seg.chunk_index(BT)
-    cu = seg.cu_seqlens
-    g_cs = fla.gate_cumsum(g, BT, cu, ci)
+    layout = chunk_layout(BT, seg)
+    cu = layout.cu_seqlens
+    g_cs = fla.gate_cumsum(g, BT, cu, layout.chunk_indices)
     h0 = torch.randn(seg.n_segments, 16, 128, 128, device="cuda")
     h_ref, ht_ref = fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=True, cu_seqlens=cu, chunk_size=BT)
-    h, ht = fla.chunk_fwd_h_packed(k, v, g_cs, h0, cu_seqlens=cu, chunk_offsets=co, n_chunks=NT, chunk_size=BT,
-                                   output_final_state=True)
+    h, ht = fla.chunk_fwd_h_packed(k, v, g_cs, h0, layout=layout, output_final_state=True)
     assert torch.equal(h, h_ref) and torch.equal(ht, ht_ref)
     dht = torch.randn_like(h0)
     for init in (None, h0):  # with initial states: their gradients dh0 too
         dh_ref, dh0_ref = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=init, dht=dht, scale=0.1, gk=g_cs,
                                            cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
-        dh, dh0 = fla.chunk_bwd_dh_packed(q, k, v, do, dht, g_cs, h0=init, scale=0.1, cu_seqlens=cu,
-                                          chunk_offsets=co, n_chunks=NT, chunk_size=BT)
+        dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, h0=init, scale=0.1, layout=layout)
         assert torch.equal(dh, dh_ref)
         if init is None:
             assert dh0 is None and dh0_ref is None
         else:
             assert torch.equal(dh0, dh0_ref)
-    shifted = co.clone()
+    shifted = layout.chunk_offsets.clone()
     shifted[1:-1] += 1  # every document's states written one chunk late
-    h_bad, _ = fla.chunk_fwd_h_packed(k, v, g_cs, h0, cu_seqlens=cu, chunk_offsets=shifted, n_chunks=NT,
-                                      chunk_size=BT, output_final_state=True)
+    late = ChunkLayout(BT, cu, layout.chunk_indices, shifted, layout.n_chunks)
+    h_bad, _ = fla.chunk_fwd_h_packed(k, v, g_cs, h0, layout=late, output_final_state=True)
     assert not torch.equal(h_bad, h_ref)
 
 
 def test_fused_packed_operator_makes_no_host_sync():
     """A slice where documents start, planned once: forward + backward capture in a CUDA graph (a read
     back to the host would fail the capture), and the replay gives the eager result."""
-    from lingua_zeco.sp.fused_zeco import fused_zeco_apply
     from lingua_zeco.sp.varlen import local_segments
     from lingua_zeco.sp.virtual_ranks import middle_rank_scan
     q, k, v, g, do = _inputs(8192)
@@ -199,7 +205,7 @@ def test_fused_packed_operator_makes_no_host_sync():
     outputs = {}
 
     def step():
-        o = fused_zeco_apply(*leaves, 128 ** -0.5, middle_rank_scan(S_in, 0.1 * S_in), seg)
+        o = _fused(*leaves, 128 ** -0.5, middle_rank_scan(S_in, 0.1 * S_in), seg)
         outputs["last"] = (o, *torch.autograd.grad(o, leaves, do))
         return outputs["last"]
 
@@ -242,10 +248,10 @@ def test_1m_tokens_per_rank():
         Gx_ref, b_end_ref = zs.chunk_decay_prefix_torch(g_cs, BT)
         assert torch.allclose(Gx, Gx_ref, rtol=1e-4, atol=1e-2) and torch.allclose(b_end, b_end_ref, atol=1e-6)
         S_in = torch.randn(1, 16, 128, 128, device="cuda").bfloat16()
-        o = zs.zeco_fwd_o(q, v, g_cs, A, h, S_in, Gx, scale, BT)
+        o = zs.zeco_fwd_o(q, v, g_cs, A, h, (S_in, Gx), scale)
         last = slice(T - 2 * BT, T)  # the last two chunks: the highest offsets
-        o_ref = zs.zeco_fwd_o_torch(q[:, last], v[:, last], g_cs[:, last], A[:, last], h[:, -2:], S_in, Gx[:, -2:],
-                                    scale, BT)
+        o_ref = zs.zeco_fwd_o_torch(q[:, last], v[:, last], g_cs[:, last], A[:, last], h[:, -2:], (S_in, Gx[:, -2:]),
+                                    scale)
         assert _rel(o[:, last], o_ref) < 1e-2
         D = zs.zeco_dS_in(q, g_cs, Gx, do, scale, BT)
         part = T // 8

@@ -1,10 +1,10 @@
 """Every Triton kernel of ours through Triton's compiler front end for Hopper (sm_90) on the CPU
-(lingua_zeco.testing.compile_front_end): the interpreter tests run the kernels' arithmetic, but not the
+(tests/triton_cpu.py, compile_front_end): the interpreter tests run the kernels' arithmetic, but not the
 compiler's checks (a variable retyped inside one branch once passed the interpreter and failed on the
 GPU). Each kernel at the shapes and constants its launcher uses (K = V = 128, fla's chunk sizes)."""
 import pytest
 
-from lingua_zeco.testing import compile_front_end
+from triton_cpu import compile_front_end
 
 pytest.importorskip("triton.backends.nvidia")
 
@@ -24,15 +24,14 @@ def _cases():
     hop = {"x_ptr": "*fp32", "a_ptr": "*fp32", "y_ptr": "*fp32", "recv_ptr": "*fp32", "send_ptr": "*fp32",
            "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32,
            "max_spins": i32}
-    cases = {f"dqk_intra_BT{BT}_BK{BK}_whole{w}": (gla_bwd_intra._dqk_intra_kernel, intra,
-                                                   dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
-                                                        chunk_indices=None, IS_VARLEN=False, WHOLE=w))
-             for BT, BK in ((64, 32), (64, 64), (16, 64)) for w in (False, True)}
-    cases |= {f"dqk_intra_varlen_whole{w}": (gla_bwd_intra._dqk_intra_kernel,
-                                             intra | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
-                                             dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True,
-                                                  WHOLE=w))
-              for w in (False, True)}
+    # one kernel holds both paths (whole chunks, sub-chunks): each compile covers both
+    cases = {f"dqk_intra_BT{BT}_BK{BK}": (gla_bwd_intra._dqk_intra_kernel, intra,
+                                          dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
+                                               chunk_indices=None, IS_VARLEN=False))
+             for BT, BK in ((64, 32), (64, 64), (16, 64))}
+    cases["dqk_intra_varlen"] = (gla_bwd_intra._dqk_intra_kernel,
+                                 intra | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
+                                 dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True))
     fwd_A = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "A": "*fp32", "scale": f32, "T": i32}
     cases |= {f"fwd_A_BT{BT}_BK{BK}": (gla_fwd_intra._fwd_A_kernel, fwd_A,
                                        dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
