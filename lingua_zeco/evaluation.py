@@ -44,10 +44,9 @@ from lingua_zeco.data import DataArgs, build_data_loader
 from lingua_zeco.data.mqar import across_ranks
 from lingua_zeco.data.overlap import shared_data
 from lingua_zeco.data.sources import BUILTIN_SPLITS, resolve_sources
-from lingua_zeco.position_loss import PositionLoss, position_offset
+from lingua_zeco.position_loss import PositionLoss, TokenLosses, position_offset
 from lingua_zeco.segments import forward_segments, plan
 from lingua_zeco.reliability import is_distributed, rank_world
-from lingua_zeco.token_loss import TokenLosses
 
 log = logging.getLogger(__name__)
 

@@ -1,23 +1,33 @@
-"""A torch profiler window chosen by config: skip `start_step` steps, warm up, record `active` steps.
+"""What runs beside the training loop at step boundaries, as the config says: a torch profiler window
+(profiling.*), a CUDA memory snapshot over the same window, and the garbage collector's schedule (gc.every).
 
-Each rank writes its own Chrome trace (profile/rank{r}_step{s}.json) so communication stalls of
-one SP rank can be compared with its neighbours.
+The profiler window: skip `start_step` steps, warm up, record `active` steps. Each rank writes its own
+Chrome trace (profile/rank{r}_step{s}.json) so communication stalls of one SP rank can be compared with
+its neighbours.
 
 profiling.memory_snapshot (CUDA only) records the caching allocator's history over the same window
 (warm-up and active steps) and dumps it per rank to profile/memory_snapshot_rank{r}_step{s}.pickle:
 every allocation with its stack, for https://pytorch.org/memory_viz. It works with or without the
 trace (profiling.enabled). On a CPU it is skipped with one warning.
+
+gc.every: Python's automatic generational collection runs whenever enough objects were allocated, which
+is at some step of some rank: a rank that stops for a collection holds up every collective of the
+others. gc.every=N turns it off for the loop and runs a young-generation collection (generations 0 and
+1) every N steps, at the same step on every rank; one full collection at the start clears what building
+the run left behind.
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lingua_zeco.args import ConfigError
+from lingua_zeco.args import at_least
 
 logger = logging.getLogger(__name__)
 
@@ -39,11 +49,8 @@ class ProfilerArgs:
         """Window values no profiler can use, named by their key."""
         if not (self.enabled or self.memory_snapshot):
             return
-        for key, value, least in (("start_step", self.start_step, 0), ("warmup", self.warmup, 0),
-                                  ("active", self.active, 1),
-                                  ("memory_snapshot_entries", self.memory_snapshot_entries, 1)):
-            if value < least:
-                raise ConfigError(f"profiling.{key}={value} must be >= {least}")
+        at_least({"profiling.start_step": self.start_step, "profiling.warmup": self.warmup}, 0)
+        at_least({"profiling.active": self.active, "profiling.memory_snapshot_entries": self.memory_snapshot_entries})
 
 
 def snapshot_window(args: ProfilerArgs) -> tuple[int, int]:
@@ -143,3 +150,49 @@ def _trace(args: ProfilerArgs, out: Path, rank: int):
                                 record_shapes=args.record_shapes, profile_memory=args.profile_memory,
                                 with_stack=args.with_stack) as prof:
         yield prof
+
+
+# -- the garbage collector (gc.every) ------------------------------------------------------------
+GENERATION = 1  # the young generations: long-lived objects (modules, tensors' owners) are seldom garbage
+
+
+@dataclass
+class GCArgs:
+    every: int = 0  # 0: Python's automatic collection (as before); N > 0: off, and a collection every N steps
+
+    def check(self) -> None:
+        at_least({"gc.every": self.every}, 0, {"gc.every": "0 = Python's automatic garbage collection"})
+
+
+class _Scheduled:
+    def __init__(self, every: int):
+        self.every = every
+
+    def step(self, step: int) -> None:
+        """Call once after every training step (`step`: the steps done, counted over resumes)."""
+        if self.every and step % self.every == 0:
+            collect(GENERATION, f"step {step}")
+
+
+def collect(generation: int, when: str) -> None:
+    t0 = time.perf_counter()
+    gc.collect(generation)
+    logger.debug("gc: generation %d collection at %s took %.2f ms", generation, when,
+                 1e3 * (time.perf_counter() - t0))
+
+
+@contextlib.contextmanager
+def collecting(args: GCArgs):
+    """Yield an object with `.step(step)`; with gc.every > 0, automatic collection is off inside."""
+    args.check()
+    if args.every == 0:
+        yield _Scheduled(0)
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    collect(2, "the start")
+    try:
+        yield _Scheduled(args.every)
+    finally:
+        if was_enabled:
+            gc.enable()

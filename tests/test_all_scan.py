@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs, all_scan, chain_time, choose_algorithm, gather_scan, tree_time
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 SIZES = [1, 2, 3, 4, 5, 6, 7, 8, 12, 16]
 CASES = [("chain", 1), ("chain", 3), ("chain", 8), ("tree", 1)]

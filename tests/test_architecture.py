@@ -1,8 +1,10 @@
-"""The layout is the architecture (README, issue 21): comm and kernels at the bottom, sp above them, the
-trainer's modules above that, apps/ on top. These checks read the import statements of every module of
+"""The layout is the architecture (README): comm and kernels at the bottom, sp above them, the trainer's
+modules above that, apps/ on top. These checks read the import statements of every module of
 lingua_zeco/ and apps/ (module level and inside functions) and fail on an import that points up, an
 import cycle, a private name taken from another module, fla's internal stages used outside kernels/, or
-an import that goes around a package's __init__ (lingua_zeco/checkpoint/: one home, one interface)."""
+an import that goes around a package's __init__ (lingua_zeco/checkpoint/: one home, one interface).
+They also bound the sizes that keep the tree readable: the modules directly under lingua_zeco/, the
+lines of any module, and the parameters of the public functions of sp/ and kernels/."""
 from __future__ import annotations
 
 import ast
@@ -15,6 +17,22 @@ BOTTOM = ("lingua_zeco.comm", "lingua_zeco.kernels")  # each imports only itself
 CHECKPOINT = "lingua_zeco.checkpoint"
 RELIABILITY = "lingua_zeco.reliability"
 CHECKPOINT_NEEDS = ("lingua_zeco.args", "lingua_zeco.reliability")  # all it imports from the project
+MAX_TOP_MODULES = 12  # .py files directly under lingua_zeco/ (not __init__.py): the rest lives in packages
+MAX_LINES = 400  # any .py file under lingua_zeco/ or apps/
+MAX_PARAMS = 8  # a public function of sp/ or kernels/ (self/cls not counted): more wants a settings object
+PARAM_CHECKED = ("lingua_zeco/sp", "lingua_zeco/kernels")
+
+
+def python_files(*tops: str) -> dict[str, str]:
+    """{path relative to the repository: text} of every .py file under the given folders."""
+    out = {}
+    for top in tops:
+        for folder, _, files in os.walk(os.path.join(ROOT, top)):
+            for f in files:
+                if f.endswith(".py"):
+                    path = os.path.join(folder, f)
+                    out[os.path.relpath(path, ROOT)] = open(path).read()
+    return out
 
 
 def module_name(rel_path: str) -> str:
@@ -24,18 +42,13 @@ def module_name(rel_path: str) -> str:
 
 def read_imports() -> dict[str, list[tuple[str, str]]]:
     """{module: [(imported module, imported name or ""), ...]} for every .py under lingua_zeco/ and apps/."""
-    found = {}
-    for top in ("lingua_zeco", "apps"):
-        for folder, _, files in os.walk(os.path.join(ROOT, top)):
-            for f in files:
-                if f.endswith(".py"):
-                    path = os.path.join(folder, f)
-                    found[module_name(os.path.relpath(path, ROOT))] = path
+    texts = python_files("lingua_zeco", "apps")
+    found = {module_name(path): path for path in texts}
     imports = {}
     for mod, path in found.items():
         package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
         pairs = []
-        for node in ast.walk(ast.parse(open(path).read(), path)):
+        for node in ast.walk(ast.parse(texts[path], path)):
             if isinstance(node, ast.Import):
                 pairs += [(a.name, "") for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -155,6 +168,54 @@ def package_needs(edges, package: str, allowed: tuple[str, ...]) -> list[str]:
                   for t in targets if t != package and not t.startswith((package + ".", *allowed)))
 
 
+def top_level_modules(paths) -> list[str]:
+    """The modules directly under lingua_zeco/ among `paths` (its __init__.py not counted)."""
+    return sorted(p for p in paths if os.path.dirname(p) == "lingua_zeco" and os.path.basename(p) != "__init__.py")
+
+
+def long_files(texts: dict[str, str], most: int = MAX_LINES) -> list[str]:
+    return sorted(f"{p}: {n} lines" for p, t in texts.items() if (n := len(t.splitlines())) > most)
+
+
+def _dotted(node) -> str:
+    if isinstance(node, ast.Call):
+        node = node.func
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def _n_params(fn) -> int:
+    a = fn.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs)] + [x.arg for x in (a.vararg, a.kwarg) if x]
+    return len(names) - (1 if names[:1] in (["self"], ["cls"]) else 0)
+
+
+def too_many_parameters(source: str, where: str, most: int = MAX_PARAMS) -> list[str]:
+    """Public functions of one module (module level, and methods of its public classes) that take more
+    than `most` parameters. Triton kernels (triton.jit: their arguments are the launch's pointers and
+    constants) and the forward/backward of torch.autograd.Function subclasses (their signature is the
+    autograd contract) are exempt."""
+    def public_functions():
+        for node in ast.parse(source, where).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield "", node
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                autograd = any(_dotted(b) in ("torch.autograd.Function", "autograd.Function", "Function")
+                               for b in node.bases)
+                for item in node.body:
+                    if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) and not (
+                            autograd and item.name in ("forward", "backward")):
+                        yield node.name + ".", item
+
+    bad = []
+    for owner, fn in public_functions():
+        jit = any(_dotted(d) in ("triton.jit", "jit") for d in fn.decorator_list)
+        if not fn.name.startswith("_") and not jit and (n := _n_params(fn)) > most:
+            bad.append(f"{where}:{fn.lineno} {owner}{fn.name}: {n} parameters")
+    return bad
+
+
 IMPORTS = read_imports()
 
 
@@ -199,7 +260,28 @@ def test_reliability_package_is_one_interface():
     assert package_needs(project_edges(IMPORTS), RELIABILITY, ("lingua_zeco.args",)) == []
 
 
-@pytest.mark.parametrize("case", ["up", "cycle", "private", "fla", "package"])
+def test_few_modules_directly_under_the_package():
+    """Modules go into packages by purpose (checkpoint/, data/, reliability/, ...) rather than pile up."""
+    modules = top_level_modules(python_files("lingua_zeco"))
+    assert "lingua_zeco/distributed.py" in modules  # the check reads real files
+    assert len(modules) <= MAX_TOP_MODULES, modules
+
+
+def test_no_module_is_long():
+    texts = python_files("lingua_zeco", "apps")
+    assert "apps/gla/train.py" in texts
+    assert long_files(texts) == []
+
+
+def test_public_functions_of_sp_and_kernels_take_few_parameters():
+    """More than MAX_PARAMS parameters means options travel one by one through every layer: they belong
+    in a settings object (kernels.GLAOptions, sp.SPContext) passed as one."""
+    texts = python_files(*PARAM_CHECKED)
+    assert any(p.endswith(os.path.join("sp", "__init__.py")) for p in texts)
+    assert [b for p, t in sorted(texts.items()) for b in too_many_parameters(t, p)] == []
+
+
+@pytest.mark.parametrize("case", ["up", "cycle", "private", "fla", "package", "size", "params"])
 def test_the_checks_catch_a_broken_layout(case):
     """Each check on a small made-up tree with one violation (the checks above could otherwise pass by
     reading nothing)."""
@@ -227,6 +309,36 @@ def test_the_checks_catch_a_broken_layout(case):
         assert package_needs(edges, CHECKPOINT, CHECKPOINT_NEEDS) == [
             "lingua_zeco.checkpoint.manager -> apps.gla.model",
             "lingua_zeco.checkpoint.manager -> lingua_zeco.evaluation"]
+    elif case == "size":
+        paths = ["lingua_zeco/__init__.py", "lingua_zeco/args.py", "lingua_zeco/sp/gla.py", "apps/gla/train.py"]
+        assert top_level_modules(paths) == ["lingua_zeco/args.py"]
+        assert long_files({"a.py": "x = 1\n" * 401, "b.py": "x = 1\n" * 400}) == ["a.py: 401 lines"]
+    elif case == "params":
+        source = """
+import triton
+import torch
+
+
+def nine(a, b, c, d, e, f, g, h, i): ...
+def eight(a, b, c, d, e, f, g, h=1, *, i=None): ...
+def star(a, b, c, d, e, f, g, *args, **kwargs): ...
+def _private(a, b, c, d, e, f, g, h, i): ...
+@triton.jit
+def kernel(a, b, c, d, e, f, g, h, i): ...
+class Op(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, c, d, e, f, g, h, i): ...
+    @staticmethod
+    def apply_all(ctx, a, b, c, d, e, f, g, h): ...
+class Options:
+    def method(self, a, b, c, d, e, f, g, h): ...
+    def wide(self, a, b, c, d, e, f, g, h, i): ...
+    @classmethod
+    def make(cls, a, b, c, d, e, f, g, h): ...
+"""
+        assert too_many_parameters(source, "m.py") == [
+            "m.py:6 nine: 9 parameters", "m.py:7 eight: 9 parameters", "m.py:8 star: 9 parameters",
+            "m.py:16 Op.apply_all: 9 parameters", "m.py:19 Options.wide: 9 parameters"]
     else:
         imports = {"lingua_zeco.sp.fused_zeco": [("fla.ops.gla.chunk", "chunk_gla_fwd_o_gk")],
                    "apps.gla.bench.bench_op": [("fla.ops.gla", "chunk_gla")],

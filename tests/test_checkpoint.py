@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, SaveEvery
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 
 def _model(seed: int):

@@ -17,7 +17,7 @@ import torch
 from lingua_zeco.checkpoint import MARKER, WRITE_DELAY_ENV, CheckpointArgs, CheckpointManager, SaveEvery
 from lingua_zeco.checkpoint import integrity  # white-box: patched below
 from lingua_zeco.reliability import StorageError
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 from test_checkpoint import _model, _opt, _same_optim, _same_params, _sharded, _train
 from test_reliability import _ckpt, _finish, _losses, _popen, _same, _state
 

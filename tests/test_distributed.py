@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco.distributed import DistributedArgs, apply_fsdp, resolve_dims, setup, teardown
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 
 def test_resolve_dims():

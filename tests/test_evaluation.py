@@ -20,7 +20,7 @@ from lingua_zeco.data.sources import builtin_documents
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import read_metrics
 from lingua_zeco.position_loss import PositionLoss, bucket_bounds, bucket_of, n_buckets
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 TINY = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",
         "data.batch_size=2", "data.seq_len=64", "logging.freq=1", "optim.warmup=2", "optim.lr=1e-2",

@@ -1,4 +1,4 @@
-"""gc.every (lingua_zeco/gc_control.py): automatic collection off in the loop, a young-generation
+"""gc.every (lingua_zeco/profiling.py): automatic collection off in the loop, a young-generation
 collection every N steps; counted through gc.callbacks, which report every collection the interpreter runs."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from lingua_zeco.args import ConfigError
-from lingua_zeco.gc_control import GCArgs, collecting
+from lingua_zeco.profiling import GCArgs, collecting
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def collections():
 
 def test_collects_every_n_steps_with_automatic_collection_off(collections, caplog):
     assert gc.isenabled()
-    with caplog.at_level(logging.DEBUG, logger="lingua_zeco.gc_control"), collecting(GCArgs(every=3)) as sched:
+    with caplog.at_level(logging.DEBUG, logger="lingua_zeco.profiling"), collecting(GCArgs(every=3)) as sched:
         assert not gc.isenabled()
         assert collections == [(2, False)]  # one full collection at the start
         by_step = {}

@@ -95,7 +95,8 @@ def test_dqkg_launcher_passes_every_argument_of_flas_kernel(monkeypatch):
     assert grid({"BK": 32}) == (2 * 2, B * H) and kw["BT"] == BT and kw["scale"] == 0.5
     assert kw["cu_seqlens"] is None and kw["chunk_indices"] is None
     # packed documents: the boundaries and fla's chunk table reach the kernel, and the grid has one row per chunk
-    packed = ChunkLayout(BT, torch.tensor([0, 30, T]), torch.tensor([[0, 0], [1, 0], [1, 1]]), torch.tensor([0, 1, 3]), 3)
+    packed = ChunkLayout(BT, torch.tensor([0, 30, T]), torch.tensor([[0, 0], [1, 0], [1, 1]]),
+                         torch.tensor([0, 1, 3]), 3)
     fla_stages.chunk_gla_bwd_dqkg_to(qkvg, args["h"], args["dh"], args["do"], (args["dq"], args["dk"]), scale=0.5,
                                      dtypes=(torch.float,) * 3, layout=packed)
     grid, kw = calls[-1]

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from lingua_zeco.kernels.gla_fwd_intra import chunk_gla_fwd_A_torch
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
-from lingua_zeco.testing import run_interpreted
+from triton_cpu import run_interpreted
 
 
 @pytest.mark.parametrize("T,BT", [(37, 16), (70, 32)])

@@ -21,7 +21,7 @@ from apps.gla.model import GLAForCausalLM
 from lingua_zeco import distributed
 from lingua_zeco import reliability
 from lingua_zeco.args import parse_args
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 VOCAB, L, B, ACC, SEED = 258, 16, 2, 2, 7  # L: tokens per SP rank; ACC: micro-batches per step
 # keep probability of a label, per (dp rank, micro-batch): first half of the global sequence, second half

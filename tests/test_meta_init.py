@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor
 from apps.gla.train import TrainArgs, build_model
 from lingua_zeco import distributed
 from lingua_zeco.args import parse_args
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 TINY = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",
         "model.vocab_size=65"]

@@ -13,7 +13,7 @@ from lingua_zeco.args import parse_args
 from lingua_zeco.data import DataArgs, build_data_loader
 from lingua_zeco.data.mqar import IGNORE_INDEX, MQARArgs
 from lingua_zeco.metrics import read_metrics
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 
 def _batches(args: DataArgs, sp_size: int, n: int = 3):

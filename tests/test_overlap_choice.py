@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.sp.overlap import OverlapChooser
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 from test_all_scan import contributions, reference
 

@@ -7,7 +7,7 @@ import torch
 
 from lingua_zeco.sp import varlen
 from lingua_zeco.sp.varlen import as_packing, local_segments, pack
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 LAYOUTS = [  # global boundaries for P = 2 ranks of 40 tokens
     [0, 80],                          # one document over both ranks

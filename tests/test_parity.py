@@ -11,7 +11,7 @@ from apps.gla.model import GLAArgs, GLAForCausalLM
 from apps.gla.train import TrainArgs, train
 from lingua_zeco.args import parse_args
 from lingua_zeco.metrics import read_metrics
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 FP64_ATOL = 1e-9  # loss and grad-norm curves, SP=2 vs SP=1 in fp64 (observed <= ~2e-15)
 STEPS = 6

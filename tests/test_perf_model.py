@@ -22,11 +22,12 @@ from lingua_zeco.perf_model import (FREE, LinkArgs, MemoryArgs, OpArgs, StateArg
                                     TopologyArgs, allgather_scan, chain_closed, chain_sim, default_links,
                                     fit_alpha_beta, kernel_seconds, op_times, peak_memory, ring_closed, ring_sim,
                                     tokens_per_gpu, tree_closed, tree_sim)
-from lingua_zeco.perf_model.calibrate import RAW, RAW_1GPU, RAW_FUSED, calibrate, check_rows, load_fused
+from lingua_zeco.perf_model.calibrate import RAW, RAW_1GPU, RAW_FUSED, calibrate, check_rows
 from lingua_zeco.perf_model.cli import main as cli_main
 from lingua_zeco.perf_model.inputs import ASSUMED, ASSUMED_LABEL, CONFIG_LABEL, NotMeasured
 from lingua_zeco.perf_model.memory import ModelShapeArgs, act_bytes_from_peak
 from lingua_zeco.perf_model.op_model import lasp1_closed, lasp1_sim
+from lingua_zeco.perf_model.raw_files import load_fused
 from lingua_zeco.perf_model.schedules import DeviceArgs, allreduce_state, recv_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -428,7 +429,7 @@ def test_symm_hop_fit_recovers_the_per_hop_cost(tmp_path):
 
 def test_a_partial_benchmark_file_is_named_when_loaded(tmp_path):
     """bench_main marks the JSON of a run cut short as partial: calibrating from it says so."""
-    from lingua_zeco.perf_model.calibrate import load_raw
+    from lingua_zeco.perf_model.raw_files import load_raw
     (tmp_path / "bench_fused.json").write_text(json.dumps({"partial": True, "rows": []}))
     with pytest.warns(UserWarning, match="bench_fused.json is partial"):
         assert load_raw(str(tmp_path))["fused"]["rows"] == []
@@ -518,7 +519,8 @@ def test_calibration_closes_the_files_it_reads(tmp_path):
     """Every raw file read by the calibration is closed when read (no ResourceWarning in the test run)."""
     import gc
 
-    from lingua_zeco.perf_model.calibrate import load_raw, single_gpu_runs, symm_hop_fit
+    from lingua_zeco.perf_model.calibrate import symm_hop_fit
+    from lingua_zeco.perf_model.raw_files import load_raw, single_gpu_runs
     (tmp_path / "bench_fused.json").write_text(json.dumps({"rows": []}))
     (tmp_path / "metrics_x.jsonl").write_text(json.dumps({"step": 1}) + "\n")
     (tmp_path / "one.json").write_text(json.dumps({"env": {"world_size": 1}, "args": {}, "rows": [
@@ -535,7 +537,7 @@ def test_calibration_closes_the_files_it_reads(tmp_path):
     assert not [w for w in caught if issubclass(w.category, ResourceWarning)], [str(w.message) for w in caught]
 
 
-TRAINER_1GPU = "docs/results/raw/2026-12-03-h200"  # the trainer on one H200: run38 unsegmented, run43-44 segments
+TRAINER_1GPU = "docs/results/raw/2026-12-03-h200"  # the trainer on one H200, unsegmented and in segments
 
 
 def _rows(pattern: str, variant: str) -> list[dict]:
@@ -544,9 +546,10 @@ def _rows(pattern: str, variant: str) -> list[dict]:
 
 
 def test_memory_of_segments_against_the_measured_peaks():
-    """The trainer's own activation bytes fitted from its unsegmented 16K step (run 38, eager blocks: a
-    segment runs its blocks uncompiled), the model predicts the peaks of 1M, 2M and 4M tokens in segments of
-    16K (runs 43-44, committed bench_train files) within 10 %; the whole 4M sequence at once would not fit."""
+    """The trainer's own activation bytes fitted from its unsegmented 16K step (run38/train_16k.json, eager
+    blocks: a segment runs its blocks uncompiled), the model predicts the peaks of 1M, 2M and 4M tokens in
+    segments of 16K (run4[34]/seg16k_*.json, committed bench_train files) within 10 %; the whole 4M sequence
+    at once would not fit."""
     (base,) = _rows("run38/train_16k.json", "ours_eager")
     act = act_bytes_from_peak(MemoryArgs(T_local=16384, sp=1), base["peak_gib"])
     runs = _rows("run4[34]/seg16k_*.json", "ours")

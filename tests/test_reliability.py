@@ -23,7 +23,7 @@ from lingua_zeco.args import parse_args
 from lingua_zeco.checkpoint import MARKER
 from lingua_zeco.metrics import LoggingArgs, MetricLogger, read_metrics
 from lingua_zeco.reliability import NonFiniteError
-from lingua_zeco.testing import free_port, run_on_ranks
+from local_ranks import free_port, run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["config=debug.yaml", "model.dim=32", "model.n_layers=2", "model.n_heads=2", "model.ffn_hidden=64",

@@ -15,7 +15,7 @@ from lingua_zeco.evaluation import EvalArgs, evaluate
 from lingua_zeco.metrics import read_metrics
 from lingua_zeco.segments import plan, sp_pieces
 from lingua_zeco.sp import SPContext, StateCarry
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 TOL = 1e-10
 ARGS = dict(dim=32, n_layers=2, n_heads=2, ffn_hidden=64, vocab_size=61, dtype="fp64", fused_kernels=False,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from lingua_zeco.comm import DECAY, MATRIX, AllScanArgs, all_scan, pair_scan
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 from test_all_scan import contributions, reference
 

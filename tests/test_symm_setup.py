@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from lingua_zeco.comm import DECAY, P2PLink, chain_scan
 from lingua_zeco.comm.symm import SymmLink, SymmSetupError, TorchSymmetricMemory
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 from test_all_scan import contributions, reference
 

@@ -15,7 +15,7 @@ from lingua_zeco.args import parse_args
 from lingua_zeco.data import build_data_loader
 from lingua_zeco.metrics import read_metrics
 from lingua_zeco.optim import OptimArgs, lr_factor
-from lingua_zeco.testing import run_on_ranks
+from local_ranks import run_on_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 SP_RTOL = 2e-5  # SP=2 vs SP=1 loss curves, fp32 on CPU (observed differences are ~1e-7)

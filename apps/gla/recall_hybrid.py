@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 
 
@@ -26,19 +27,32 @@ class RecallHybridArgs:
     overrides: list[str] = field(default_factory=list)  # more trainer keys, e.g. [seed=1,data.batch_size=16]
 
 
-def _train_on_rank(rank: int, world: int, argv: list[str]) -> None:
+def _train_on_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
     import torch
+    import torch.distributed as dist
 
     from apps.gla.train import TrainArgs, train
     from lingua_zeco.args import parse_args
 
     torch.set_num_threads(1)  # the ranks share the cores
-    train(parse_args(TrainArgs, argv))
+    # gloo made here, before the trainer (which uses a group it finds as it is): CPU ranks on any machine
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        train(parse_args(TrainArgs, argv))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(args: RecallHybridArgs) -> dict:
+    import torch.multiprocessing as mp
+
     from lingua_zeco.metrics import read_metrics
-    from lingua_zeco.testing import run_on_ranks
 
     hybrid = f"model.softmax_layers=[{','.join(map(str, args.softmax_layers))}]"
     result = {}
@@ -47,7 +61,8 @@ def run(args: RecallHybridArgs) -> dict:
         argv = [f"config={args.config}", f"dump_dir={dump}", f"distributed.sp_size={args.sp_size}",
                 f"distributed.softmax_sp={args.softmax_sp}", *([f"steps={args.steps}"] if args.steps else []),
                 *extra, *args.overrides]
-        run_on_ranks(_train_on_rank, args.sp_size, argv, timeout_s=3600)
+        # a failing rank's traceback is raised here
+        mp.spawn(_train_on_rank, args=(args.sp_size, _free_port(), argv), nprocs=args.sp_size)
         rows = [r for r in read_metrics(os.path.join(dump, "metrics.jsonl")) if "recall_acc" in r]
         if not rows:
             raise RuntimeError(f"{dump}: no recall_acc logged (is data.synthetic=mqar and logging.freq <= steps?)")

@@ -1,7 +1,9 @@
 """Checkpoints, one package: everything outside it imports from `lingua_zeco.checkpoint` only, never from a
 submodule (tests/test_architecture.py checks it); what is not listed in `__all__` is internal.
 
-  manager.py        CheckpointManager: save (atomic, retention), discovery, load with fallback
+  manager.py        CheckpointManager: save (atomic, retention), resume with fallback; the config
+  step_folder.py    one checkpoint's folder: its files, its COMPLETE marker, finding the complete ones
+  load.py           loading one checkpoint on every rank: checks agreed first, then the state in place
   async_save.py     the background write of an asynchronous save (AsyncWriter)
   integrity.py      checksums, the non-finite check, durable writes, storage errors
   resume_layout.py  resuming on another world size: whose per-rank state each rank restores
@@ -15,16 +17,10 @@ from __future__ import annotations
 from . import resume_layout, run_dir
 from .async_save import WRITE_DELAY_ENV
 from .integrity import load_file, sha256
-from .manager import (
-    MARKER,
-    CheckpointArgs,
-    CheckpointLoadError,
-    CheckpointManager,
-    ModelMismatchError,
-    SaveEvery,
-    checkpoint_dir,
-)
+from .load import CheckpointLoadError, ModelMismatchError
+from .manager import CheckpointArgs, CheckpointManager, SaveEvery, checkpoint_dir
 from .resume_layout import Layout
+from .step_folder import MARKER
 
 __all__ = [
     "MARKER", "WRITE_DELAY_ENV", "CheckpointArgs", "CheckpointLoadError", "CheckpointManager", "Layout",

@@ -1,60 +1,37 @@
-"""Checkpoints with torch.distributed.checkpoint (DCP): sharded model/optimizer + global and per-rank state.
+"""Checkpoints with torch.distributed.checkpoint (DCP): sharded model/optimizer + global and per-rank state,
+saved atomically, kept by a retention rule, resumed from with fallback (one folder's layout: step_folder.py).
 
-Layout of one checkpoint, <path>/step_{step:010d}/:
-    .metadata, __*_*.distcp   model and optimizer (DCP; FSDP2 shards stay sharded, reshardable on load)
-    extra.pt                  global train state (step, scheduler...), written by rank 0
-    rank{r}.pt                each global rank's own state (data loader position, RNG states)
-    COMPLETE                  json {step, world_size, finite, files: {name: {size, sha256}}, ...}, written last
 A save writes into .tmp_step_{step:010d}, barriers, and only then is renamed and marked complete (an
 asynchronous save: when the manager finalises it, async_save.py), so a crash at any point leaves
 either a complete checkpoint or something `latest_complete` skips. A state with NaN/inf weights or
 optimizer moments is never saved; a load verifies the checksums first and refuses non-finite values
-(integrity.py), falling back to the previous checkpoint.
+(integrity.py, load.py), falling back to the previous checkpoint.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import uuid
-import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
-)
 
-from lingua_zeco.args import ConfigError
-from lingua_zeco.reliability import NonFiniteError, StorageError, gather_all, is_distributed, rank_world
+from lingua_zeco.args import ConfigError, at_least
+from lingua_zeco.reliability import NonFiniteError, StorageError, gather_all, rank_world
 
 from . import integrity
 from .async_save import AsyncWriter
+from .load import agree, load_checkpoint, load_weights
+from .step_folder import MARKER, complete_checkpoints, dcp_state, read_marker, remove_checkpoint, run_dcp, step_name
 
 log = logging.getLogger(__name__)
 
-MARKER = "COMPLETE"
 RUN_ID = ".run_id"  # in dump_dir: {"run_id": ...}, made at the run's first save; markers record it
-_STEP_RE = re.compile(r"^step_(\d{10})$")
-
-
-class CheckpointLoadError(RuntimeError):
-    """This checkpoint cannot be used (damaged files, non-finite values): fall back to an older one."""
-
-
-class ModelMismatchError(ConfigError):
-    """The checkpoint holds other tensors (names or shapes) than the model: another model, not damage.
-    `mismatches`: one line per tensor."""
-
-    def __init__(self, msg: str, mismatches: list[str]):
-        super().__init__(msg)
-        self.mismatches = mismatches
 
 
 @dataclass
@@ -63,11 +40,9 @@ class SaveEvery:
     keep: int = 3  # keep the last N complete checkpoints (0 = keep all)
 
     def check(self) -> None:
-        if self.every < 0:
-            raise ConfigError(f"checkpoint.dump.every={self.every} must be >= 0 (0 = only at the end and on a stop "
-                              f"signal)")
-        if self.keep < 0:
-            raise ConfigError(f"checkpoint.dump.keep={self.keep} must be >= 0 (0 = keep every checkpoint)")
+        at_least({"checkpoint.dump.every": self.every, "checkpoint.dump.keep": self.keep}, 0,
+                 {"checkpoint.dump.every": "0 = only at the end and on a stop signal",
+                  "checkpoint.dump.keep": "0 = keep every checkpoint"})
 
 
 @dataclass
@@ -78,69 +53,6 @@ class CheckpointArgs:
     # null = auto: true when CUDA is available. True: a save returns once the state is in host memory,
     # written in the background (async_save.py; host RAM for a copy of this rank's state)
     async_save: bool | None = None
-
-
-def _agree(err: BaseException | None, kind: type = None) -> BaseException | None:
-    """Collective: None if no rank failed, else this rank's own failure or one naming the failing rank.
-    Ranks must take the same branch before the next collective, or they wait on each other forever."""
-    infos = gather_all(None if err is None else (isinstance(err, ConfigError), integrity.root_cause(err)))
-    if err is not None:
-        return err
-    for r, info in enumerate(infos):
-        if info is not None:
-            return (ConfigError if info[0] else kind or CheckpointLoadError)(f"on rank {r}: {info[1]}")
-    return None
-
-
-def _state(model, optimizer) -> dict:
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # fresh optimizers get their state slots here
-    return {"model": model_sd, "optim": optim_sd}
-
-
-def _dcp(fn, state: dict, path: str):
-    """dcp.save / dcp.load; without a process group DCP runs single-process (we say so, and mute its note)."""
-    if is_distributed():
-        return fn(state, checkpoint_id=path)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn(state, checkpoint_id=path, no_dist=True)
-
-
-def _marker(path: str) -> dict:
-    """The folder's COMPLETE marker, {} when missing or unreadable; one without a valid file list has
-    its "files" removed (see `integrity.marker_files`), so it never passes for a verified checkpoint."""
-    try:
-        with open(os.path.join(path, MARKER)) as f:
-            marker = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(marker, dict):
-        return {}
-    files = integrity.marker_files(marker)
-    return {**marker, "files": files} if files else {k: v for k, v in marker.items() if k != "files"}
-
-
-def _check_tensors(path: str, state: dict) -> None:
-    """The model's tensor names and shapes against the checkpoint's metadata (no data read)."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    saved = {k[len("model."):]: tuple(v.size) for k, v in meta.items()
-             if k.startswith("model.") and hasattr(v, "size")}
-    now = {k: tuple(t.shape) for k, t in state["model"].items() if isinstance(t, torch.Tensor)}
-    diff = [f"{k}: saved {list(saved[k])}, now {list(now[k])}" for k in now if k in saved and saved[k] != now[k]]
-    diff += [f"{k}: not in the checkpoint" for k in now if k not in saved]
-    diff += [f"{k}: in the checkpoint, not in the model" for k in saved if k not in now]
-    if diff:
-        raise ModelMismatchError(f"{path} holds another model: {'; '.join(diff[:3])}"
-                                 f"{f' (and {len(diff) - 3} more)' if len(diff) > 3 else ''}", diff)
-
-
-def _remove_checkpoint(path: str):
-    # Drop the marker first: a deletion cut short must not look like a complete checkpoint.
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(path, MARKER))
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def checkpoint_dir(args: CheckpointArgs, dump_dir: str) -> str:
@@ -163,24 +75,8 @@ class CheckpointManager:
 
     # -- discovery ---------------------------------------------------------------------------
     def complete_checkpoints(self, root: str | None = None, warn: bool = True) -> list[tuple[int, str]]:
-        """(step, folder) of every complete checkpoint under root, oldest first; torn ones warned about.
-        Complete: a COMPLETE marker holding the file list (an empty, garbage or file-less marker is torn)."""
-        root = root or self.path
-        if not os.path.isdir(root):
-            return []
-        out = []
-        for name in sorted(os.listdir(root)):
-            m = _STEP_RE.match(name)
-            if not m:
-                continue  # .tmp_step_* (an unfinished save) and anything else
-            folder = os.path.join(root, name)
-            if "files" in _marker(folder):
-                out.append((int(m.group(1)), folder))
-            elif warn:
-                has = os.path.isfile(os.path.join(folder, MARKER))
-                log.warning("ignoring torn checkpoint %s (%s)", folder, f"its {MARKER} marker is empty, unreadable or "
-                            f"without its file list" if has else f"no {MARKER} marker")
-        return out
+        """(step, folder) of every complete checkpoint under root (default: this run's), oldest first."""
+        return complete_checkpoints(root or self.path, warn)
 
     def latest_complete(self, warn: bool = True) -> str | None:
         """The newest complete checkpoint, one that failed to load in this run left out."""
@@ -200,7 +96,7 @@ class CheckpointManager:
         if not self.async_save or self._async.prepared or (optimizer is not None and not optimizer.state):
             return
         t0 = time.perf_counter()
-        nbytes = self._async.prepare(_state(model, optimizer))
+        nbytes = self._async.prepare(dcp_state(model, optimizer))
         dt = time.perf_counter() - t0
         self._stall += dt
         log.info("asynchronous checkpoints: %.2f GB of host buffers allocated%s in %.2fs (once; saves reuse them)",
@@ -231,9 +127,9 @@ class CheckpointManager:
 
     def _save(self, step: int, model, optimizer, extra: dict, per_rank: dict) -> str:
         rank, world = rank_world()
-        name = f"step_{step:010d}"
+        name = step_name(step)
         tmp, final = os.path.join(self.path, f".tmp_{name}"), os.path.join(self.path, name)
-        state = _state(model, optimizer)
+        state = dcp_state(model, optimizer)
         # A non-finite state saved as COMPLETE would be resumed from, and retention would delete the
         # good checkpoints behind it: refuse before staging or writing anything.
         bad = sorted({n for names in gather_all(integrity.nonfinite(state)) for n in names})
@@ -262,7 +158,7 @@ class CheckpointManager:
             if self.async_save:  # returns once staged in host memory; written in the background
                 self._async.start(step, state, tmp, final, t0)
             else:
-                _dcp(dcp.save, state, tmp)
+                run_dcp(dcp.save, state, tmp)
 
         err = None
         for phase in (make_tmp, write_own_files, write_state):  # every rank agrees after each
@@ -284,7 +180,7 @@ class CheckpointManager:
         if rank == 0:
             try:
                 if os.path.exists(final):  # the same step saved again (e.g. final step == periodic step)
-                    _remove_checkpoint(final)
+                    remove_checkpoint(final)
                 os.replace(tmp, final)
                 integrity.fsync_dir(self.path)
                 marker = {"step": step, "world_size": world, "time": time.time(), "torch": torch.__version__,
@@ -332,7 +228,7 @@ class CheckpointManager:
     def _raise_if_failed(self, step: int, folder: str, err: BaseException | None) -> None:
         """Collective: if any rank failed, every rank names the cause (a full disk above all), drops
         the half-written folder and raises StorageError."""
-        if (err := _agree(err, StorageError)) is None:
+        if (err := agree(err, StorageError)) is None:
             return
         self._async.abandon()  # a started background write must not outlive its folder
         problem = integrity.storage_problem(err, self.path if os.path.isdir(self.path) else os.path.dirname(self.path))
@@ -355,87 +251,21 @@ class CheckpointManager:
             return
         done = [folder for _, folder in self.complete_checkpoints(warn=False) if folder not in self._unloadable]
         # saves check finiteness; older code's checkpoints did not, and must not crowd out the last good one
-        finite = [folder for folder in done if _marker(folder).get("finite") is True]
+        finite = [folder for folder in done if read_marker(folder).get("finite") is True]
         kept = set(done[-keep:]) | {written} | set(finite[-1:])
         for folder in done:
             if folder not in kept:
                 log.info("retention: removing %s", folder)
-                _remove_checkpoint(folder)
+                remove_checkpoint(folder)
 
     # -- load --------------------------------------------------------------------------------
     def load(self, path: str, model, optimizer, source_rank=None) -> tuple[dict, dict]:
-        """Load model (+ optimizer unless None) in place; return (extra, per_rank).
+        """Collective: load.load_checkpoint (checks agreed by every rank, then the state in place)."""
+        return load_checkpoint(path, model, optimizer, source_rank)
 
-        Collective. Checks first, agreed by every rank: the marker's checksums (CheckpointLoadError),
-        the tensor names and shapes against the model (ModelMismatchError), and `source_rank(path,
-        extra, saved_world_size)`, which says whose rank{r}.pt to return (None: {}) and may raise
-        ConfigError to refuse the layout. Default: this rank's file if the world size is unchanged."""
-        rank, world = rank_world()
-        marker = _marker(path)
-        saved_world = marker.get("world_size", world)
-        state = _state(model, optimizer)
-        err, extra, src = None, None, None
-        try:
-            if "files" not in marker:
-                raise CheckpointLoadError(f"{path}: its {MARKER} marker is missing, unreadable or without its "
-                                          f"file list")
-            problems = integrity.verify(path, marker["files"], rank, world)
-            if problems:
-                raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
-            extra = integrity.load_file(os.path.join(path, "extra.pt"))
-            _check_tensors(path, state)
-            if source_rank is not None:
-                src = source_rank(path, extra, saved_world)
-            elif saved_world == world:
-                src = rank
-            else:  # DCP reshards model/optimizer fine; per-rank state (data position, RNG) has no meaning now
-                log.warning("checkpoint %s was written by %d ranks, now %d: per-rank state not restored",
-                            path, saved_world, world)
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed, then raised on every rank
-            err = e
-        if (err := _agree(err)) is not None:
-            raise err
-        _dcp(dcp.load, state, path)
-        bad = integrity.nonfinite(state)  # e.g. a checkpoint written before checksums or the save-time check
-        err = CheckpointLoadError(f"{path}: non-finite values in {', '.join(bad[:4])}") if bad else None
-        if (err := _agree(err)) is not None:  # before set_state_dict, which may be collective
-            raise err
-        if optimizer is None:
-            set_model_state_dict(model, state["model"])
-        else:
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        return extra, (integrity.load_file(os.path.join(path, f"rank{src}.pt")) if src is not None else {})
-
-    def load_model_only(self, path: str, model):
-        """Weights only, from a step folder or from a checkpoints root (its newest complete one)."""
-        if not os.path.exists(os.path.join(path, ".metadata")):
-            done = self.complete_checkpoints(root=path)
-            if not done:
-                raise FileNotFoundError(f"init checkpoint {path!r}: neither a DCP folder (.metadata) "
-                                        f"nor a folder of complete step_* checkpoints")
-            path = done[-1][1]
-        files = _marker(path).get("files")
-        if files is None and os.path.exists(os.path.join(path, MARKER)):  # no marker at all: another tool's DCP folder
-            raise CheckpointLoadError(f"init checkpoint {path}: its {MARKER} marker is empty, unreadable or without "
-                                      f"its file list: the folder is torn")
-        problems = sum(gather_all(integrity.verify(path, files, *rank_world()) if files else []), [])
-        hint = "repair it, or point checkpoint.init_ckpt_path at another checkpoint of this model"
-        if problems:
-            raise ConfigError(f"init checkpoint {path}: {'; '.join(problems)} (against the checksums in its "
-                              f"{MARKER}); {hint}")
-        err = None
-        try:  # DCP's failures are tracebacks of every rank: one line naming the folder instead
-            state = _state(model, None)
-            _dcp(dcp.load, state, path)
-            set_model_state_dict(model, state["model"])
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed, then raised on every rank
-            integrity.reraise_interrupt(e)
-            err = e
-        if (err := _agree(err, kind=ConfigError)) is not None:
-            raise ConfigError(f"init checkpoint {path} cannot be loaded into this model "
-                              f"({integrity.root_cause(err)}); {hint}") from err
-        log.info("initialized model weights from %s", path)
-        return path
+    def load_model_only(self, path: str, model) -> str:
+        """Collective: load.load_weights (a step folder, or a checkpoints root's newest complete one)."""
+        return load_weights(path, model)
 
     def _run_id(self, create: bool = False) -> str | None:
         """This run's id (<dump_dir>/.run_id), made on request: it follows the folder when it is moved."""
@@ -465,7 +295,7 @@ class CheckpointManager:
         if os.path.realpath(self.path).startswith(mine + os.sep):
             return done, None
         for _, folder in done:
-            marker = _marker(folder)
+            marker = read_marker(folder)
             theirs = marker.get("dump_dir")
             if theirs is not None and theirs != mine and marker.get("run_id") != my_id:
                 return done, (f"checkpoint.path {self.path} holds the checkpoints of another run (dump_dir "

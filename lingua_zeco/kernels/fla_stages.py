@@ -24,6 +24,8 @@ from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 from fla.ops.common.chunk_h import chunk_bwd_dh
 # dA = scale · do vᵀ inside each chunk, causal (the gradient of the intra-chunk scores, scale included)
 from fla.ops.gla.chunk import chunk_gla_bwd_dA
+# the intra-chunk parts of dq, dk, from dA (fla's; ours, gla_bwd_intra.py, replaces it: the reference of benchmarks)
+from fla.ops.gla.chunk import chunk_gla_bwd_dqk_intra
 # dv = Aᵀ do (intra) + (k ⊙ 2^(g_cs_end − g_cs)) dh_n (inter)
 from fla.ops.gla.chunk import chunk_gla_bwd_dv
 # the inter-chunk parts of dq, dk (from h, dh) added to the intra ones, and dg (fp32; chunk_gla_bwd_dqkg_to below
@@ -97,5 +99,5 @@ def chunk_gla_bwd_dqkg_to(qkvg, h, dh, do, dqk, *, scale, dtypes, layout: ChunkL
 
 
 __all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA",
-           "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv",
+           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv",
            "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "gate_cumsum"]

@@ -21,12 +21,13 @@ from dataclasses import dataclass, field
 
 from lingua_zeco.args import ConfigError, parse_args
 
-from .calibrate import RAW, RAW_1GPU, RAW_FUSED, calibrate, check_rows, shown, symm_hop_fit
+from .calibrate import RAW, RAW_1GPU, RAW_FUSED, calibrate, check_rows, symm_hop_fit
 from .inputs import NotMeasured, format_inputs, inputs_rows, lookup
 from .links import (Topology, TopologyArgs, apply_link_calibration, complete_links, default_links, load_calibration,
                     numeric_keys)
 from .memory import MemoryArgs, peak_memory
 from .op_model import OpArgs, op_rows
+from .raw_files import shown
 from .schedules import DeviceArgs, comm_rows
 from .throughput import ThroughputArgs, throughput_rows
 
@@ -49,10 +50,10 @@ class PerfModelArgs:
     raw: str = "default"
     # folder of single-GPU bench_train JSON (searched recursively; per variant and length the newest file):
     # our trainer's step ("ours" rows) for tokens/s, else fla's rows scale metrics_dp.jsonl to other lengths;
-    # default: the committed one-H200 session (calibrate.RAW_1GPU) whenever raw= is used; none: not used
+    # default: the committed one-H200 measurements (calibrate.RAW_1GPU) whenever raw= is used; none: not used
     raw_1gpu: str = "default"
     # the fused operator's extra work for the predictions: a bench_fused JSON, or a folder whose newest one is
-    # taken; default: the committed one-H200 session (calibrate.RAW_FUSED) whenever raw= is used;
+    # taken; default: the committed one-H200 measurements (calibrate.RAW_FUSED) whenever raw= is used;
     # none: raw's own bench_fused.json (the operator raw's runs measured)
     raw_fused: str = "default"
     json: str = ""  # also write every table here

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lingua_zeco.args import ConfigError
+from lingua_zeco.args import ConfigError, at_least
 from lingua_zeco.reliability.errors import NonFiniteError
 
 log = logging.getLogger(__package__)  # "lingua_zeco.reliability" in log lines, one name for the package
@@ -25,8 +25,7 @@ class ReliabilityArgs:
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ConfigError(f"reliability.nonfinite={self.nonfinite!r}; "
                               f"choose one of {', '.join(NONFINITE_POLICIES)}")
-        if self.max_skips < 0:
-            raise ConfigError(f"reliability.max_skips={self.max_skips} must be >= 0")
+        at_least({"reliability.max_skips": self.max_skips}, 0)
 
 
 @dataclass

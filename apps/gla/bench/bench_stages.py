@@ -42,7 +42,7 @@ def _median_us(fns: dict, device, warmup: int, iters: int) -> dict:
 
 def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     # fla and Triton: imported on the GPU only; fla's own intra stages straight from fla (the reference)
-    from fla.ops.gla.chunk import chunk_gla_bwd_dqk_intra, chunk_gla_fwd_intra_gk
+    from lingua_zeco.kernels.fla_stages import chunk_gla_bwd_dqk_intra, chunk_gla_fwd_intra_gk
 
     from lingua_zeco.kernels import GLAOptions, fla_stages, zeco_stages
     from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra as ours_dqk_intra

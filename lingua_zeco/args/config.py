@@ -1,44 +1,24 @@
-"""Dataclass <-> OmegaConf: defaults, then a YAML file, then CLI `key.sub=value` overrides.
-
-    args = parse_args(TrainArgs, ["config=debug.yaml", "steps=10", "distributed.sp_size=2"])
-
-* `config=NAME` is a path if such a file exists, else `configs/NAME` (".yaml" may be left off);
-  a file's top-level `base: OTHER.yaml` merges OTHER under it (its own values win; OTHER is looked up
-  beside the file, then in configs/; bases may have bases, a cycle is an error);
-  a dataclass with its own `config` field takes `config=` as that key instead (eval, generate: the
-  run's config.yaml).
-* A list key takes `key=[a,b]` or `key=a,b` (one value: a one-element list).
-* A text key declared with `raw_text()` (generate's prompt) takes the characters after `key=` as they
-  are: no YAML parsing, so `prompt="Question: what is"`, `prompt="[1, 2]"` or `prompt=true` stay text.
-* `--help` (or `-h`) prints the keys with their types, defaults and descriptions, and exits 0. A
-  key's description is the comment on its line, else the comment lines right above it.
-* A key that the dataclass does not have is an error that lists the valid keys at that level
-  (OmegaConf's own message names only the bad key, which is little help for a typo).
-* Types are strict: OmegaConf validates every value against the dataclass annotations.
-* `dump_config` writes the resolved config, so a run can be repeated from its dump_dir alone.
-"""
+"""Building a config object: the dataclass's defaults, then a YAML file (with its base: files), then the
+command-line overrides, every key checked against the dataclass; each section's own checks; the dump of
+the resolved config."""
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import io
 import logging
 import os
 import sys
-import textwrap
-import tokenize
 import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from .keys import HELP_FLAGS, dataclass_of, exit_with_help, is_list, is_raw_text, key_hint, yaml_file_key
+
 T = TypeVar("T")
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-HELP_FLAGS = ("-h", "--help")
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
 class ConfigError(ValueError):
@@ -74,15 +54,6 @@ def at_least(values: dict, least: int = 1, meaning: dict | None = None) -> None:
             raise ConfigError(f"{key}={value} must be >= {least}{note}")
 
 
-RAW_TEXT = "raw_text"  # field metadata key: the command-line value is the text as written
-
-
-def raw_text(default: str = "") -> Any:
-    """A str field whose command-line value is taken as written, never parsed as YAML (a prompt is text:
-    `a: b` would become a mapping, `[1, 2]` a list, `true` a bool, `# x` nothing)."""
-    return dataclasses.field(default=default, metadata={RAW_TEXT: True})
-
-
 def resolve_config_path(name: str) -> Path:
     """An existing path wins; otherwise look the name up in configs/ (with or without .yaml)."""
     if os.path.isfile(name):
@@ -92,16 +63,6 @@ def resolve_config_path(name: str) -> Path:
             return candidate
     known = sorted(p.name for p in CONFIG_DIR.glob("*.yaml")) if CONFIG_DIR.is_dir() else []
     raise ConfigError(f"config {name!r} is neither a file nor in {CONFIG_DIR} (known: {', '.join(known) or 'none'})")
-
-
-def _dataclass_of(tp: Any) -> type | None:
-    """The dataclass inside an annotation such as `Foo` or `Foo | None`, else None."""
-    if dataclasses.is_dataclass(tp):
-        return tp
-    for arg in typing.get_args(tp):
-        if dataclasses.is_dataclass(arg):
-            return arg
-    return None
 
 
 def _retired(cls: type) -> dict:
@@ -121,7 +82,7 @@ def drop_retired(cls: type, values: Any, source: str, where: str = "") -> None:
         if key in _retired(cls):
             logging.getLogger(__name__).warning(f"{source}: config key '{path}' is ignored: {_retired(cls)[key]}")
             del values[key]
-        elif key in names and (sub := _dataclass_of(hints[key])) is not None:
+        elif key in names and (sub := dataclass_of(hints[key])) is not None:
             drop_retired(sub, values[key], source, path)
 
 
@@ -138,7 +99,7 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
         if key not in names:
             level = f"under '{where}'" if where else "at the top level"
             raise ConfigError(f"unknown config key '{path}'; valid keys {level}: {', '.join(names)}")
-        sub = _dataclass_of(hints[key])
+        sub = dataclass_of(hints[key])
         if sub is not None and val is not None and not isinstance(val, (dict, DictConfig)):
             raise ConfigError(f"'{path}' is a section, not a value (got {val!r}); set its keys, e.g. "
                               f"{path}.{dataclasses.fields(sub)[0].name}=... (--help lists them)")
@@ -160,41 +121,11 @@ def split_cli(argv: list[str], yaml_key: str | None = "config") -> tuple[str | N
     return config, overrides
 
 
-def _yaml_key(cls: type) -> str | None:
-    """`config` names a YAML to load, unless `cls` has a field of that name (then it is that key)."""
-    return None if "config" in {f.name for f in dataclasses.fields(cls)} else "config"
-
-
-def _hint(cls: type, dotted: str) -> Any:
-    """The annotation of a dotted key (`data.seq_len`), or None when there is no such key."""
-    tp: Any = cls
-    for part in dotted.split("."):
-        sub = _dataclass_of(tp)
-        hints = typing.get_type_hints(sub) if sub is not None else {}
-        if part not in hints:
-            return None
-        tp = hints[part]
-    return tp
-
-
-def _is_raw_text(cls: type, dotted: str) -> bool:
-    """Whether a dotted key names a field declared with raw_text()."""
-    *parents, name = dotted.split(".")
-    owner = _dataclass_of(_hint(cls, ".".join(parents))) if parents else cls
-    if owner is None:
-        return False
-    return any(f.name == name and f.metadata.get(RAW_TEXT) for f in dataclasses.fields(owner))
-
-
 def _set_dotted(obj: Any, dotted: str, value: str) -> None:
     *parents, name = dotted.split(".")
     for part in parents:
         obj = getattr(obj, part)
     setattr(obj, name, value)
-
-
-def _is_list(tp: Any) -> bool:
-    return any(typing.get_origin(t) in (list, tuple) or t in (list, tuple) for t in (tp, *typing.get_args(tp)))
 
 
 def _bracket_lists(cls: type, overrides: list[str]) -> list[str]:
@@ -203,8 +134,8 @@ def _bracket_lists(cls: type, overrides: list[str]) -> list[str]:
     out = []
     for arg in overrides:
         key, value = arg.split("=", 1)
-        hint = _hint(cls, key)
-        if _is_list(hint) and not value.startswith("["):
+        hint = key_hint(cls, key)
+        if is_list(hint) and not value.startswith("["):
             arg = f"{key}=[{value}]"
         elif hint is str and not value:
             arg = f"{key}=''"
@@ -217,9 +148,9 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     argv = sys.argv[1:] if argv is None else list(argv)
     if any(a in HELP_FLAGS for a in argv):
         exit_with_help(cls)
-    config, overrides = split_cli(argv, yaml_key=_yaml_key(cls))
-    raw = [a.split("=", 1) for a in overrides if _is_raw_text(cls, a.split("=", 1)[0])]
-    overrides = _bracket_lists(cls, [a for a in overrides if not _is_raw_text(cls, a.split("=", 1)[0])])
+    config, overrides = split_cli(argv, yaml_key=yaml_file_key(cls))
+    raw = [a.split("=", 1) for a in overrides if is_raw_text(cls, a.split("=", 1)[0])]
+    overrides = _bracket_lists(cls, [a for a in overrides if not is_raw_text(cls, a.split("=", 1)[0])])
     layers = []
     if config is not None:
         path = resolve_config_path(config)
@@ -316,94 +247,3 @@ def dump_config(args: Any, dump_dir: str | os.PathLike, name: str = CONFIG_NAME)
     tmp.write_text(OmegaConf.to_yaml(OmegaConf.structured(args)))
     os.replace(tmp, path)  # atomic: a reader never sees half a config
     return path
-
-
-# -- --help ----------------------------------------------------------------------------------------
-def exit_with_help(cls: type) -> typing.NoReturn:
-    print(help_text(cls))
-    sys.exit(0)
-
-
-def help_text(cls: type) -> str:
-    """Usage, the docstring of the module that defines `cls`, then one line per key (nested keys
-    dotted): `key: type = default` and its description."""
-    rows = list(_help_rows(cls, _instance(cls), ""))
-    width = min(max((len(left) for left, _ in rows), default=0), 60)
-    yaml = " [config=NAME]" if _yaml_key(cls) else ""
-    doc = inspect.getdoc(sys.modules.get(cls.__module__))
-    lines = [f"usage: {_prog()}{yaml} [key=value ...]", ""] + ([doc, ""] if doc else []) + ["keys:"]
-    lines += [f"  {left:<{width}}  {desc}".rstrip() for left, desc in rows]
-    return "\n".join(lines)
-
-
-def _prog() -> str:
-    """How this process was started: `python -m pkg.mod` or `python path/to/script.py`."""
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name:
-        return f"python -m {spec.name.removesuffix('.__main__')}"
-    path = getattr(main, "__file__", None) or (sys.argv[0] if sys.argv else "")
-    return f"python {os.path.relpath(path) if path else '...'}"
-
-
-def _instance(cls: type) -> Any:
-    try:
-        return cls()  # the defaults, default_factory included
-    except TypeError:  # a required field: fall back to the declared defaults
-        return None
-
-
-def _help_rows(cls: type, obj: Any, prefix: str):
-    hints = typing.get_type_hints(cls)
-    notes = field_comments(cls)
-    for f in dataclasses.fields(cls):
-        value = getattr(obj, f.name) if obj is not None else f.default
-        key = prefix + f.name
-        sub = _dataclass_of(hints[f.name])
-        if sub is not None and (value is None or dataclasses.is_dataclass(value)):
-            if value is None:  # an optional section: its keys, with the defaults they get when set
-                yield f"{key}: {_type_name(f.type)} = None", notes.get(f.name, "")
-            yield from _help_rows(sub, value if value is not None else _instance(sub), key + ".")
-            continue
-        shown = "(required)" if value is dataclasses.MISSING else repr(value)
-        note = notes.get(f.name, "") + (" (taken as written: no YAML parsing)" if f.metadata.get(RAW_TEXT) else "")
-        yield f"{key}: {_type_name(f.type)} = {shown}", note.strip()
-
-
-def _type_name(tp: Any) -> str:
-    if isinstance(tp, str):  # `from __future__ import annotations`: the annotation as written
-        return tp
-    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
-
-
-@functools.lru_cache(maxsize=None)
-def field_comments(cls: type) -> dict[str, str]:
-    """Field name -> its description: the comment on the field's line(s), else the comment lines
-    right above it, joined into one line; a field a base dataclass declares keeps the base's
-    description unless the subclass gives one. Empty when the source is not available."""
-    out = {}
-    for base in reversed(cls.__mro__):
-        if dataclasses.is_dataclass(base):
-            out.update({k: v for k, v in _own_field_comments(base).items() if v or k not in out})
-    return out
-
-
-def _own_field_comments(cls: type) -> dict[str, str]:
-    try:
-        src = textwrap.dedent("".join(inspect.getsourcelines(cls)[0]))
-    except (OSError, TypeError):
-        return {}
-    comments = {tok.start[0]: tok.string.lstrip("#").strip()
-                for tok in tokenize.generate_tokens(io.StringIO(src).readline) if tok.type == tokenize.COMMENT}
-    lines = src.splitlines()
-    out = {}
-    for node in ast.parse(src).body[0].body:
-        if not (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)):
-            continue
-        own = [comments[r] for r in range(node.lineno, node.end_lineno + 1) if r in comments]
-        above, r = [], node.lineno - 1
-        while r in comments and lines[r - 1].lstrip().startswith("#"):
-            above.insert(0, comments[r])
-            r -= 1
-        out[node.target.id] = " ".join(own or above)
-    return out
