@@ -136,7 +136,7 @@ def docs_for(P: int, t_local: int) -> torch.Tensor:
 
 def docs_with_empty(P: int, t_local: int, inside: int, after: int, before_end: int) -> torch.Tensor:
     """Zero-length documents at the start, `inside` rank 0, at rank 1's first token and at the end; the
-    others end `after` tokens into rank 1 and `before_end` tokens before the end (issue 17)."""
+    others end `after` tokens into rank 1 and `before_end` tokens before the end."""
     T = P * t_local
     return torch.tensor(sorted([0, 0, inside, inside, t_local, t_local, min(t_local + after, T), T - before_end, T, T]))
 

@@ -168,7 +168,7 @@ def _sp_groups_worker(rank, world, sp, node_size):
 
 @pytest.mark.parametrize("world,sp,node_size", [(4, 2, 1), pytest.param(8, 4, 2, marks=pytest.mark.slow)])
 def test_every_algorithm_on_several_sp_groups(world, sp, node_size):
-    """Issue 17: hier made its sub-groups lazily inside one SP group; new_group is collective over the
+    """hier once made its sub-groups lazily inside one SP group; new_group is collective over the
     world, so SP groups that built different sub-groups mixed up their gloo connections."""
     results = run_on_ranks(_sp_groups_worker, world, sp, node_size, timeout_s=180)
     for rank, errs in enumerate(results):
@@ -204,7 +204,7 @@ def test_hier_sub_groups_must_be_made_up_front():
 
 
 def _scratch_worker(rank, world):
-    """Issue 15: the scans stage, send and fold in persistent scratch buffers. Repeated calls make no new
+    """The scans stage, send and fold in persistent scratch buffers. Repeated calls make no new
     buffers, no result is a scratch buffer, and a result kept from an earlier call (as autograd keeps
     them) is not overwritten by later calls; decay and matrix transitions, every algorithm."""
     from lingua_zeco.comm import MATRIX, pair_scan

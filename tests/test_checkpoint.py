@@ -114,7 +114,7 @@ def test_retention_keeps_newest_complete(tmp_path):
 
 def test_retention_keeps_the_save_made_after_falling_back_from_a_damaged_newest(tmp_path, caplog):
     """keep=1, the newest checkpoint (20) damaged: the rerun falls back to 10 and saves 12 (a SIGTERM save).
-    Retention must keep 12, the one it just wrote, though 20 has a higher step (issue 39, item 1); the
+    Retention must keep 12, the one it just wrote, though 20 has a higher step; the
     damaged one does not count among the newest and is left in place for inspection."""
     m, o, mgr, _ = _saved_run(tmp_path, (10, 20))
     damaged = os.path.join(mgr.path, "step_0000000020")
@@ -150,7 +150,7 @@ def _stale_listing(rank, world, root):
 
 
 def test_every_rank_resumes_the_step_rank_0_lists(tmp_path):
-    """Rank 0 lists the candidates and every rank loads the same step (issue 39, item 13)."""
+    """Rank 0 lists the candidates and every rank loads the same step."""
     res = run_on_ranks(_stale_listing, 2, str(tmp_path), timeout_s=120)
     assert [r[:3] for r in res] == [(2, {"step": 2}, {"rank": 0}), (2, {"step": 2}, {"rank": 1})]
     assert res[0][3] == res[1][3]
@@ -233,7 +233,7 @@ def test_two_gloo_ranks_plain_and_fsdp2(tmp_path):
     assert all(torch.allclose(v, single.state_dict()[k], rtol=0, atol=1e-6) for k, v in m.state_dict().items())
 
 
-# -- integrity: checksums, non-finite state (issue 17, item 8) -------------------------------------------
+# -- integrity: checksums, non-finite state-------------------------------------------
 def _scribble(folder: str, values: torch.Tensor, flip_low_bit: bool = False):
     """Overwrite a tensor's bytes inside its .distcp shard with 0xFF (a NaN pattern), or flip the lowest
     mantissa bit of one value (still finite, just wrong), keeping the file size: what a bad disk or a
@@ -255,7 +255,7 @@ def _scribble(folder: str, values: torch.Tensor, flip_low_bit: bool = False):
 def test_garbage_inside_a_shard_fails_its_checksum_and_falls_back(tmp_path, caplog, marker):
     """A byte flipped inside a shard (a finite, wrong weight): the checksum in COMPLETE catches it. A
     marker that is empty, garbage or without its file list proves nothing: that folder is torn, not a
-    complete checkpoint whose check is off (issue 39, item 4)."""
+    complete checkpoint whose check is off."""
     import json
 
     m, o, mgr, saved = _saved_run(tmp_path, (1, 2))

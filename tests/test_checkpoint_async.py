@@ -216,7 +216,7 @@ def test_stager_keeps_its_buffers_and_copy_table_across_saves():
 
 def test_prepared_host_buffers_are_the_ones_every_save_copies_into(tmp_path):
     """prepare() allocates (on CUDA pins) the host buffers once, before the first save: the first save then
-    only copies, like the later ones (issue 39, item 8: the first save stalled for the allocation)."""
+    only copies, like the later ones (the first save used to stall for the allocation)."""
     m = _model(0)
     o = _opt(m)
     _train(m, o, 1)
@@ -236,7 +236,7 @@ def test_prepared_host_buffers_are_the_ones_every_save_copies_into(tmp_path):
 
 def test_a_save_waiting_for_the_previous_write_is_logged_and_counted(tmp_path, monkeypatch, caplog):
     """A save that starts while the previous background write still runs blocks the loop: say so, with
-    the cause, and count the seconds (issue 39, item 8)."""
+    the cause, and count the seconds."""
     monkeypatch.setenv(WRITE_DELAY_ENV, "0.4")
     m = _model(0)
     o = _opt(m)
@@ -254,7 +254,7 @@ def test_a_save_waiting_for_the_previous_write_is_logged_and_counted(tmp_path, m
 def test_the_trainer_logs_and_counts_checkpoint_stalls(tmp_path, monkeypatch, caplog):
     """Saves every step with held background writes: each save waits for the previous write. The log
     says so with the cause, and metrics.jsonl counts the seconds (ckpt_stall_s), which the step time
-    leaves out (issue 39, item 8); the host buffers are allocated once, after the first step."""
+    leaves out; the host buffers are allocated once, after the first step."""
     from apps.gla.train import TrainArgs, train
     from lingua_zeco.args import parse_args
     from lingua_zeco.metrics import read_metrics

@@ -98,7 +98,7 @@ def test_fla_matches_torch_backend_on_gpu(varlen):
 
 def test_torch_chunk_ignores_bf16_autocast():
     """The torch backend stands in for fla's kernels, which accumulate in fp32 whatever autocast says;
-    under CPU bf16 autocast its matmuls were cast to bf16 (issue 17: errors of ~1e-2)."""
+    under CPU bf16 autocast its matmuls were cast to bf16 (errors of ~1e-2)."""
     q, k, v, g = (t.requires_grad_() for t in inputs(T=21))
     h0 = torch.randn(2, 2, 8, 6)
     do = torch.randn(2, 21, 2, 6, dtype=torch.float64)
@@ -117,7 +117,7 @@ def test_torch_chunk_ignores_bf16_autocast():
 def test_torch_chunk_zero_length_documents():
     """Empty documents (equal consecutive boundaries: at the start, inside, at the end) change nothing:
     the output and every gradient equal those of the same sequence without them, and an empty
-    document's final state is its initial state (issue 17: they crashed in a reshape)."""
+    document's final state is its initial state (they once crashed in a reshape)."""
     q, k, v, g = inputs(B=1, T=33)
     cu_empty, cu_plain = torch.tensor([0, 0, 7, 7, 7, 20, 33, 33]), torch.tensor([0, 7, 20, 33])
     real, empty = [1, 4, 5], [0, 2, 3, 6]  # cu_empty's documents by length

@@ -26,7 +26,7 @@ def test_plain_files_mode(tmp_path):
 
 def test_metrics_are_strict_json_and_a_resume_drops_the_steps_it_redoes(tmp_path):
     """NaN/inf are written as null (a strict parser reads every line); a logger opened at resume_step
-    removes the records after that step, which the resumed run logs again (issue 39, item 7)."""
+    removes the records after that step, which the resumed run logs again."""
     m = MetricLogger(str(tmp_path), LoggingArgs(), active=True)
     for step, loss in ((1, 2.5), (2, float("nan")), (3, float("inf")), (4, 1.5)):
         m.log({"step": step, "loss": loss, "nested": {"x": float("-inf")}})

@@ -317,7 +317,7 @@ def test_retention_and_resume_ignore_a_torn_newer_checkpoint(tmp_path, caplog):
     assert "torn" in caplog.text
 
 
-# -- issue 17: resume and checkpoints --------------------------------------------------------------------
+# -- resume and checkpoints --------------------------------------------------------------------
 def test_ctrl_c_checkpoints_like_sigterm(tmp_path):
     """SIGINT (Ctrl-C) after step 3: step 4 is saved and the run exits 0, as with SIGTERM."""
     rc, out, err = _finish(_popen(tmp_path, "steps=1000", "checkpoint.dump.every=1000",
@@ -438,7 +438,7 @@ def test_full_disk_at_save_is_named_no_space_left(tmp_path, size):
     assert "step 2/3" in out and "step 3/3" not in out
 
 
-# -- issue 39: nothing lost, nothing misreported -----------------------------------------------------------
+# -- nothing lost, nothing misreported -----------------------------------------------------------
 def _wait_for_metrics(p: subprocess.Popen, dump_dir: Path) -> None:
     deadline = time.monotonic() + 120
     while not (dump_dir / "metrics.jsonl").exists() or not read_metrics(dump_dir / "metrics.jsonl"):

@@ -332,7 +332,7 @@ def test_fla_widened_pass_two_virtual_ranks_on_gpu():
     _close(got, ref, NAMES)
 
 
-# ----------------------------------------------------------------------------- bf16 autocast (issue 17)
+# ----------------------------------------------------------------------------- bf16 autocast
 
 # Under the trainer's bf16 autocast, the scan's matrix products and the correction S_inᵀ q̃ ran in bf16
 # (autocast casts matmul/bmm). fp32 inputs must still give fp32-level results: bf16 misses this by far.
@@ -351,7 +351,7 @@ def test_sp_gated_delta_under_bf16_autocast_stays_fp32():
                      "gated delta under bf16 autocast vs the float64 oracle:", dtype=torch.float32)
 
 
-# ----------------------------------------------------------------------------- empty documents (issue 17)
+# ----------------------------------------------------------------------------- empty documents
 
 @pytest.mark.parametrize("P", [1, 2])
 def test_zero_length_documents_change_nothing(P):

@@ -91,7 +91,7 @@ def test_local_input_errors():
         sp_gla(q[:1], q[:1], q[:1], q[:1].clamp(max=0), cu_seqlens=torch.tensor([0, 3, 9]))
 
 
-# Issue 17: under the trainer's bf16 autocast the state correction ran in bf16 (its einsum is a bmm,
+# Under the trainer's bf16 autocast the state correction ran in bf16 (its einsum is a bmm,
 # which autocast casts). fp32 inputs under autocast must still give fp32-level results: a bf16
 # correction misses this tolerance by orders of magnitude (bf16 carries 8 bits).
 AUTOCAST_VARIANTS = [("zeco", "chain", False), ("zeco", "tree", True), ("zeco", "hier", False),
@@ -120,7 +120,7 @@ def test_sp_gla_under_bf16_autocast_keeps_fp32_state_and_correction():
                      "sp_gla under bf16 autocast vs the float64 oracle:", dtype=torch.float32)
 
 
-# Issue 17: zero-length documents (equal consecutive boundaries) crashed the torch backend. They must
+# Zero-length documents (equal consecutive boundaries) once crashed the torch backend. They must
 # change nothing: the result equals that of the same sequence with them removed, gradients too.
 EMPTY_DOC_VARIANTS = [("zeco", "chain"), ("zeco", "tree"), ("lasp1", "chain"), ("lasp2", "chain")]
 

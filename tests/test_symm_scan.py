@@ -127,7 +127,7 @@ print("no error", flush=True)
 def test_a_dead_peer_ends_the_wait_instead_of_hanging(fused):
     """Position 1 of 2 waits for a predecessor that never runs: after the timeout the waiting kernel
     traps and the process ends with a CUDA error instead of hanging. A subprocess, with its own time
-    limit: the first form of this test ran in a run_on_ranks worker and failed on 2026-12-02 (run 11)
+    limit: the first form of this test ran in a run_on_ranks worker and failed on 2026-12-02
     with no result from the worker; whether the wait did not end or the dying process lost its result
     was not established (no device time was left), so this form tells the two apart."""
     import os

@@ -143,7 +143,7 @@ def test_resume_continues_exactly(tmp_path, async_save):
 
 
 def test_changed_optimizer_settings_apply_from_the_resumed_step(tmp_path, caplog):
-    """optim.lr / optim.weight_decay changed on resume (issue 39, item 5): applied from the resumed step
+    """optim.lr / optim.weight_decay changed on resume: applied from the resumed step
     on (the saved values used to win silently while config.yaml showed the new ones), and said so."""
     from test_reliability import _state
 
@@ -163,7 +163,7 @@ def test_changed_optimizer_settings_apply_from_the_resumed_step(tmp_path, caplog
 
 @pytest.mark.parametrize("steps", [4, 2])
 def test_nothing_to_do_leaves_the_run_record_alone(tmp_path, caplog, steps):
-    """A rerun with steps at (a finished run) or below the checkpoint's step (issue 39, item 6): one line
+    """A rerun with steps at (a finished run) or below the checkpoint's step: one line
     saying there is nothing to do and where the outputs are; config.yaml, metrics.jsonl and the
     checkpoints stay exactly as they were."""
     common = ["data.seq_len=32", "checkpoint.dump.every=2"]
@@ -180,7 +180,7 @@ def test_nothing_to_do_leaves_the_run_record_alone(tmp_path, caplog, steps):
     assert [f.read_bytes() for f in files] == before and sorted(os.listdir(tmp_path / "checkpoints")) == ckpts
 
 
-# -- issue 17: resume and checkpoints --------------------------------------------------------------------
+# -- resume and checkpoints --------------------------------------------------------------------
 def _main_error(capsys, argv) -> str:
     """Run the CLI in-process; it must stop with exit 2 and exactly one `error:` line: return it."""
     from apps.gla.train import main
