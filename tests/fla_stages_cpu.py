@@ -162,3 +162,30 @@ STAGES = SimpleNamespace(gate_cumsum=gate_cumsum, chunk_fwd_h_packed=chunk_fwd_h
                          chunk_bwd_dh_packed=chunk_bwd_dh_packed, chunk_gla_bwd_dA=chunk_gla_bwd_dA,
                          chunk_gla_bwd_dv=chunk_gla_bwd_dv, chunk_gla_bwd_dqkg=chunk_gla_bwd_dqkg,
                          chunk_gla_bwd_dqkg_to=chunk_gla_bwd_dqkg_to)
+
+
+def in_float64(stage):
+    """`stage` on float64 copies of its floating-point tensor arguments (also inside tuples): an operator fed
+    16-bit inputs then runs its stages exactly, and the only rounding left in a result is the dtype the operator
+    asks it in."""
+    def up(x):
+        if isinstance(x, tuple):
+            return tuple(map(up, x))
+        return x.double() if torch.is_tensor(x) and x.is_floating_point() else x
+
+    def run(*args, **kwargs):
+        return stage(*map(up, args), **{name: up(x) for name, x in kwargs.items()})
+    return run
+
+
+STAGES_FLOAT64 = SimpleNamespace(**{name: in_float64(stage) for name, stage in vars(STAGES).items()})
+
+
+def use_cpu_stages(monkeypatch, module, exact: bool = False):
+    """Run `module`'s own code (kernels/gla_chunk.py, sp/fused_zeco.py, sp/fused_packed.py) over the stages above:
+    its `fla` and our intra-chunk stages (fwd_A, dqk_intra) replaced. exact: every stage on float64 copies of its
+    inputs (STAGES_FLOAT64)."""
+    wrap = in_float64 if exact else (lambda stage: stage)
+    monkeypatch.setattr(module, "fla", STAGES_FLOAT64 if exact else STAGES)
+    monkeypatch.setattr(module, "fwd_A", wrap(fwd_A))
+    monkeypatch.setattr(module, "dqk_intra", wrap(dqk_intra))

@@ -1,6 +1,0 @@
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD || exit 1
-export TRITON_CACHE_DIR=/tmp/tc PYTHONUNBUFFERED=1; mkdir -p /tmp/tc && tar xzf setup/gpu/triton_autotune_h200.tgz -C /tmp/tc
-date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-echo "== diag"; timeout 60 python3 .probe/diag.py > /tmp/diag.log 2>&1; grep -v Warn /tmp/diag.log | grep -v "^frame" | tail -12; grep -q "^rev" /tmp/diag.log || exit 3
-echo "== pytest"; timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_symm_scan.py 2>&1 | tail -25 | tee $OUT/test_symm_scan.log
-for P in 2 4 8; do echo "== loopback P=$P"; timeout 60 python3 -m apps.gla.bench.bench_comm out=$OUT/loopback loopback=$P methods=[chain,tree] p2p_sizes=[] heads=[16] blocks=[1,2] warmup=20 iters=100 2>&1 | grep -E "^\||rror" | tail -14; done
