@@ -41,9 +41,9 @@ class DistributedArgs:
     meta_init: bool = True  # build on the meta device, shard, then allocate and init (lingua_zeco/meta_init.py)
     # block: one FSDP unit per block (weights gathered a block at a time: the least memory);
     # model: one unit for the whole model. On a one-rank mesh sharding saves nothing, and the per-block
-    # units' host work made GLA-1B's forward host-bound on an H200 (docs/results/performance.md); the
+    # units' host work made GLA-1B's forward host-bound on an H200 (docs/results/README.md, "History"); the
     # price is the compute-dtype copy of every weight held through the step (its memory and speed-up:
-    # docs/results/performance.md, "Where the host holds the step back")
+    # docs/results/README.md, "History")
     fsdp_unit: str = "block"
     param_dtype: str = "bf16"  # FSDP compute dtype on GPU; CPU always runs fp32
     reduce_dtype: str = "fp32"  # gradient reduction dtype on GPU

@@ -28,7 +28,7 @@ MIN_FLOAT8_DIM = 64  # smaller GEMMs (the gate's rank-16 projections) cost more 
 
 def compile_enabled(args: GLAArgs, device: torch.device, sp_size: int = 1) -> bool:
     """model.compile: blocks | none | auto: blocks on CUDA without sequence parallelism, where it was measured
-    faster (docs/results/performance.md); none on a CPU (compiling costs more than a short run saves) and
+    faster (docs/results/README.md, "History"); none on a CPU (compiling costs more than a short run saves) and
     under SP (the exchange breaks each block's graph; not measured on GPUs yet: model.compile=blocks asks)."""
     return args.compile == "blocks" or (args.compile == "auto" and device.type == "cuda" and sp_size == 1)
 

@@ -169,12 +169,12 @@ class GLAForCausalLM(nn.Module):
         if self.args.fused_kernels and h.is_cuda and not self.args.float8_head:  # float8_head: lm_head's own GEMM
             # Never materialises the [tokens, vocab] logits. fla's default accumulates the head's weight
             # gradient in fp32, which runs as a non-tensor-core SGEMM, a large share of a GLA-1B step on an
-            # H200 (docs/results/performance.md, "Target 1").
+            # H200 (docs/results/README.md, "History").
             from fla.modules.fused_linear_cross_entropy import FusedLinearCrossEntropyLoss
             loss_fn = FusedLinearCrossEntropyLoss(reduction="sum", accumulate_grad_in_fp32=False)
             # fla's function is not autocast-aware: under plain autocast (fp32 parameters, distributed.fsdp=false)
             # h is fp32 (the residual stream) and the head's GEMM ran as a slow fp32 SIMT SGEMM
-            # (docs/results/performance.md, "The GLA-1B step on one H200"). h and the weight in the autocast
+            # (docs/results/README.md, "History"). h and the weight in the autocast
             # dtype, as nn.Linear would be; a no-op under FSDP's bf16 parameters.
             if torch.is_autocast_enabled("cuda"):
                 h = h.to(torch.get_autocast_dtype("cuda"))

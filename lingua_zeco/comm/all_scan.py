@@ -48,7 +48,7 @@ class AllScanArgs:
     alpha_s: float = 45e-6
     beta_Bps: float = 300e9
     # extra cost of one tree round over one chain message (batched send/recv, packing), from the P = 2
-    # chain and tree times between two H200s (docs/results/all_scan.md, "Measured at P = 2")
+    # chain and tree times between two H200s (docs/results/README.md, "Two H200s")
     tree_round_extra_s: float = 240e-6
     # hier / auto across nodes: ranks per node (0 = LOCAL_WORLD_SIZE from torchrun; 0 there = one node)
     # and the per-message cost across nodes (InfiniBand NDR 400 Gb/s per GPU; a lead, not measured)
@@ -65,7 +65,7 @@ class AllScanArgs:
     # fused ZeCO: scan on a side stream overlapped with the intra-chunk work (on), on the caller's stream
     # (off), or whichever measured faster in this run's first calls, per group, shape and direction (auto:
     # lingua_zeco/sp/overlap.py). At P = 2 blocking was the faster in GLA-1B training
-    # (docs/results/performance.md, "Target 3"), so no one choice holds for every P.
+    # (docs/results/README.md, "Two H200s"), so no one choice holds for every P.
     overlap: str = "auto"
 
     def check(self) -> None:
@@ -83,8 +83,8 @@ class AllScanArgs:
 def chain_time(P: int, nbytes: int, n_blocks: int, alpha_s: float, beta_Bps: float) -> float:
     """Alpha–beta estimate of the pipelined chain: the first block crosses P-1 hops, the other n-1
     follow one hop behind each other; every block pays the per-message cost alpha (on NCCL it barely
-    depends on the message size up to a few MiB, docs/results/performance.md "Where the operator time
-    goes": so few blocks win on few ranks)."""
+    depends on the message size up to a few MiB, docs/results/README.md, "Two
+    H200s": so few blocks win on few ranks)."""
     if P <= 1:
         return 0.0
     return (P - 2 + n_blocks) * (alpha_s + nbytes / n_blocks / beta_Bps)

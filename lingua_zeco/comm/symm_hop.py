@@ -2,7 +2,8 @@
 
 SymmLink's op-by-op hop is six launches on a middle rank (wait, copy, wait for FREE, combine into the
 next rank's buffer, signal, FREE): its GPU latency per hop and host work per scan, measured with the
-one-GPU loopback, are in docs/results/all_scan.md . Here the whole hop is one Triton kernel:
+one-GPU loopback, are in docs/results/README.md ("One H200: the symmetric-memory All-Scan hop"). Here the
+whole hop is one Triton kernel:
 
     wait until DATA-in ≥ seq (the previous rank wrote y_p into this rank's buffer)
     y ← received rows;  wait until FREE-in ≥ seq − 1 (the next rank consumed our previous write)

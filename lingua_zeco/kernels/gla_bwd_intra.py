@@ -5,7 +5,7 @@ Inside a chunk of BT tokens, with fla's chunk-local base-2 gate cumsum g and dA[
 (scale included; fla's `chunk_gla_bwd_dA`):
     dq_t = Σ_{j≤t} dA_tj · k_j ⊙ 2^(g_t − g_j)          dk_j = Σ_{t≥j} dA_tj · q_t ⊙ 2^(g_t − g_j)
 Why a kernel of our own: fla's is the slowest stage of chunk_gla's backward on H200 (its share of the
-fwd+bwd: docs/results/performance.md, "Our intra-chunk backward stage"). It runs one program per
+fwd+bwd: docs/results/README.md, "One H200: the GLA operator"). It runs one program per
 16-token sub-chunk and walks the diagonal block token by token, once for dq and again for dk, each
 step a strided row load and a [16, BK] exp2. Here one program takes a whole chunk for BK keys, and
 each 16-token block s is a few tensor-core products through one reference gate, the gate g_r at s's
@@ -22,7 +22,7 @@ products in 3×TF32 (each input tile read and each exp2 taken once, instead of o
 chunks with steeper gates take the sub-chunk path above.
 Packed documents (B = 1) come as fla's varlen stages take them, with its chunk table: a program's chunk
 is (document, chunk in document), and it reads that document's rows as one sequence of its own length.
-It is faster than fla's stage on H200: docs/results/performance.md, "Our intra-chunk backward stage".
+It is faster than fla's stage on H200: docs/results/README.md, "History".
 """
 from __future__ import annotations
 

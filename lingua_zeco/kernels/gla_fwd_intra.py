@@ -6,8 +6,8 @@ Inside a chunk of BT tokens, with fla's chunk-local base-2 gate cumsum g:
     A[t, j] = scale · Σ_k q_tk k_jk 2^(g_tk − g_jk)   for j ≤ t in t's chunk, 0 above the diagonal
 Why a kernel of our own: fla computes A by 16×16 blocks, one program per block pair (half of them
 return at once) and the diagonal blocks token by token; at 16K tokens those two kernels are 0.37 ms of
-the operator's 3.1 ms and run at 27-60 % of their memory bound (docs/results/performance.md, the
-roofline). Here one program takes a whole chunk: where every gate of the chunk stays within 2^±SPAN of
+the operator's 3.1 ms and run at 27-60 % of their memory bound (docs/results/README.md, the
+operator's kernels). Here one program takes a whole chunk: where every gate of the chunk stays within 2^±SPAN of
 its middle token's (g_r), A = (q ⊙ 2^(g − g_r)) (k ⊙ 2^(g_r − g))ᵀ over the key blocks, 3×TF32; a
 steeper chunk takes fla's scheme instead (the blocks below the diagonal through the gate at the first
 token of their row block, where both factors are ≤ 1; the diagonal blocks exact, as [BC, BC, BK] tiles).

@@ -168,8 +168,8 @@ if triton is not None:
 
     @triton.autotune(
         # the four fastest of 32 candidates at 16K and 32K on H200 (bench_stages' per_config_us): a short
-        # list, so that the autotuner's noisy pick cannot land far off the best (docs/results/performance.md,
-        # its history table)
+        # list, so that the autotuner's noisy pick cannot land far off the best (docs/results/README.md,
+        # "History")
         configs=[triton.Config({"BK": 64, "BV": 128, "CPI": c, "HF": hf}, num_warps=4, num_stages=s)
                  for c, s in ((1, 3), (2, 2)) for hf in (0, 1)],
         key=["BT", "K", "V", "RAW"], cache_results=True)

@@ -1,5 +1,5 @@
 """Bytes and FLOPs of each kernel of the GLA operator (fla's chunk_gla stages and ours), for the roofline
-table (apps/gla/bench/roofline.py; docs/results/performance.md).
+table (apps/gla/bench/roofline.py; docs/results/README.md, "One H200: the GLA operator").
 
 One call of each kernel on [B, T, H, K] / [B, T, H, V] inputs in 16-bit, chunks of BT tokens (NT = T / BT):
 the least DRAM traffic the kernel can do (each input read once, each output written once; what a program

@@ -41,7 +41,7 @@ class StepGuard:
     AdamW defers the read by one step: the optimizer drops a bad update on the device (its
     `found_inf`), the flags go to pinned host memory, and the next `check` waits only for that copy,
     so the CPU keeps queueing work ahead of the GPU: a host sync inside the step stalls it, a cost
-    docs/results/performance.md ("Changes, predictions, outcomes") measures. The trainer syncs on the
+    docs/results/README.md ("History") measures. The trainer syncs on the
     steps that log, evaluate, save or end the run, so nothing is saved from an unread bad step.
     """
 
