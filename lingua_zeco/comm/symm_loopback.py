@@ -1,13 +1,13 @@
 """The symm transport on ONE GPU: P virtual ranks in one process, each on its own CUDA stream.
 
 torch's symmetric memory refuses two ranks on one GPU ("allocations from overlapping devices",
-docs/results/README.md, "One H200: the symmetric-memory All-Scan hop"), so a single GPU cannot run the
-transport across processes. Here every virtual rank owns real symmetric allocations (made on this process's
-one-rank group) and runs SymmLink unchanged on its own stream: the hop's kernels (wait on a signal, copy, the combine written into the
-next rank's buffer, put a signal) run as they do between GPUs, concurrently across the streams, minus
-NVLink. Used to test the transport's GPU kernels on one GPU and to measure a hop's GPU and host cost
-(apps/gla/bench/bench_comm.py loopback=P). A virtual rank's channel c from sender s is the real
-channel c·P + s of the receiving rank's allocation (one real rank, P virtual senders).
+docs/results/README.md, "One H200: the symmetric-memory All-Scan hop"), so a single GPU cannot run the transport
+across processes. Here every virtual rank owns real symmetric allocations (made on this process's one-rank group)
+and runs SymmLink unchanged on its own stream: the hop's kernels (wait on a signal, copy, the combine written into
+the next rank's buffer, put a signal) run as they do between GPUs, concurrently across the streams, minus NVLink.
+Used to test the transport's GPU kernels on one GPU and to measure a hop's GPU and host cost
+(apps/gla/bench/bench_comm.py loopback=P). A virtual rank's channel c from sender s is the real channel c·P + s of
+the receiving rank's allocation (one real rank, P virtual senders).
 """
 from __future__ import annotations
 
