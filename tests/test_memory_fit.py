@@ -75,13 +75,15 @@ def test_check_fits_names_bad_sizes_on_any_device(kw, msg):
 
 
 def test_kept_chunk_states_count_where_the_operator_keeps_them():
-    """model.gla_save_h: 16-bit [n_heads, 128, 128] per 64 tokens and GLA layer, on CUDA without checkpointing
-    (checkpointed blocks keep nothing of their forward; CPU runs the torch kernel, which keeps no states)."""
+    """model.gla_save_h (the default): 16-bit [n_heads, 128, 128] per 64 tokens and GLA layer, on CUDA without
+    checkpointing (checkpointed blocks keep nothing of their forward; CPU runs the torch kernel, which keeps no
+    states); model.gla_save_h=false, the memory regime, saves exactly that."""
     kept = dataclasses.replace(GLA_1B, gla_save_h=True)
     tokens = 16384
     b = estimate_bytes(kept, tokens, 1, "cuda")
     assert b["kept_states"] == tokens // 64 * 20 * 16 * 128 * 128 * 2  # 2.5 GiB for GLA-1B at 16K
-    assert b["total"] - estimate_bytes(GLA_1B, tokens, 1, "cuda")["total"] == b["kept_states"]
+    recompute = dataclasses.replace(GLA_1B, gla_save_h=False)
+    assert b["total"] - estimate_bytes(recompute, tokens, 1, "cuda")["total"] == b["kept_states"]
     for other in (dict(activation_checkpointing="full"), dict(attn_variant="simple_gla")):
         assert estimate_bytes(dataclasses.replace(kept, **other), tokens, 1, "cuda")["kept_states"] == 0
     assert estimate_bytes(kept, tokens, 1, "cpu")["kept_states"] == 0
