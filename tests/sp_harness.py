@@ -166,7 +166,7 @@ def empty_docs_worker(rank, P, op, inputs, docs, methods, t_local: int) -> dict:
 
 def grads_or_skip(fn):
     """fn() -> gradients. fla 0.6.0 refuses its gated backward on Hopper with Triton 3.4 ≤ v < 3.7.1
-    (fla issue #640; simple GLA and Gated DeltaNet, the GPU image has 3.6): call it once the forward
+    (fla bug report #640; simple GLA and Gated DeltaNet, the GPU image has 3.6): call it once the forward
     checks have passed, so that on such a stack the test skips the gradient part with that reason."""
     try:
         return list(fn())

@@ -291,7 +291,7 @@ def test_links_and_repository_paths_in_the_documents_exist():
 
 
 def test_the_documents_say_nothing_of_how_the_project_is_developed():
-    """Dates and commits say when and on what a number was measured; work sessions and issue numbers mean
+    """Dates and commits say when and on what a number was measured; counters of how the work went mean
     nothing to a reader of the repository."""
     said = [f"{doc.relative_to(ROOT)}:{i}: {line.strip()}" for doc in [*DOCUMENTS, ROOT / "slurm" / "README.md"]
             for i, line in enumerate(doc.read_text().splitlines(), 1)
