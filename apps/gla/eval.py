@@ -35,7 +35,7 @@ from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
 from lingua_zeco import distributed, reliability
 from lingua_zeco.args import CONFIG_NAME, ConfigError, parse_args
-from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, Layout, load_file
+from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, Layout, UntrustedCheckpointError, load_file
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import LoggingArgs, MetricLogger
 from lingua_zeco.sp import SPContext
@@ -85,6 +85,8 @@ def training_context(cfg: TrainArgs, ckpt_path: str) -> int:
     try:
         extra = load_file(os.path.join(ckpt_path, "extra.pt"))
         return Layout(**extra["layout"]).tokens
+    except UntrustedCheckpointError:
+        raise  # a tampered folder is refused, not read past
     except (OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError, ValueError, RuntimeError):
         pass  # no readable layout: the config's
     if isinstance(cfg.distributed.sp_size, int):

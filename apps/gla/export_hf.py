@@ -218,6 +218,10 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
         tok_path = os.path.join(folder, t["file"]) if t["file"] else None
     except (ValueError, KeyError, TypeError) as e:  # bad json, a missing or unknown key, a wrong type
         raise ConfigError(f"{meta_path} is damaged ({_one_line(e)}); {REEXPORT}") from e
+    if t["file"] and (not isinstance(t["file"], str) or os.path.basename(t["file"]) != t["file"]
+                      or t["file"] in (".", "..")):  # export() writes a bare name: nothing outside the folder
+        raise ConfigError(f"{meta_path} names tokenizer file {t['file']!r}, which is not a file of the export "
+                          f"folder; {REEXPORT}")
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"{weights} not found: {folder!r} is an incomplete export; {REEXPORT}")
     try:

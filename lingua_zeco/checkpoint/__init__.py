@@ -8,6 +8,7 @@ submodule (tests/test_architecture.py checks it); what is not listed in `__all__
   integrity.py      checksums, the non-finite check, durable writes, storage errors
   resume_layout.py  resuming on another world size: whose per-rank state each rank restores
   run_dir.py        the run's folder: its lock, the writability probe, the saved config
+  untrusted.py      reading pickles of a folder someone else may have written: weights-only, or refused
 
 `resume_layout` and `run_dir` are public as namespaces too: the trainer calls their functions qualified
 (`run_dir.lock_dump_dir`, `resume_layout.layout`), which names where each one lives.
@@ -16,13 +17,15 @@ from __future__ import annotations
 
 from . import resume_layout, run_dir
 from .async_save import WRITE_DELAY_ENV
-from .integrity import load_file, sha256
+from .integrity import sha256
 from .load import CheckpointLoadError, ModelMismatchError
 from .manager import CheckpointArgs, CheckpointManager, SaveEvery, checkpoint_dir
 from .resume_layout import Layout
 from .step_folder import MARKER
+from .untrusted import UntrustedCheckpointError, load_file
 
 __all__ = [
     "MARKER", "WRITE_DELAY_ENV", "CheckpointArgs", "CheckpointLoadError", "CheckpointManager", "Layout",
-    "ModelMismatchError", "SaveEvery", "checkpoint_dir", "load_file", "resume_layout", "run_dir", "sha256",
+    "ModelMismatchError", "SaveEvery", "UntrustedCheckpointError", "checkpoint_dir", "load_file", "resume_layout",
+    "run_dir", "sha256",
 ]

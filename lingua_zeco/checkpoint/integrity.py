@@ -54,11 +54,6 @@ def save_file(obj, path: str, as_json: bool = False):
     os.replace(part, path)
 
 
-def load_file(path: str):
-    """A file of save_file's; ours may hold numpy RNG states or other plain objects: full unpickling."""
-    return torch.load(path, map_location="cpu", weights_only=False)
-
-
 # -- checksums ---------------------------------------------------------------------------------------
 def sha256(path: str) -> str:
     h = hashlib.sha256()
@@ -87,13 +82,16 @@ def checksums(folder: str, rank: int, world: int) -> dict[str, dict]:
 
 
 def marker_files(marker: dict) -> dict[str, dict] | None:
-    """The marker's file list, {name: {size, sha256}}, or None when it is missing, empty or malformed:
-    such a marker (cut short, scribbled over, written by hand) proves nothing, so its folder is torn."""
+    """The marker's file list, {name: {size, sha256}}, or None when it is missing, empty or malformed (or
+    names a path, not a file of the folder): such a marker (cut short, scribbled over, written by hand)
+    proves nothing, so its folder is torn."""
     files = marker.get("files")
     if not isinstance(files, dict) or not files:
         return None
-    for want in files.values():
+    for name, want in files.items():
         if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("sha256"), str)):
+            return None
+        if os.path.basename(name) != name or name in ("", ".", ".."):  # a file outside the folder: never ours
             return None
     return files
 
@@ -170,10 +168,15 @@ def _causes(e: BaseException):
         stack += [v[0] if isinstance(v, tuple) else v for v in (getattr(x, "failures", None) or {}).values()]
 
 
+def cause_of(e: BaseException, kind: type) -> BaseException | None:
+    """The first exception of type `kind` in e's causes (DCP wraps every rank's failure), else None."""
+    return next((x for x in _causes(e) if isinstance(x, kind)), None)
+
+
 def reraise_interrupt(e: BaseException) -> None:
     """Ctrl-C inside a DCP call arrives wrapped in its CheckpointException: raise it as the
     KeyboardInterrupt it is, not as a damaged checkpoint (which would start a fallback)."""
-    if any(isinstance(x, KeyboardInterrupt) for x in _causes(e)):
+    if cause_of(e, KeyboardInterrupt) is not None:
         raise KeyboardInterrupt from e
 
 

@@ -10,7 +10,6 @@ import logging
 import os
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
@@ -18,7 +17,8 @@ from lingua_zeco.args import ConfigError
 from lingua_zeco.reliability import gather_all, rank_world
 
 from . import integrity
-from .step_folder import MARKER, complete_checkpoints, dcp_state, read_marker, run_dcp, saved_shapes
+from .step_folder import MARKER, complete_checkpoints, dcp_load, dcp_state, read_marker, saved_shapes
+from .untrusted import UntrustedCheckpointError, load_file, read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,13 @@ def agree(err: BaseException | None, kind: type = CheckpointLoadError) -> BaseEx
         if info is not None:
             return (ConfigError if info[0] else kind)(f"on rank {r}: {info[1]}")
     return None
+
+
+def raise_untrusted(e: BaseException) -> None:
+    """A refused pickle inside a DCP failure, raised as itself: a tampered folder, not a damaged one (no
+    fallback, and its one line rather than DCP's traceback dump)."""
+    if (untrusted := integrity.cause_of(e, UntrustedCheckpointError)) is not None:
+        raise untrusted from e
 
 
 def check_tensors(path: str, state: dict) -> None:
@@ -80,7 +87,7 @@ def load_checkpoint(path: str, model, optimizer, source_rank=None) -> tuple[dict
         problems = integrity.verify(path, marker["files"], rank, world)
         if problems:
             raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
-        extra = integrity.load_file(os.path.join(path, "extra.pt"))
+        extra = load_file(os.path.join(path, "extra.pt"))
         check_tensors(path, state)
         if source_rank is not None:
             src = source_rank(path, extra, saved_world)
@@ -93,7 +100,11 @@ def load_checkpoint(path: str, model, optimizer, source_rank=None) -> tuple[dict
         err = e
     if (err := agree(err)) is not None:
         raise err
-    run_dcp(dcp.load, state, path)
+    try:
+        dcp_load(state, path)
+    except (Exception, CheckpointException) as e:  # DCP raised it on every rank
+        raise_untrusted(e)
+        raise
     bad = integrity.nonfinite(state)  # e.g. a checkpoint written before checksums or the save-time check
     err = CheckpointLoadError(f"{path}: non-finite values in {', '.join(bad[:4])}") if bad else None
     if (err := agree(err)) is not None:  # before set_state_dict, which may be collective
@@ -102,7 +113,7 @@ def load_checkpoint(path: str, model, optimizer, source_rank=None) -> tuple[dict
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return extra, (integrity.load_file(os.path.join(path, f"rank{src}.pt")) if src is not None else {})
+    return extra, (load_file(os.path.join(path, f"rank{src}.pt")) if src is not None else {})
 
 
 def load_weights(path: str, model) -> str:
@@ -125,11 +136,13 @@ def load_weights(path: str, model) -> str:
                           f"{MARKER}); {hint}")
     err = None
     try:  # DCP's failures are tracebacks of every rank: one line naming the folder instead
+        read_metadata(path)  # a refused type as itself: DCP folds its metadata errors into an AssertionError
         state = dcp_state(model, None)
-        run_dcp(dcp.load, state, path)
+        dcp_load(state, path)
         set_model_state_dict(model, state["model"])
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed, then raised on every rank
         integrity.reraise_interrupt(e)
+        raise_untrusted(e)
         err = e
     if (err := agree(err, kind=ConfigError)) is not None:
         raise ConfigError(f"init checkpoint {path} cannot be loaded into this model "

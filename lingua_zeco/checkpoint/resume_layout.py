@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from lingua_zeco.args import ConfigError
 
-from .integrity import load_file
+from .untrusted import load_file
 
 log = logging.getLogger(__name__)
 

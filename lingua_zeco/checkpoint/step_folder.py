@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_st
 from lingua_zeco.reliability import is_distributed
 
 from . import integrity
+from .untrusted import SafeLoadPlanner, SafeReader, read_metadata
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +44,18 @@ def dcp_state(model, optimizer) -> dict:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def run_dcp(fn, state: dict, path: str):
+def run_dcp(fn, state: dict, path: str, **kwargs):
     """dcp.save / dcp.load; without a process group DCP runs single-process (we say so, and mute its note)."""
     if is_distributed():
-        return fn(state, checkpoint_id=path)
+        return fn(state, checkpoint_id=path, **kwargs)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        return fn(state, checkpoint_id=path, no_dist=True)
+        return fn(state, checkpoint_id=path, no_dist=True, **kwargs)
+
+
+def dcp_load(state: dict, path: str) -> None:
+    """dcp.load in place, reading nothing that could run code (untrusted.py)."""
+    run_dcp(dcp.load, state, path, storage_reader=SafeReader(path), planner=SafeLoadPlanner(path))
 
 
 def read_marker(path: str) -> dict:
@@ -95,5 +101,5 @@ def remove_checkpoint(path: str) -> None:
 
 def saved_shapes(path: str) -> dict[str, tuple]:
     """{model tensor name: shape} from the folder's DCP metadata (no tensor data read)."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = read_metadata(path).state_dict_metadata
     return {k[len("model."):]: tuple(v.size) for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
