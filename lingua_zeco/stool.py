@@ -5,10 +5,13 @@
 
 Keys of `StoolArgs` are the launcher's; every other `key=value` is an override for the script's
 config. The stool resolves and validates that config (a typo fails here, not after hours in the
-queue), writes it to `dump_dir/config.yaml`, copies the code (apps/, lingua_zeco/, configs/) to
+queue), writes it to `dump_dir/job_config.yaml`, copies the code (apps/, lingua_zeco/, configs/) to
 `dump_dir/code` so later edits of the checkout do not change a queued or requeued job, renders
 `dump_dir/submit.sbatch` and `dump_dir/node.sh` from the templates in slurm/, and submits with
 sbatch (unless dry_run=true). See slurm/README.md.
+
+Every value goes into the scripts quoted (shell words) or checked (Slurm names and sizes), before any file
+is written: a dump_dir such as `/x/$(cmd)` stays a path, and a job name with a newline is refused.
 """
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import dataclasses
 import importlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -34,6 +38,17 @@ LAUNCHERS = ("sbatch", "bash")
 JOB_CONFIG_NAME = "job_config.yaml"
 # Slurm's --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S, and no limit
 _SLURM_TIME = re.compile(r"(\d+(:\d{1,2}){0,2}|\d+-\d+(:\d{1,2}){0,2}|UNLIMITED|INFINITE)", re.IGNORECASE)
+# What may go into the rendered scripts. bash skips `#SBATCH` lines as comments, but only up to a newline;
+# sbatch reads them with its own quoting (quotes, backslash escapes, `#` comments). So Slurm names are
+# plain words, paths carry no newline (nor backslash: an escape to sbatch, and it turns off the %j of log
+# names), and shell words are shlex-quoted (a plain path stays as written).
+_NAME_CHARS = "letters, digits, '.', '_' and '-'"
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_NAME_LIST = re.compile(r"[A-Za-z0-9._-]+(,[A-Za-z0-9._-]+)*")  # partition: one name or a comma-separated list
+_NODE_LIST = re.compile(r"[A-Za-z0-9._,/\[\]-]+")  # node[07-08],gpu12 (or a file of names)
+_MEM = re.compile(r"\d+[KMGT]?", re.IGNORECASE)
+_MODULE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_BAD_IN_PATH = re.compile(r"[\x00-\x1f\x7f\\]")
 
 
 @dataclass
@@ -71,10 +86,46 @@ def split_argv(argv: list[str]) -> tuple[StoolArgs, list[str]]:
         raise ConfigError(f"nodes={args.nodes} and ngpus={args.ngpus} must be >= 1")
     if args.launcher == "bash" and args.nodes != 1:
         raise ConfigError("launcher=bash runs on this machine only: nodes must be 1")
+    check_slurm_values(args)
+    return args, rest
+
+
+def check_slurm_values(args: StoolArgs) -> None:
+    """The launcher's own values that go into the scripts: one ConfigError naming the first bad one."""
     if not _SLURM_TIME.fullmatch(args.time):
         raise ConfigError(f"time={args.time!r} is not a Slurm time limit; "
                           f"use e.g. 24:00:00, 90 (minutes) or 2-00:00:00")
-    return args, rest
+    if args.job_name:
+        check_name("job_name", args.job_name)
+    for key in ("partition", "qos", "account"):
+        if getattr(args, key):
+            check_name(key, getattr(args, key), _NAME_LIST if key == "partition" else _NAME)
+    if args.exclude and not _NODE_LIST.fullmatch(args.exclude):
+        raise ConfigError(f"exclude={args.exclude!r} is not a Slurm node list; use e.g. node[07-08],node12")
+    if not _MEM.fullmatch(args.mem):
+        raise ConfigError(f"mem={args.mem!r} is not a Slurm memory size; use e.g. 0 (all of the node's), 512G or "
+                          f"64000 (MB)")
+    if not _MODULE.fullmatch(args.script):
+        raise ConfigError(f"script={args.script!r} is not a Python module name; give one such as apps.gla.train")
+    if args.dump_dir:
+        check_path("dump_dir", args.dump_dir)
+
+
+def check_name(key: str, value: str, pattern: re.Pattern = _NAME, origin: str = "") -> None:
+    """A name Slurm keeps (job, partition, qos, account): plain characters only, never quoted."""
+    if not pattern.fullmatch(value):
+        more = " (a list: names joined by ',')" if pattern is _NAME_LIST else ""
+        raise ConfigError(f"{key}={value!r}{origin}: a Slurm name here takes only {_NAME_CHARS}{more}; "
+                          f"set {key}= to such a name")
+
+
+def check_path(key: str, value: str) -> None:
+    if _BAD_IN_PATH.search(value):
+        raise ConfigError(f"{key}={value!r} holds a newline, another control character or a backslash, which the "
+                          f"job script cannot carry; choose a {key} without them")
+    if "${" in value:  # job_config.yaml carries it, and the job's OmegaConf would read it as an interpolation
+        raise ConfigError(f"{key}={value!r} holds '${{', which the job's config would read as an interpolation; "
+                          f"choose a {key} without it")
 
 
 def script_args_class(script: str):
@@ -120,37 +171,53 @@ def render(template: str, values: dict) -> str:
     return re.sub(r"{{(\w+)}}", lambda m: str(values[m.group(1)]), template)
 
 
+def sbatch_word(value: str) -> str:
+    """A value of an `#SBATCH` line as sbatch reads it back: quoted only where it must be (space, quote, #).
+    sbatch's quotes work as the shell's, backslashes aside (check_path keeps those out)."""
+    return shlex.quote(value) if re.search(r"[\s'\"#]", value) else value
+
+
 def sbatch_values(args: StoolArgs, cfg, dump_dir: str, code_dir: str) -> dict:
+    """The templates' values, every one checked or quoted here (names and numbers bare, paths quoted)."""
+    check_slurm_values(args)
+    check_path("dump_dir", dump_dir)
+    job_name = args.job_name or getattr(cfg, "name", "lingua")
+    check_name("job_name", job_name, origin="" if args.job_name else " (the config's name)")
     extra = [f"#SBATCH --{key}={val}" for key, val in
              (("partition", args.partition), ("qos", args.qos), ("account", args.account), ("exclude", args.exclude))
              if val]
-    cpus = args.cpus or 8 * args.ngpus
-    return dict(job_name=args.job_name or getattr(cfg, "name", "lingua"), nodes=args.nodes, ngpus=args.ngpus,
-                cpus=cpus, mem=args.mem, time=args.time, dump_dir=dump_dir, extra_sbatch="\n".join(extra),
-                master_port=args.master_port, omp_threads=max(1, cpus // args.ngpus), code_dir=code_dir,
-                env_lines="", script=args.script, config_path=os.path.join(dump_dir, JOB_CONFIG_NAME),
-                grace_s=args.grace_s)
+    logs = dump_dir.replace("%", "%%") + "/logs/%j"  # a % of the path itself is not a Slurm pattern
+    cpus = int(args.cpus or 8 * args.ngpus)
+    return dict(job_name=job_name, nodes=int(args.nodes), ngpus=int(args.ngpus), cpus=cpus, mem=args.mem,
+                time=args.time, log_out=sbatch_word(logs + ".out"), log_err=sbatch_word(logs + ".err"),
+                extra_sbatch="\n".join(extra), master_port=int(args.master_port),
+                omp_threads=max(1, cpus // int(args.ngpus)), code_dir=shlex.quote(code_dir), env_lines="",
+                node_sh=shlex.quote(os.path.join(dump_dir, "node.sh")), script=shlex.quote(args.script),
+                config_path=shlex.quote(os.path.join(dump_dir, JOB_CONFIG_NAME)), grace_s=int(args.grace_s))
 
 
 def prepare(args: StoolArgs, overrides: list[str]) -> Path:
     """Everything but the submission: config, code copy, rendered scripts. Returns the sbatch file."""
     cfg, dump_dir = resolve_script_config(args, overrides)
     out = Path(dump_dir)
+    code_dir = str(out / "code") if args.copy_code else str(ROOT)
+    values = sbatch_values(args, cfg, dump_dir, code_dir)  # the checks, before any file is written
+    scripts = {name: render((TEMPLATE_DIR / f"{template}.tmpl").read_text(), values)
+               for template, name in (("job.sbatch", "submit.sbatch"), ("node.sh", "node.sh"))}
     (out / "logs").mkdir(parents=True, exist_ok=True)
     dump_config(cfg, out, JOB_CONFIG_NAME)
-    code_dir = str(copy_code(out / "code")) if args.copy_code else str(ROOT)
-    values = sbatch_values(args, cfg, dump_dir, code_dir)
-    for template, name in (("job.sbatch", "submit.sbatch"), ("node.sh", "node.sh")):
-        target = out / name
-        target.write_text(render((TEMPLATE_DIR / f"{template}.tmpl").read_text(), values))
-        target.chmod(0o755)
+    if args.copy_code:
+        copy_code(out / "code")
+    for name, text in scripts.items():
+        (out / name).write_text(text)
+        (out / name).chmod(0o755)
     return out / "submit.sbatch"
 
 
 def submit(args: StoolArgs, sbatch_file: Path) -> str:
     cmd = [args.launcher, str(sbatch_file)]  # sbatch or bash (split_argv checks)
     if args.dry_run:
-        print("dry run; would run: " + " ".join(cmd))
+        print("dry run; would run: " + shlex.join(cmd))
         return ""
     if args.launcher == "sbatch" and shutil.which("sbatch") is None:
         raise ConfigError("sbatch not found on this machine; use launcher=bash for one node, or dry_run=true")

@@ -1,8 +1,11 @@
 """stool: rendering the Slurm job (no Slurm needed) and the node wrapper's SIGUSR2 -> requeue path."""
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -13,7 +16,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from lingua_zeco.args import ConfigError
-from lingua_zeco.stool import main, render, split_argv
+from lingua_zeco.reliability import clean_exit
+from lingua_zeco.stool import main, prepare, render, split_argv, submit
 
 
 def _render(tmp_path, *extra):
@@ -33,11 +37,11 @@ def test_render_sbatch(tmp_path):
     assert directives["exclude"] == "node[07-08]" and directives["time"] == "02:00:00"
     assert "{{" not in sb + node
     assert 'scontrol show hostnames "$NODELIST" | head -n 1' in sb and 'export MASTER_PORT="29500"' in sb
-    assert 'srun --nodes="$NNODES" --ntasks-per-node=1' in sb and f'bash "{tmp_path}/node.sh"' in sb
-    assert f'export PYTHONPATH="{tmp_path}/code' in sb
+    assert 'srun --nodes="$NNODES" --ntasks-per-node=1' in sb and f"bash {shlex.quote(f'{tmp_path}/node.sh')}" in sb
+    assert f'export PYTHONPATH={shlex.quote(f"{tmp_path}/code")}"${{PYTHONPATH' in sb
     assert re.search(r'torchrun\s+\\\s+--nnodes="\$NNODES" --nproc_per_node="\$NPROC_PER_NODE" '
                      r'--node_rank="\$NODE_RANK"', node)
-    assert f'-m apps.gla.train config="{tmp_path}/job_config.yaml"' in node
+    assert f"-m apps.gla.train config={shlex.quote(f'{tmp_path}/job_config.yaml')}" in node
     assert 'scontrol requeue "$SLURM_JOB_ID"' in node
     assert 'export NPROC_PER_NODE="8"' in sb
     # The resolved config: overrides applied, dump_dir pointing at the job folder.
@@ -109,3 +113,99 @@ def test_node_wrapper_requeues_after_checkpoint(tmp_path):
     assert "--nnodes=4 --nproc_per_node=8 --node_rank=0 --master_addr=n1 --master_port=29500" in lines[0], lines
     assert lines[1:] == ["trainer: checkpoint saved", "scontrol requeue 4242"], (lines, out)
     assert proc.returncode == 0, out
+
+
+# Shell syntax of every kind: command substitution, backticks, `;`, `&&`, pipes, redirection, globs, quotes of
+# both kinds, a comment, a Slurm file pattern, variables. As a path it must stay one path, run nothing.
+HOSTILE = "d $(touch PWNED1) `touch PWNED2`; touch PWNED3 && x | y > z * ? ! 'q' \"dq\" #h %j $HOME $IFS"
+
+
+def _recording_stubs(folder: Path, log: Path):
+    """srun, sbatch, torchrun, python that append their argv, cwd and PYTHONPATH to `log` (a JSON line each).
+    sbatch then runs the script as Slurm would (SLURM_JOB_ID set), srun the command after its options."""
+    folder.mkdir()
+    for name in ("srun", "sbatch", "torchrun", "python"):
+        (folder / name).write_text(f"""#!{sys.executable}
+import itertools, json, os, subprocess, sys
+with open({str(log)!r}, "a") as f:
+    f.write(json.dumps(dict(argv=sys.argv, cwd=os.getcwd(), pythonpath=os.environ.get("PYTHONPATH", ""))) + "\\n")
+if {name == "sbatch"}:
+    rc = subprocess.call(["bash", sys.argv[1]], env=dict(os.environ, SLURM_JOB_ID="77"), stdout=sys.stderr)
+    print("Submitted batch job 77")
+    sys.exit(rc)
+if {name == "srun"}:
+    sys.exit(subprocess.call(list(itertools.dropwhile(lambda a: a.startswith("-"), sys.argv[1:]))))
+""")
+        (folder / name).chmod(0o755)
+
+
+def _sbatch_directives(text: str) -> dict:
+    """`#SBATCH --key=value` lines read the way sbatch reads them (its quotes are the shell's; no backslashes)."""
+    words = [w for line in text.splitlines() if line.startswith("#SBATCH") for w in shlex.split(line[7:])]
+    return dict(w[2:].split("=", 1) for w in words if "=" in w)
+
+
+def test_hostile_dump_dir_runs_nothing_and_arrives_as_one_argument(tmp_path, monkeypatch):
+    """submit -> sbatch -> bash submit.sbatch -> srun -> bash node.sh -> torchrun, with stand-ins that record
+    their arguments: the hostile dump_dir reaches each as one argument, verbatim, and no command in it runs."""
+    dump = tmp_path / "runs" / HOSTILE
+    log = tmp_path / "calls.jsonl"
+    _recording_stubs(tmp_path / "bin", log)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+    for var in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NODEID"):
+        monkeypatch.delenv(var, raising=False)
+    args, overrides = split_argv(["config=debug.yaml", "nodes=1", "ngpus=2", "steps=3"])
+    args.dump_dir = str(dump)  # straight in: the command line's YAML reading would drop the " #h" comment
+    try:
+        submitted = submit(args, prepare(args, overrides))
+    except subprocess.CalledProcessError as e:  # the job failed: still, first, did anything of the path run?
+        submitted = e
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith("PWNED")]
+    assert submitted == "Submitted batch job 77"
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [Path(c["argv"][0]).name for c in calls] == ["sbatch", "srun", "torchrun"], calls
+    sbatch, srun, torchrun = (c["argv"][1:] for c in calls)
+    assert sbatch == [f"{dump}/submit.sbatch"]
+    assert list(itertools.dropwhile(lambda a: a.startswith("-"), srun)) == ["bash", f"{dump}/node.sh"]
+    assert torchrun[-3:] == ["-m", "apps.gla.train", f"config={dump}/job_config.yaml"], torchrun
+    assert Path(calls[2]["cwd"]).resolve() == (dump / "code").resolve()
+    assert calls[2]["pythonpath"].split(":")[0] == f"{dump}/code"
+    assert OmegaConf.load(dump / "job_config.yaml").dump_dir == str(dump)
+    directives = _sbatch_directives((dump / "submit.sbatch").read_text())
+    assert directives["output"] == str(dump).replace("%", "%%") + "/logs/%j.out"  # %j: Slurm's; %%j: the path's
+    assert directives["error"] == str(dump).replace("%", "%%") + "/logs/%j.err"
+    assert directives["job-name"] == "debug"
+
+
+@pytest.mark.parametrize("bad, key", [
+    ('job_name="x\\ntouch PWNED"', "job_name"),  # YAML double quotes: a real newline, which ends an #SBATCH line
+    ("job_name=$(touch PWNED)", "job_name"),
+    ("name=my run", "job_name"),  # no job_name: the config's name is the job's
+    ("partition=gpu`touch PWNED`", "partition"),
+    ("account=lm; touch PWNED", "account"),
+    ("qos='high prio'", "qos"),
+    ("exclude=node1 && touch PWNED", "exclude"),
+    ("mem=0;touch PWNED", "mem"),
+    ('dump_dir="{tmp}/job\\ntouch PWNED"', "dump_dir"),
+    ("dump_dir={tmp}/job\\\\x", "dump_dir"),
+    ("dump_dir={tmp}/job\\${{HOME}}", "dump_dir"),  # OmegaConf's escape: ${HOME} itself, which the job would resolve
+    ("config={tmp}/cfg/hostile.yaml", "dump_dir"),  # the script config's dump_dir, refused after resolving it
+])
+def test_bad_values_are_refused_with_one_line_and_leave_no_files(tmp_path, monkeypatch, capsys, bad, key):
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "hostile.yaml").write_text(f'base: debug.yaml\ndump_dir: "{tmp_path}/job\\ntouch PWNED"\n')
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["config=debug.yaml", "nodes=1", "ngpus=2", f"dump_dir={tmp_path}/job", "dry_run=true"]
+    argv.append(bad.format(tmp=tmp_path))
+    if key == "dump_dir":
+        argv.remove(f"dump_dir={tmp_path}/job")
+    with pytest.raises(SystemExit) as exit_, clean_exit():
+        main(argv)
+    assert exit_.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {key}="), lines
+    assert "set " in lines[0] or "use " in lines[0] or "choose " in lines[0], lines  # says what to do
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg"]  # no job folder, no partial files
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith("PWNED")]
