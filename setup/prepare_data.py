@@ -14,22 +14,34 @@ by `datasets` here, in this preparation step; training never downloads). Output:
 Train with `data.root_dir=OUT data.sources='{train: 1.0}'`; the trainer's evaluation reads OUT/valid.
 Shuffling is two-pass so the corpus need not fit in memory: each document goes to a random shard,
 then each shard is shuffled on its own.
+
+Bad input is one `error:` line naming the file and line (jsonl, txt) or row group (parquet), exit 2:
+an unreadable parquet file or row group, a txt file that is not UTF-8, no documents at all. A bad
+record (a jsonl line that is not UTF-8 or not JSON, a cut-off last line, no string text_key, a null
+cell) is what the trainer's loader skips and counts by default (data.on_bad_line): the same here,
+the first one named in a warning; on_bad_line=error stops at it. Everything is written under a
+temporary folder in OUT and moved into place only at the end: a failed run leaves OUT as it was.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import random
+import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # lingua_zeco, when run as a script
 from lingua_zeco.args import ConfigError, parse_args  # noqa: E402
+from lingua_zeco.data.sources import jsonl_text  # noqa: E402  (the loader's own rules for a jsonl line)
 
 SUFFIXES = (".jsonl", ".parquet", ".txt")
 TXT_DOCS = ("file", "line", "paragraph")
+BAD_LINE = ("skip", "error")
 
 
 @dataclass
@@ -45,6 +57,7 @@ class PrepareArgs:
     valid_fraction: float = 0.005  # share of documents held out for validation (seeded, per document)
     seed: int = 0  # split and shuffle seed
     max_docs: int = 0  # stop after this many documents (0 = all)
+    on_bad_line: str = "skip"  # a bad record: "skip" (count it, as the trainer's loader does) | "error"
 
 
 class Progress:
@@ -73,6 +86,37 @@ class Progress:
             print(f"{self.desc}: {self.n} documents (done)", file=sys.stderr, flush=True)
 
 
+class BadRecords:
+    """The trainer loader's policy for a bad record (data.on_bad_line): "skip" counts it (the first one
+    named in a warning line), "error" raises naming it."""
+
+    def __init__(self, policy: str = "skip"):
+        self.policy, self.n, self.first = policy, 0, ""
+
+    def __call__(self, where: str, problem: str) -> None:
+        if self.policy == "error":
+            raise ValueError(f"{where}: bad record: {problem} (on_bad_line=skip skips and counts such records, "
+                             f"as the trainer's loader does by default)")
+        if self.n == 0:
+            self.first = f"{where}: {problem}"
+            _warn(f"warning: {where}: bad record skipped: {problem}; further ones are only counted "
+                  f"(on_bad_line=error stops at the first)")
+        self.n += 1
+
+
+def _warn(line: str) -> None:
+    try:  # below a running progress bar, not inside it
+        from tqdm import tqdm
+
+        tqdm.write(line, file=sys.stderr)
+    except ImportError:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())  # pyarrow's messages span lines; an error is one line
+
+
 def expand_inputs(inputs: list[str]) -> list[str]:
     files = []
     for item in inputs:
@@ -93,52 +137,163 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return files
 
 
-def read_local(path: str, text_key: str, txt_doc: str):
-    if path.endswith(".jsonl"):
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    obj = json.loads(line)
-                    if not isinstance(obj.get(text_key), str):
-                        raise ValueError(f"{path}:{n}: no string field {text_key!r}")
-                    yield obj[text_key]
-    elif path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+def _read_jsonl(path: str, text_key: str, bad: BadRecords):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            text, problem = jsonl_text(raw, text_key)
+            if problem is not None:
+                if not raw.endswith(b"\n") and problem.startswith("invalid JSON"):
+                    problem += "; the file ends inside this line (cut short?)"
+                bad(f"{path}:{n}", problem)
+            elif text.strip():
+                yield text
 
+
+def _read_parquet(path: str, text_key: str, bad: BadRecords):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:  # pyarrow's messages do not name the file
         pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: not a readable parquet file ({_one_line(e)}); repair or remove it") from e
+    with pf:
+        if text_key not in pf.schema_arrow.names:
+            raise ValueError(f"{path}: no column {text_key!r} (columns: {pf.schema_arrow.names}); set text_key")
         for g in range(pf.num_row_groups):
-            yield from (t for t in pf.read_row_group(g, columns=[text_key]).column(0).to_pylist() if t)
+            try:
+                texts = pf.read_row_group(g, columns=[text_key]).column(0).to_pylist()
+            except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
+                raise ValueError(f"{path}: row group {g} (of {pf.num_row_groups}) cannot be read ({_one_line(e)}); "
+                                 f"repair or remove the file") from e
+            for i, text in enumerate(texts):
+                if isinstance(text, str):
+                    if text.strip():
+                        yield text
+                else:
+                    what = "null" if text is None else f"{type(text).__name__}, not a string"
+                    bad(f"{path}: row group {g}, row {i}", f"{text_key!r} is {what}")
+
+
+def _read_txt(path: str, txt_doc: str):
+    data = Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:  # no loader reads txt, so no skip policy to match: stop here
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {e.start}: {e.reason}); convert the file "
+                         f"(e.g. iconv -f LATIN1 -t UTF-8) or remove it") from None
+    if txt_doc == "file":
+        docs = [text]
+    elif txt_doc == "line":
+        docs = text.splitlines()
     else:
-        text = Path(path).read_text(encoding="utf-8", errors="replace")
-        if txt_doc == "file":
-            docs = [text]
-        elif txt_doc == "line":
-            docs = text.splitlines()
-        else:
-            docs = text.split("\n\n")
-        yield from (d.strip() for d in docs if d.strip())
+        docs = text.split("\n\n")
+    yield from (d.strip() for d in docs if d.strip())
 
 
-def read_hf(name: str, config: str | None, split: str, text_key: str):
+def read_local(path: str, text_key: str, txt_doc: str, bad: BadRecords):
+    if path.endswith(".jsonl"):
+        return _read_jsonl(path, text_key, bad)
+    if path.endswith(".parquet"):
+        return _read_parquet(path, text_key, bad)
+    return _read_txt(path, txt_doc)
+
+
+def read_hf(name: str, config: str | None, split: str, text_key: str, bad: BadRecords):
     from datasets import load_dataset
 
     ds = load_dataset(name, config, split=split, streaming=True)
-    for row in ds:
+    for n, row in enumerate(ds):
         text = row.get(text_key)
-        if isinstance(text, str) and text.strip():
-            yield text
+        if isinstance(text, str):
+            if text.strip():
+                yield text
+        else:
+            bad(f"hf:{name} row {n}", f"{text_key!r} is {'missing' if text is None else type(text).__name__}")
 
 
-def prepare(docs, out: str, *, n_shards: int, valid_fraction: float, seed: int, max_docs: int = 0) -> dict:
+def _created_dirs(out: Path) -> list[Path]:
+    """The folders that mkdir(parents=True) of `out` creates, deepest first (removed again on failure)."""
+    made = []
+    for p in (out, *out.parents):
+        if p.exists():
+            break
+        made.append(p)
+    return made
+
+
+def prepare(docs, out: str, *, n_shards: int, valid_fraction: float, seed: int, max_docs: int = 0,
+            meta: dict | None = None, bad: BadRecords | None = None) -> dict:
+    """Write the shards and meta.json under a temporary folder in `out`, then move them into place
+    (replacing the shard_*.jsonl of an earlier run); any failure removes what this run wrote."""
     out_p = Path(out)
-    for split in ("train", "valid"):
-        (out_p / split).mkdir(parents=True, exist_ok=True)
-        for old in (out_p / split).glob("shard_*.jsonl"):
-            old.unlink()  # a rerun must not mix old and new shards
+    made = _created_dirs(out_p)
+    out_p.mkdir(parents=True, exist_ok=True)
+    # no data suffix in it: a root_dir=OUT run never reads the leftovers of a killed preparation
+    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_p))
+    try:
+        counts = _write(docs, tmp, n_shards=n_shards, valid_fraction=valid_fraction, seed=seed, max_docs=max_docs)
+        if counts["train"] == 0:
+            raise ValueError(_nothing_to_train(counts, (meta or {}).get("inputs", []), bad))
+        (tmp / "meta.json").write_text(json.dumps({**(meta or {}), **counts, "bad_records": bad.n if bad else 0},
+                                                  indent=1))
+        _commit(tmp, out_p)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        for d in made:  # folders this run created, empty again
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
+    shutil.rmtree(tmp)
+    return counts
+
+
+def _nothing_to_train(counts: dict, inputs: list[str], bad: BadRecords | None) -> str:
+    shown = ", ".join(inputs[:3]) + (f" and {len(inputs) - 3} more" if len(inputs) > 3 else "")
+    skipped = f"; {bad.n} bad records skipped, the first: {bad.first}" if bad and bad.n else ""
+    if counts["valid"]:
+        return (f"all {counts['valid']} documents of {shown or 'the input'} went to validation, none to train: "
+                f"lower valid_fraction or add data{skipped}")
+    return f"no documents in {shown or 'the input'} (blank texts are dropped){skipped}; nothing written"
+
+
+def _commit(tmp: Path, out: Path) -> None:
+    """Move tmp's shards and meta.json into `out`, replacing an earlier run's shards; a failure midway puts
+    the earlier ones back (they wait in tmp/replaced until the end)."""
+    moves = []  # (from, to) done so far, undone in reverse on failure
+    try:
+        for split in ("train", "valid"):
+            (out / split).mkdir(exist_ok=True)
+            (tmp / "replaced" / split).mkdir(parents=True)
+            for old in sorted((out / split).glob("shard_*.jsonl")):  # a rerun must not mix old and new shards
+                moves.append((old, tmp / "replaced" / split / f"{old.name}.old"))
+                os.replace(*moves[-1])
+            for new in sorted((tmp / split).glob("shard_*.tmp")):
+                moves.append((new, out / split / f"{new.stem}.jsonl"))
+                os.replace(*moves[-1])
+        if (out / "meta.json").exists():
+            moves.append((out / "meta.json", tmp / "replaced" / "meta.json"))
+            os.replace(*moves[-1])
+        moves.append((tmp / "meta.json", out / "meta.json"))
+        os.replace(*moves[-1])
+    except BaseException:
+        for src, dst in reversed(moves):
+            with contextlib.suppress(OSError):
+                os.replace(dst, src)
+        raise
+
+
+def _write(docs, tmp: Path, *, n_shards: int, valid_fraction: float, seed: int, max_docs: int) -> dict:
+    """Pass 1: each document to a seeded random part file; pass 2: each part shuffled into tmp/SPLIT/shard_i.tmp."""
     rng = random.Random(seed)
     n_valid_shards = 1
-    parts = {("train", i): open(out_p / "train" / f".part_{i:05d}", "w", encoding="utf-8") for i in range(n_shards)}
-    parts.update({("valid", i): open(out_p / "valid" / f".part_{i:05d}", "w", encoding="utf-8")
+    for split in ("train", "valid"):
+        (tmp / split).mkdir()
+    parts = {("train", i): open(tmp / "train" / f".part_{i:05d}", "w", encoding="utf-8") for i in range(n_shards)}
+    parts.update({("valid", i): open(tmp / "valid" / f".part_{i:05d}", "w", encoding="utf-8")
                   for i in range(n_valid_shards)})
     counts = {"train": 0, "valid": 0}
     progress = Progress("reading")
@@ -157,13 +312,11 @@ def prepare(docs, out: str, *, n_shards: int, valid_fraction: float, seed: int, 
             f.close()
     progress = Progress("shuffling shards", every=max(1, n_shards // 10))
     for (split, i) in parts:
-        part = out_p / split / f".part_{i:05d}"
+        part = tmp / split / f".part_{i:05d}"
         lines = part.read_text(encoding="utf-8").splitlines(keepends=True)
         random.Random(f"{seed}:{split}:{i}").shuffle(lines)
         if lines:
-            tmp = out_p / split / f".shard_{i:05d}.tmp"
-            tmp.write_text("".join(lines), encoding="utf-8")
-            os.replace(tmp, out_p / split / f"shard_{i:05d}.jsonl")
+            (tmp / split / f"shard_{i:05d}.tmp").write_text("".join(lines), encoding="utf-8")
         part.unlink()
         progress.update()
     progress.close()
@@ -179,18 +332,22 @@ def main(argv: list[str] | None = None) -> None:
     if a.txt_doc not in TXT_DOCS or a.shards < 1 or not 0 <= a.valid_fraction < 1:
         raise ConfigError(f"txt_doc must be one of {', '.join(TXT_DOCS)}, shards >= 1 and 0 <= valid_fraction < 1; "
                           f"got {a.txt_doc!r}, {a.shards}, {a.valid_fraction}")
+    if a.on_bad_line not in BAD_LINE:
+        raise ConfigError(f"on_bad_line={a.on_bad_line!r}: expected {' or '.join(BAD_LINE)}")
+    bad = BadRecords(a.on_bad_line)
     if a.input:
         files = expand_inputs(a.input)
-        docs = (d for f in files for d in read_local(f, a.text_key, a.txt_doc))
+        docs = (d for f in files for d in read_local(f, a.text_key, a.txt_doc, bad))
         inputs = files
     else:
-        docs = read_hf(a.hf_dataset, a.hf_config or None, a.hf_split, a.text_key)
+        docs = read_hf(a.hf_dataset, a.hf_config or None, a.hf_split, a.text_key, bad)
         inputs = [f"hf:{a.hf_dataset}"]
+    meta = {"inputs": inputs, "seed": a.seed, "shards": a.shards, "valid_fraction": a.valid_fraction}
     counts = prepare(docs, a.out, n_shards=a.shards, valid_fraction=a.valid_fraction, seed=a.seed,
-                     max_docs=a.max_docs)
-    meta = {"inputs": inputs, "seed": a.seed, "shards": a.shards, "valid_fraction": a.valid_fraction, **counts}
-    Path(a.out, "meta.json").write_text(json.dumps(meta, indent=1))
+                     max_docs=a.max_docs, meta=meta, bad=bad)
     print(f"{counts['train']} train / {counts['valid']} valid documents in {a.out}")
+    if bad.n:
+        print(f"warning: skipped {bad.n} bad record(s), the first: {bad.first}", file=sys.stderr)
     if counts["valid"] == 0:
         print("warning: no validation documents; raise valid_fraction", file=sys.stderr)
 

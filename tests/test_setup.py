@@ -144,3 +144,105 @@ def test_train_tokenizer_says_when_the_data_gives_fewer_pieces(tmp_path, capsys)
     train_tokenizer.main([f"data={tmp_path / 'p' / 'train'}", "vocab_size=280", f"out={tmp_path / 'small'}",
                           "threads=1"])
     assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+
+
+# Bad input to prepare_data: one `error:` line naming the file and line / row group, exit 2, nothing written.
+def _docs_jsonl(n: int) -> list[bytes]:
+    return [json.dumps({"text": f"document {i} of the corpus"}).encode() + b"\n" for i in range(1, n + 1)]
+
+
+def _broken_inputs(raw: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (input arguments, what the error line must hold). raw/ is created here."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    raw.mkdir()
+    lines = _docs_jsonl(400)
+    (raw / "blank.jsonl").write_bytes(b"\n  \n" + json.dumps({"text": "   "}).encode() + b"\n")
+    (raw / "empty.txt").write_bytes(b"")
+    utf = list(lines)
+    utf[299] = b'{"text": "\xff\xfe"}\n'  # line 300
+    (raw / "utf.jsonl").write_bytes(b"".join(utf))
+    (raw / "cut.jsonl").write_bytes(b"".join(lines[:300])[:-7])  # line 300 ends mid-string
+    (raw / "latin.txt").write_bytes(b"first line\nsecond line\ncaf\xe9 au lait\n")
+    pq.write_table(pa.table({"text": [d.decode() for d in lines[:300]]}), raw / "ok.parquet", row_group_size=100)
+    data = (raw / "ok.parquet").read_bytes()
+    (raw / "half.parquet").write_bytes(data[:len(data) // 2])
+    chunk = pq.ParquetFile(raw / "ok.parquet").metadata.row_group(1).column(0)
+    start = chunk.dictionary_page_offset or chunk.data_page_offset
+    zeroed = bytearray(data)
+    zeroed[start:start + chunk.total_compressed_size] = bytes(chunk.total_compressed_size)  # row group 1's pages
+    (raw / "group.parquet").write_bytes(bytes(zeroed))
+    strict = "on_bad_line=error"
+    return {
+        "no-documents": ([f"input={raw / 'blank.jsonl'}"], f"no documents in {raw / 'blank.jsonl'}"),
+        "empty-txt": ([f"input={raw / 'empty.txt'}"], f"no documents in {raw / 'empty.txt'}"),
+        "invalid-utf8": ([f"input={raw / 'utf.jsonl'}", strict], f"{raw / 'utf.jsonl'}:300: bad record: not valid UTF"),
+        "cut-jsonl": ([f"input={raw / 'cut.jsonl'}", strict], f"{raw / 'cut.jsonl'}:300: bad record: invalid JSON"),
+        "txt-not-utf8": ([f"input={raw / 'latin.txt'}"], f"{raw / 'latin.txt'}:3: not valid UTF-8"),
+        "truncated-parquet": ([f"input={raw / 'half.parquet'}"], f"{raw / 'half.parquet'}: not a readable parquet"),
+        "corrupt-row-group": ([f"input={raw / 'ok.parquet'},{raw / 'group.parquet'}"],
+                              f"{raw / 'group.parquet'}: row group 1 (of 3) cannot be read"),
+    }
+
+
+@pytest.fixture(scope="module")
+def prepare_failures(tmp_path_factory):
+    """Each broken input through the script's entry point (clean_exit), all in one interpreter."""
+    from test_entry_points import run_cases
+
+    tmp = tmp_path_factory.mktemp("prepare_bad")
+    cases = _broken_inputs(tmp / "raw")
+    got = run_cases([("setup.prepare_data", [*argv, f"out={tmp / name / 'out'}"]) for name, (argv, _) in cases.items()])
+    return tmp, cases, dict(zip(cases, got))
+
+
+@pytest.mark.parametrize("case", ["no-documents", "empty-txt", "invalid-utf8", "cut-jsonl", "txt-not-utf8",
+                                  "truncated-parquet", "corrupt-row-group"])
+def test_prepare_bad_input_is_one_error_line_and_no_output(prepare_failures, case):
+    from test_entry_points import assert_one_error_line
+
+    tmp, cases, got = prepare_failures
+    assert_one_error_line(*got[case], cases[case][1])
+    assert not (tmp / case).exists()  # the folders it made are gone again
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_failed_prepare_keeps_the_earlier_output(tmp_path):
+    cases = _broken_inputs(tmp_path / "raw")
+    out = tmp_path / "prepared"
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "a.jsonl").write_bytes(b"".join(_docs_jsonl(50)))
+    prepare_data.main([f"input={tmp_path / 'good'}", f"out={out}", "shards=2", "valid_fraction=0.1"])
+    (out / "train" / "notes.md").write_text("not ours")  # a file of the user's beside the shards
+    before = _snapshot(out)
+    assert len([k for k in before if k.endswith(".jsonl")]) == 3
+    for name, (argv, expected) in cases.items():
+        with pytest.raises(ValueError) as e:
+            prepare_data.main([*argv, f"out={out}", "shards=4"])
+        assert expected in str(e.value), name
+        assert _snapshot(out) == before, name
+        assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train", "valid"], name  # no temporary left
+    # a good rerun replaces the shards (4 now, not 2) and keeps the user's file
+    prepare_data.main([f"input={tmp_path / 'good'}", f"out={out}", "shards=4", "valid_fraction=0.1"])
+    assert len(list((out / "train").glob("shard_*.jsonl"))) == 4 and (out / "train" / "notes.md").exists()
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "train", "valid"]
+
+
+def test_prepare_skips_and_counts_bad_records_like_the_loader(tmp_path, capsys):
+    """The trainer's loader skips and counts a bad jsonl line by default (data.on_bad_line=skip): so does
+    prepare_data, naming the first in a warning; every good document is kept."""
+    _broken_inputs(tmp_path / "raw")
+    raw, out = tmp_path / "raw", tmp_path / "out"
+    prepare_data.main([f"input={raw / 'utf.jsonl'},{raw / 'cut.jsonl'}", f"out={out}", "valid_fraction=0.1"])
+    err = capsys.readouterr().err
+    kept = sorted(_read(out / "train") + _read(out / "valid"))
+    want = sorted(json.loads(d)["text"] for d in _docs_jsonl(400) if b"document 300 " not in d)  # utf.jsonl
+    want += sorted(json.loads(d)["text"] for d in _docs_jsonl(299))  # cut.jsonl before its cut line 300
+    assert kept == sorted(want)
+    assert json.loads((out / "meta.json").read_text())["bad_records"] == 2
+    assert f"warning: {raw / 'utf.jsonl'}:300: bad record skipped: not valid UTF-8" in err, err
+    assert "skipped 2 bad record(s)" in err, err

@@ -105,6 +105,37 @@ def check_keys(cls: type, values: Any, where: str = "") -> None:
                               f"{path}.{dataclasses.fields(sub)[0].name}=... (--help lists them)")
         if sub is not None:
             check_keys(sub, val, path)
+        _check_mapping(hints[key], val, path)
+
+
+def _check_mapping(hint: Any, values: Any, path: str) -> None:
+    """A mapping key (`data.sources`) whose entries lack values. On the command line `{short:1.0}` is YAML
+    for one name `short:1.0` with no value (a flow mapping needs a space after the colon), which OmegaConf
+    reports only as `field 'data.sources.short:1.0' is not Optional`."""
+    mapping = next((t for t in (hint, *typing.get_args(hint)) if typing.get_origin(t) is dict), None)
+    if mapping is None or not isinstance(values, (dict, DictConfig)):
+        return
+    value_type = typing.get_args(mapping)[1] if typing.get_args(mapping) else Any
+    if value_type is Any or type(None) in typing.get_args(value_type):
+        return  # null is a valid value there
+    empty = [str(k) for k, v in values.items() if v is None]
+    if not empty:
+        return
+    fixed = ", ".join(_entry(str(k), v) for k, v in values.items())
+    raise ConfigError(f"{path}: {', '.join(repr(k) for k in empty)} has no value; {path} needs `name: value` "
+                      f"entries with a space after each colon, e.g. {path}='{{{fixed}}}'")
+
+
+def _entry(key: str, value: Any) -> str:
+    """One mapping entry as it should have been written: `short:1.0` (no value) -> `short: 1.0`."""
+    if value is not None:
+        return f"{key}: {value}"
+    name, _, tail = key.rpartition(":")
+    try:
+        float(tail)
+    except ValueError:
+        return f"{name or key}: VALUE" if not tail else f"{key}: VALUE"
+    return f"{name}: {tail}" if name else f"{key}: VALUE"
 
 
 def split_cli(argv: list[str], yaml_key: str | None = "config") -> tuple[str | None, list[str]]:

@@ -73,7 +73,7 @@ def _parquet_records(path: str, row: int, text_key: str):
         start += n
 
 
-def _jsonl_text(raw: bytes, key: str) -> tuple[str | None, str | None]:
+def jsonl_text(raw: bytes, key: str) -> tuple[str | None, str | None]:
     """(text, None) for a good jsonl line, else (None, what is wrong on one line)."""
     try:
         # Strict UTF-8 (a leading BOM allowed) before parsing: json.loads(bytes) guesses UTF-16/32 from
@@ -223,7 +223,7 @@ class DocumentSource(FileSource):
 
     def _parse(self, value) -> tuple[str | None, str | None]:
         if isinstance(value, bytes):  # a jsonl line
-            return _jsonl_text(value, self.text_key)
+            return jsonl_text(value, self.text_key)
         return super()._parse(value)
 
 
