@@ -1,7 +1,8 @@
 """Bad input to the trainer that used to run (an empty config, a model too large for the machine, NaN source
 weights, lr 0, negative warmup or save interval) or end in a traceback (a corrupt parquet file not named,
 no loadable checkpoint, a corrupt init checkpoint, Ctrl-C before the loop, a typo under torchrun printed by
-every rank): one `error:` line naming the problem, exit 2; Ctrl-C: one line, exit 0, nothing lost."""
+every rank, above torchrun's own summary): one `error:` line naming the problem, exit 2 (under torchrun: in
+its summary, printed last); Ctrl-C: one line, exit 0, nothing lost."""
 from __future__ import annotations
 
 import errno
@@ -136,14 +137,36 @@ def test_sigint_before_the_loop_is_a_clean_stop(tmp_path):
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
-def test_torchrun_typo_is_printed_once_and_every_rank_exits_2(tmp_path):
-    """A real torchrun with 2 CPU workers: one `error:` line (not one per rank), every worker exit code 2
-    (none killed by torchrun's SIGTERM after the first one left)."""
+@pytest.mark.parametrize("bad", ["stepz=3", "model.dim=0"])  # a typo (parse), a value below 1 (the checks)
+def test_torchrun_bad_input_is_one_line_last_and_every_rank_exits_2(tmp_path, bad):
+    """A real torchrun with 2 CPU workers, stopped by the config checks before any process group: the error
+    once (rank 0's, none from rank 1), as the root cause of torchrun's failure summary, which ends stderr;
+    every worker exits 2 (none killed by torchrun's SIGTERM after the first one left), torchrun itself 1
+    (README, "What happens when things go wrong"), and the dump_dir is never made."""
     res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", TRAIN,
-                          "config=debug.yaml", f"dump_dir={tmp_path}/run", "stepz=3"], cwd=ROOT, env=_env(),
+                          "config=debug.yaml", f"dump_dir={tmp_path}/run", bad], cwd=ROOT, env=_env(),
                          capture_output=True, text=True, timeout=180)
-    text = res.stdout + res.stderr
-    errors = [line for line in text.splitlines() if line.startswith("error")]
-    assert len(errors) == 1 and "'stepz'" in errors[0], text[-3000:]
+    text, lines = res.stdout + res.stderr, res.stderr.strip().splitlines()
+    errors = [line for line in text.splitlines() if "error:" in line]
+    assert len(errors) == 1 and bad.split("=")[0] in errors[0], text[-3000:]
+    assert errors[0].strip() == lines[-2].strip() and lines[-2].strip().startswith("traceback : error: "), text[-3000:]
+    assert lines[-5].strip() == "rank      : 0 (local_rank: 0)" and "Root Cause" in "\n".join(lines[-10:]), text[-3000:]
+    assert "rank 0, which reports it" in text and "apps/gla" not in text, text[-3000:]  # no trainer traceback
     codes = [line.split(":", 1)[1].split()[0] for line in text.splitlines() if line.strip().startswith("exitcode")]
-    assert codes == ["2", "2"], text[-3000:]
+    assert codes == ["2", "2"] and res.returncode == 1, text[-3000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_sources_mapping_without_space_after_colon(tmp_path):
+    """`data.sources='{short:1.0}'` is YAML for a name `short:1.0` with no weight (a flow mapping needs a
+    space after the colon): one line saying so, with the mapping as it should be written."""
+    run = [*TINY, f"dump_dir={tmp_path}/run", "steps=2", f"data.root_dir={tmp_path}"]
+    (tmp_path / "bad.yaml").write_text("base: debug.yaml\ndata:\n  sources: {short:1.0}\n")
+    got = run_cases([(TRAIN, [*run, "data.sources={short:1.0}"]),
+                     (TRAIN, [*run, "data.sources={a: 2.0, stream:web:0.5}"]),
+                     (TRAIN, [f"config={tmp_path}/bad.yaml", f"dump_dir={tmp_path}/run"])])
+    assert_one_error_line(*got[0], "data.sources: 'short:1.0' has no value")
+    assert "space after each colon, e.g. data.sources='{short: 1.0}'" in got[0][1]
+    assert_one_error_line(*got[1], "e.g. data.sources='{a: 2.0, stream:web: 0.5}'")
+    assert_one_error_line(*got[2], "e.g. data.sources='{short: 1.0}'")
+    assert not any("is not Optional" in err for _, err in got)

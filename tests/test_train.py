@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from apps.gla.train import TrainArgs, train
+from apps.gla.train_state import compute_changes
 from lingua_zeco.args import parse_args
 from lingua_zeco.data import build_data_loader
 from lingua_zeco.metrics import read_metrics
@@ -159,6 +160,22 @@ def test_changed_optimizer_settings_apply_from_the_resumed_step(tmp_path, caplog
     groups = _state(tmp_path / "checkpoints" / "step_0000000006", tmp_path)["optim"]["param_groups"]
     assert {g["initial_lr"] for g in groups} == {1e-3} and max(g["weight_decay"] for g in groups) == 0.05
     assert "lr: 0.001" in (tmp_path / "config.yaml").read_text()
+
+
+def test_changed_compute_on_resume_is_one_warning_line(tmp_path, caplog):
+    """A resume with other numerics (here segments; float8 on or off alike) says so; an unchanged one does not."""
+    common = ["data.seq_len=32", "checkpoint.dump.every=2"]
+    train(_args(tmp_path, *common, "steps=2"))
+    with caplog.at_level("WARNING"):
+        train(_args(tmp_path, *common, "steps=3"))
+    assert "compute changed" not in caplog.text
+    with caplog.at_level("WARNING"):
+        train(_args(tmp_path, *common, "steps=5", "model.segment_len=16"))
+    lines = [r.getMessage() for r in caplog.records if "compute changed" in r.getMessage()]
+    assert len(lines) == 1 and "model.segment_len: saved 0, now 16" in lines[0] and "\n" not in lines[0], lines
+    assert compute_changes({"model.float8": "rowwise"}, {"model.float8": "none"}) == [
+        "model.float8: saved 'rowwise', now 'none'"]
+    assert compute_changes(None, {"model.float8": "none"}) == []  # a checkpoint that recorded nothing
 
 
 @pytest.mark.parametrize("steps", [4, 2])

@@ -3,9 +3,12 @@ sp_size gloo ranks (CPU), pure GLA and the hybrid (model.softmax_layers), and co
 accuracy on the answers, all of which sit on the last rank while every key-value pair sits on the first:
 
     python -m apps.gla.recall_hybrid out=dumps/recall_hybrid            # ~2 minutes on 2 cores
-    python -m apps.gla.recall_hybrid softmax_sp=ring steps=100
+    python -m apps.gla.recall_hybrid softmax_sp=ring steps=100 out=dumps/recall_hybrid_ring
 
-Writes <out>/{gla,hybrid}/metrics.jsonl and <out>/recall_hybrid.json, and prints one line per model.
+Writes <out>/{gla,hybrid}/ (the two runs) and <out>/recall_hybrid.json (the settings, from the start;
+the results, at the end), and prints one line per model. A rerun on the same out= resumes the runs
+(finished ones train nothing and are reported again); with other settings (any key but out and last)
+it stops with one line naming them, since the runs there answer another question: give another out=.
 """
 from __future__ import annotations
 
@@ -25,6 +28,41 @@ class RecallHybridArgs:
     steps: int = 0  # 0 = the config's
     last: int = 3  # the summary: mean recall of the last `last` logged steps
     overrides: list[str] = field(default_factory=list)  # more trainer keys, e.g. [seed=1,data.batch_size=16]
+
+
+SUMMARY = "recall_hybrid.json"
+RUNS = ("gla", "hybrid")
+SUMMARY_ONLY = ("out", "last")  # keys that change the summary, not the runs
+
+
+def _settings(saved: dict) -> dict:
+    return {k: v for k, v in saved.items() if k not in SUMMARY_ONLY}
+
+
+def check_out(args: RecallHybridArgs) -> None:
+    """Refuse an out= folder whose runs were trained with other settings (they would be reported under
+    these), or whose settings were not recorded; a folder of the same settings is resumed."""
+    from lingua_zeco.args import ConfigError
+
+    path = os.path.join(args.out, SUMMARY)
+    runs = [os.path.join(args.out, n) for n in RUNS if os.path.exists(os.path.join(args.out, n))]
+    if not os.path.isfile(path):
+        if runs:
+            raise ConfigError(f"out={args.out} holds runs ({', '.join(runs)}) but no {SUMMARY} with their "
+                              f"settings; give another out= (or remove them to train there)")
+        return
+    try:
+        with open(path) as f:
+            saved = _settings(json.load(f)["args"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path}: cannot read the settings of the runs in out={args.out} ({e}); give "
+                          f"another out=") from e
+    now = json.loads(json.dumps(_settings(vars(args))))  # as JSON holds them (tuples as lists)
+    changed = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
+               if saved.get(k) != now.get(k)]
+    if changed:
+        raise ConfigError(f"out={args.out} holds runs of other settings ({'; '.join(changed)}); give another out= "
+                          f"for these (or remove {', '.join(runs + [path])} to retrain there)")
 
 
 def _train_on_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
@@ -54,9 +92,15 @@ def run(args: RecallHybridArgs) -> dict:
 
     from lingua_zeco.metrics import read_metrics
 
+    check_out(args)  # before anything is trained or written
+    summary = os.path.join(args.out, SUMMARY)
+    if not os.path.isfile(summary):  # the settings first: a run cut short is still known by them
+        os.makedirs(args.out, exist_ok=True)
+        with open(summary, "w") as f:
+            json.dump({"args": vars(args)}, f, indent=1)
     hybrid = f"model.softmax_layers=[{','.join(map(str, args.softmax_layers))}]"
     result = {}
-    for name, extra in {"gla": [], "hybrid": [hybrid]}.items():
+    for name, extra in zip(RUNS, ([], [hybrid]), strict=True):
         dump = os.path.join(args.out, name)
         argv = [f"config={args.config}", f"dump_dir={dump}", f"distributed.sp_size={args.sp_size}",
                 f"distributed.softmax_sp={args.softmax_sp}", *([f"steps={args.steps}"] if args.steps else []),
@@ -71,7 +115,7 @@ def run(args: RecallHybridArgs) -> dict:
                         "step": tail[-1]["step"], "curve": [(r["step"], r["recall_acc"]) for r in rows]}
         print(f"{name:7s} recall {result[name]['recall_acc']:.3f} (last {len(tail)} logged steps to "
               f"{tail[-1]['step']}), loss {tail[-1]['loss']:.3f}", flush=True)
-    with open(os.path.join(args.out, "recall_hybrid.json"), "w") as f:
+    with open(summary, "w") as f:
         json.dump({"args": vars(args), **result}, f, indent=1)
     return result
 

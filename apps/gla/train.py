@@ -25,7 +25,7 @@ from apps.gla.compile import apply_speedups
 from apps.gla.memory_fit import check_fits
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
-from apps.gla.train_state import TrainState
+from apps.gla.train_state import TrainState, compute_changes, compute_settings
 from apps.gla.train_step import StepParts, train_step
 from lingua_zeco import distributed
 from lingua_zeco import evaluation
@@ -104,23 +104,24 @@ def _model_changed(args: TrainArgs, dump_dir: str, ckpt_path: str, e: ModelMisma
 
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
+    args = _validated(args)  # bad values stop here: before the process group and before any file is made
     env = distributed.setup(args.distributed, args.model.gla_options())
-    locks = []
+    folders, started = run_dir.RunFolders(env.is_master), False
     try:
         dump_dir = _dump_dir(args)
-        locks.append(run_dir.lock_dump_dir(dump_dir, env.is_master))  # one run per dump_dir, before any write
+        folders.lock(dump_dir)  # one run per dump_dir, before any write
         ckpt_dir = checkpoint_dir(args.checkpoint, dump_dir)
         if os.path.realpath(ckpt_dir) != os.path.realpath(dump_dir):  # one run per checkpoint folder too
-            locks.append(run_dir.lock_dump_dir(ckpt_dir, env.is_master, key="checkpoint.path"))
-        return Trainer(args, env).train()
+            folders.lock(ckpt_dir, key="checkpoint.path")
+        trainer = Trainer(args, env)
+        started = True
+        return trainer.train()
     except RuntimeError as e:
         if reliability.is_collective_failure(e):  # a peer died or hangs: name this rank, do not wait on the group
             raise reliability.collective_error(e, env.rank, env.dims.world, args.distributed.timeout_s) from e
         raise
     finally:
-        for lock in reversed(locks):
-            if lock is not None:
-                lock.release()
+        folders.release(refused=not started)  # refused at start: the folders and lock files it made go
         distributed.teardown(env)
 
 
@@ -136,10 +137,16 @@ def with_vocab_size(args: TrainArgs) -> TrainArgs:
     return args
 
 
-def _checked(args: TrainArgs) -> TrainArgs:
-    """The config with the tokenizer's vocabulary size filled in, checked, and the same on every rank."""
+def _validated(args: TrainArgs) -> TrainArgs:
+    """The config with the tokenizer's vocabulary size filled in, and checked (no process group needed)."""
     args = with_vocab_size(args)
     check_sections(args)  # each section's check(), beside its fields: one ConfigError
+    return args
+
+
+def _checked(args: TrainArgs) -> TrainArgs:
+    """`_validated`, and the same on every rank."""
+    args = _validated(args)
     reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
     return args
 
@@ -166,7 +173,8 @@ class Trainer:
         self.data = build_data_loader(evaluation.training_data_args(args.data, args.eval),
                                       dp_rank=env.dp_rank, dp_size=env.dims.dp, sp_rank=env.sp_rank,
                                       sp_size=env.dims.sp, seed=args.seed, segment_len=args.model.segment_len)
-        self.state = TrainState(self.scheduler, self.data, _layout(args, env))
+        self.state = TrainState(self.scheduler, self.data, _layout(args, env),
+                                compute=compute_settings(to_dict(args)))
         self.resume()
         self.finished = self.step >= args.steps  # nothing to train: config.yaml and metrics.jsonl stay as they are
         if self.finished:
@@ -214,6 +222,9 @@ class Trainer:
             return
         step, extra, per_rank = resumed
         self.state.load_state_dict(step, extra, source.adapt(per_rank))
+        if (compute := compute_changes(extra.get("compute"), self.state.compute)) and env.is_master:
+            logger.warning("the compute changed since the checkpoint of step %d, the loss may move: %s; set them "
+                           "back to continue as the checkpoint was trained", step, "; ".join(compute))
         changed = reapply(self.optimizer, self.scheduler, configured)  # config.yaml states what the run does
         if changed and env.is_master:
             logger.warning("optimizer settings changed since the checkpoint of step %d, applied from here on: %s",

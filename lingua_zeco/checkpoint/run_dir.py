@@ -8,10 +8,13 @@
 * Writability: every rank writes, fsyncs and removes a probe file in the checkpoint folder before
   training, so a read-only or full disk is an error at start, not at the first save hours later.
 * Saved config: `config_changes` lists the keys where this run differs from <dump_dir>/config.yaml.
-All three raise ConfigError (one `error:` line, exit 2), on every rank alike.
+All three raise ConfigError (one `error:` line, exit 2), on every rank alike. `RunFolders` takes the
+locks and remembers the folders and lock files taking them created: a run that stops before training
+removes those (a folder only while empty), so a refused run leaves the tree as it found it.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -75,6 +78,9 @@ class DumpDirLock:
                 who = "holder unknown"
             return (f"{self.key} {self.dump_dir} is in use by another run ({who}; it holds {self.path} until it "
                     f"exits). Stop that run (orphaned workers of a killed torchrun count) or use another {self.key}")
+        if not _names(self.path, fd):  # a refused run removed the file between our open and flock: a new one
+            os.close(fd)
+            return self.acquire()
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         try:  # a full disk lets the file be created and fails here
             os.ftruncate(fd, 0)
@@ -85,10 +91,60 @@ class DumpDirLock:
         self.fd = fd
         return None
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """Drop the lock; `remove`: delete the lock file first, while still holding it (a run that takes
+        the lock after us then opens a new file, never the removed one)."""
         if self.fd is not None:
+            if remove:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.path)
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = None
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    own = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (own.st_dev, own.st_ino)
+
+
+def _missing(path: str) -> list[str]:
+    """`path` and those of its parents that do not exist yet, outermost first."""
+    out, path = [], os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        out.append(path)
+        path = os.path.dirname(path)
+    return out[::-1]
+
+
+class RunFolders:
+    """The locks of a run's folders (dump_dir, checkpoint folder), and what taking them created. A run
+    refused at start (`release(refused=True)`) removes exactly that: its lock files and the folders it
+    made, when nothing else was put in them; a folder or lock file that was there before stays."""
+
+    def __init__(self, is_master: bool):
+        self.is_master, self.locks, self.created = is_master, [], []
+
+    def lock(self, folder: str, key: str = "dump_dir") -> None:
+        """Collective: `lock_dump_dir` of `folder`, remembering the folders and lock file it creates."""
+        new = _missing(os.path.join(folder, LOCK_NAME)) if self.is_master else []
+        self.created += [p for p in new if p not in self.created]
+        self.locks.append(lock_dump_dir(folder, self.is_master, key))
+
+    def release(self, refused: bool = False) -> None:
+        for lock in reversed(self.locks):
+            if lock is not None:
+                lock.release(remove=refused and os.path.abspath(lock.path) in self.created)
+        self.locks = []
+        if refused:
+            for path in reversed(self.created):  # innermost first; a folder someone wrote into stays
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+        self.created = []
 
 
 def lock_dump_dir(dump_dir: str, is_master: bool, key: str = "dump_dir") -> DumpDirLock | None:

@@ -13,7 +13,9 @@
   a CollectiveError naming this rank; the process exits without waiting on the broken group.
 * Bad input (unknown config key, impossible layout, missing files, a corrupt record with
   data.on_bad_line=error, ranks started with different configs) is one line on stderr, printed once
-  under torchrun when every rank found it (BadInputOnce).
+  under torchrun when every rank found it (BadInputOnce). Under torchrun a worker's line goes into its
+  torchrun error file instead (`to_launcher`): torchrun's failure summary shows it, rank 0's as the root
+  cause; torchrun exits 1 whenever a worker failed, whatever the worker's code.
 
 Exit codes of `python -m apps.gla.train` (each rank under torchrun):
     0  finished, or stopped by SIGTERM/SIGUSR2/SIGINT after saving a checkpoint (run the same command again),
@@ -38,12 +40,12 @@ from lingua_zeco.reliability.collective import (collective_error, gather_all, is
 from lingua_zeco.reliability.signals import STOP_SIGNALS, StopSignals
 from lingua_zeco.reliability.guard import NONFINITE_POLICIES, ReliabilityArgs, StepGuard, Verdict
 from lingua_zeco.reliability.config_checks import check_same_config, flatten_config
-from lingua_zeco.reliability.exits import EXIT_BAD_INPUT, EXIT_FAILED, BadInputOnce, clean_exit
+from lingua_zeco.reliability.exits import EXIT_BAD_INPUT, EXIT_FAILED, BadInputOnce, clean_exit, to_launcher
 from lingua_zeco.reliability.faults import FaultInjection
 
 __all__ = [
     "BadInputOnce", "CollectiveError", "EXIT_BAD_INPUT", "EXIT_FAILED", "FaultInjection", "NONFINITE_POLICIES",
     "NonFiniteError", "ReliabilityArgs", "STOP_SIGNALS", "StepGuard", "StopSignals", "StorageError", "Verdict",
     "check_same_config", "clean_exit", "collective_error", "flatten_config", "gather_all",
-    "is_collective_failure", "is_distributed", "rank_world",
+    "is_collective_failure", "is_distributed", "rank_world", "to_launcher",
 ]

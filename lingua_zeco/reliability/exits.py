@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import signal
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -42,7 +44,11 @@ def clean_exit():
         once = BadInputOnce() if code == EXIT_BAD_INPUT else None
         if once is None or once.should_print(str(e)):
             shared = once is not None and once.store is not None and once.rank == 0  # every rank's message
-            print(f"error{f' (rank {rank})' if rank and not shared else ''}: {e}", file=sys.stderr, flush=True)
+            line = f"error{f' (rank {rank})' if rank and not shared else ''}: {e}"
+            if not to_launcher(line):
+                print(line, file=sys.stderr, flush=True)
+        else:  # rank 0 reports this very message: a second later, so that torchrun names rank 0 the root cause
+            to_launcher("stopped on the same bad input as rank 0, which reports it", delay_s=1)
         sys.stdout.flush()
         if once is not None:
             once.leave()
@@ -55,6 +61,23 @@ def clean_exit():
         sys.exit(0)
     finally:
         gc.collect()
+
+
+def to_launcher(line: str, delay_s: int = 0) -> bool:
+    """Under torchrun: write `line` as this worker's error file (TORCHELASTIC_ERROR_FILE), which torchrun's
+    failure summary, printed last, shows as the worker's `traceback :` in place of a link to its docs;
+    the summary's root cause is the worker with the earliest time (`delay_s` later than now). False when
+    there is no file to write (not under torchrun, or its logs off): print the line instead."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return False
+    data = {"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()) + delay_s)}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        return False
+    return True
 
 
 class BadInputOnce:
