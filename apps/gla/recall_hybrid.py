@@ -12,6 +12,7 @@ it stops with one line naming them, since the runs there answer another question
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -57,7 +58,7 @@ def check_out(args: RecallHybridArgs) -> None:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: cannot read the settings of the runs in out={args.out} ({e}); give "
                           f"another out=") from e
-    now = json.loads(json.dumps(_settings(vars(args))))  # as JSON holds them (tuples as lists)
+    now = json.loads(json.dumps(_settings(dataclasses.asdict(args))))  # as JSON holds them (tuples as lists)
     changed = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
                if saved.get(k) != now.get(k)]
     if changed:
@@ -97,7 +98,7 @@ def run(args: RecallHybridArgs) -> dict:
     if not os.path.isfile(summary):  # the settings first: a run cut short is still known by them
         os.makedirs(args.out, exist_ok=True)
         with open(summary, "w") as f:
-            json.dump({"args": vars(args)}, f, indent=1)
+            json.dump({"args": dataclasses.asdict(args)}, f, indent=1)
     hybrid = f"model.softmax_layers=[{','.join(map(str, args.softmax_layers))}]"
     result = {}
     for name, extra in zip(RUNS, ([], [hybrid]), strict=True):
@@ -116,7 +117,7 @@ def run(args: RecallHybridArgs) -> dict:
         print(f"{name:7s} recall {result[name]['recall_acc']:.3f} (last {len(tail)} logged steps to "
               f"{tail[-1]['step']}), loss {tail[-1]['loss']:.3f}", flush=True)
     with open(summary, "w") as f:
-        json.dump({"args": vars(args), **result}, f, indent=1)
+        json.dump({"args": dataclasses.asdict(args), **result}, f, indent=1)
     return result
 
 
