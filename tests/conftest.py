@@ -7,10 +7,23 @@ worker processes (their terminal output is not shown).
 With LINGUA_ZECO_ONE_CONFIG=1 every Triton autotuner (fla's and ours) runs the first of its configs that
 survive its own pruning, without benchmarking or caching: the GPU tests check values, which any config must
 get right, and tuning fla's kernels for each new dtype and head size took minutes a test (setup/gpu/*.sh set it
-for tests, never for benchmarks)."""
+for tests, never for benchmarks).
+
+Under pytest-xdist (README's `-n 2`) each worker and the processes it starts run torch on one thread: two
+workers of two threads each on two cores spent their time switching. The files marked `slow` are handed out
+first, so that the longest ones do not end the run on one worker while the other waits."""
 import os
 
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # set before torch is imported here or in any subprocess
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files holding a `slow` test first, each file's tests kept together and in their order."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)  # stable: the order within each group stays
 
 if os.environ.get("LINGUA_ZECO_ONE_CONFIG") == "1":
     from triton.runtime.autotuner import Autotuner

@@ -27,28 +27,39 @@ HELP = [
 ]
 
 
+@pytest.fixture(scope="module")
+def module_help():
+    """{module: [exit code, stderr, stdout]} of `python -m module --help`, all in one interpreter (DRIVER)."""
+    modules = [cmd[1] for cmd, _ in HELP if cmd[0] == "-m"]
+    return dict(zip(modules, run_cases([(m, ["--help"]) for m in modules], stdout=True)))
+
+
 @pytest.mark.parametrize("cmd,key_line", HELP, ids=[c[-1] for c, _ in HELP])
-def test_help(cmd, key_line):
-    res = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert res.stdout.startswith("usage: python "), res.stdout[:300]
-    keys = res.stdout.split("\nkeys:\n", 1)[1].splitlines()
+def test_help(cmd, key_line, module_help):
+    if cmd[0] == "-m":
+        code, err, out = module_help[cmd[1]]
+    else:  # a script keeps its own process: its folder, not the checkout, is first on sys.path
+        res = subprocess.run([sys.executable, *cmd, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        code, err, out = res.returncode, res.stderr, res.stdout
+    assert code == 0, err[-2000:]
+    assert out.startswith("usage: python "), out[:300]
+    keys = out.split("\nkeys:\n", 1)[1].splitlines()
     described = [line for line in keys if re.search(r"\S {2,}\S", line)]  # `key: type = default  description`
-    assert [line for line in described if line.startswith(f"  {key_line} ")], res.stdout
+    assert [line for line in described if line.startswith(f"  {key_line} ")], out
     if cmd[-1] not in ("apps.gla.train", "apps.gla.eval"):  # their nested *Args live in many files
         assert described == keys, f"undocumented: {sorted(set(keys) - set(described))}"
 
 
-# Bad input, several commands in one interpreter (imports cost seconds here): each case runs the
-# module as `python -m` does (runpy, run_name="__main__", sys.argv set) and records the exit code,
-# stderr, and the traceback of an exception that escaped (which `python -m` would exit 1 with).
+# Several commands in one interpreter (imports cost seconds here): each case runs the module as
+# `python -m` does (runpy, run_name="__main__", sys.argv set) and records the exit code, stderr (with
+# the traceback of an exception that escaped, which `python -m` would exit 1 with) and stdout.
 DRIVER = r"""
 import contextlib, io, json, logging, runpy, sys, traceback
 out = []
 for module, argv in json.loads(sys.argv[1]):
-    sys.argv, err, code = [module, *argv], io.StringIO(), 0
+    sys.argv, err, std, code = [module, *argv], io.StringIO(), io.StringIO(), 0
     logging.root.handlers.clear()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(std):
         try:
             runpy.run_module(module, run_name="__main__", alter_sys=True)
         except SystemExit as e:  # sys.exit(None) is 0; sys.exit("message") prints it and is 1
@@ -56,17 +67,17 @@ for module, argv in json.loads(sys.argv[1]):
         except BaseException:
             code = 1
             err.write(traceback.format_exc())
-    out.append([code, err.getvalue()])
+    out.append([code, err.getvalue(), std.getvalue()])
 print(json.dumps(out))
 """
 
 
-def run_cases(cases: list) -> list[list]:
-    """[exit code, stderr] of each (module, argv), all run by DRIVER in one subprocess."""
+def run_cases(cases: list, stdout: bool = False) -> list[list]:
+    """[exit code, stderr] (and stdout with `stdout`) of each (module, argv), all run by DRIVER in one subprocess."""
     res = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(cases)], cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    return [r if stdout else r[:2] for r in json.loads(res.stdout.strip().splitlines()[-1])]
 
 
 def assert_one_error_line(code: int, err: str, expected: str = "") -> None:
@@ -119,7 +130,10 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str]]]:
 def bad_input_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad")
     (tmp / "run").mkdir()
-    (tmp / "run" / "config.yaml").write_text(f"name: t\ndump_dir: {tmp / 'run'}\n")
+    # a tiny model: eval, generate and export_hf build it before they look for a checkpoint (the default
+    # model took 10 s a command to build here)
+    (tmp / "run" / "config.yaml").write_text(f"name: t\ndump_dir: {tmp / 'run'}\n"
+                                             "model: {dim: 32, n_layers: 1, n_heads: 2, ffn_hidden: 64}\n")
     (tmp / "broken.yaml").write_text("model:\n  dim: [1, 2\n")
     (tmp / "list.yaml").write_text("- a\n- b\n")
     cases = _bad_cases(tmp)
