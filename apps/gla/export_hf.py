@@ -34,21 +34,18 @@ import logging
 import os
 import shutil
 import sys
-import warnings
 from dataclasses import dataclass
 
 import torch
 
 from apps.gla.attention_softmax import softmax_layer_set
+from apps.gla.hf_format import FLA_FIXED, META, TOKENIZER_FILES, WEIGHTS, fla_models, from_fla, in_folder, to_fla
 from apps.gla.model import GLAArgs, GLAForCausalLM
 from lingua_zeco.args import ConfigError, build, parse_args
 from lingua_zeco.distributed import DTYPES
 from lingua_zeco.reliability import clean_exit
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
 
-FLA_FIXED = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}  # fla's GLA layer hard-codes these
-META = "lingua_zeco.json"
-TOKENIZER_FILES = {"sp": "tokenizer.model", "tiktoken": "tokenizer.tiktoken"}
 REEXPORT = "export the checkpoint again with python -m apps.gla.export_hf"
 log = logging.getLogger("apps.gla.export_hf")  # not "__main__" under python -m
 
@@ -60,15 +57,6 @@ class ExportArgs:
     config: str = ""  # the run's config; empty = <dump_dir>/config.yaml
     out: str = ""  # the folder to write (created; an earlier export there is replaced, anything else refused)
     dtype: str = "bf16"  # bf16 | fp16 | fp32: dtype of the written weights
-
-
-def fla_models():
-    """fla.models (its configs register with transformers), imported without fla's warning that Triton is not
-    supported on this platform: on CPU an export needs only the config classes, never a Triton kernel."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
-        import fla.models
-    return fla.models
 
 
 def readable_by_all(path: str) -> None:
@@ -166,11 +154,9 @@ def export(model: GLAForCausalLM, out: str, *, dtype: str = "bf16", tokenizer_ar
     try:
         cfg.dtype = str(DTYPES[dtype]).replace("torch.", "")  # transformers 5 reads `dtype` (torch_dtype: deprecated)
         cfg.save_pretrained(tmp)
-        state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in state.items()}
-        if args.tie_embeddings:
-            state.pop("lm_head.weight")  # shared with the embeddings; transformers re-ties it
-        save_file(state, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        readable_by_all(os.path.join(tmp, "model.safetensors"))
+        state = {k: v.detach().to(DTYPES[dtype]).contiguous() for k, v in to_fla(state, cfg).items()}
+        save_file(state, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
+        readable_by_all(os.path.join(tmp, WEIGHTS))
         tok_file = TOKENIZER_FILES.get(tokenizer_args.name)
         if tok_file is not None:
             shutil.copyfile(tokenizer_args.path, os.path.join(tmp, tok_file))
@@ -207,7 +193,7 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    meta_path, weights = os.path.join(folder, META), os.path.join(folder, "model.safetensors")
+    meta_path, weights = os.path.join(folder, META), os.path.join(folder, WEIGHTS)
     if not os.path.isfile(meta_path):
         raise FileNotFoundError(f"{meta_path} not found: {folder!r} is not a folder written by apps.gla.export_hf")
     try:
@@ -215,19 +201,16 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
             meta = json.load(f)
         model = GLAForCausalLM(build(GLAArgs, meta["model"]))
         t = meta["tokenizer"]
-        tok_path = os.path.join(folder, t["file"]) if t["file"] else None
+        tok_path = in_folder(folder, t["file"]) if t["file"] else None
     except (ValueError, KeyError, TypeError) as e:  # bad json, a missing or unknown key, a wrong type
         raise ConfigError(f"{meta_path} is damaged ({_one_line(e)}); {REEXPORT}") from e
-    if t["file"] and (not isinstance(t["file"], str) or os.path.basename(t["file"]) != t["file"]
-                      or t["file"] in (".", "..")):  # export() writes a bare name: nothing outside the folder
+    if t["file"] and tok_path is None:  # export() writes a bare name: nothing outside the folder
         raise ConfigError(f"{meta_path} names tokenizer file {t['file']!r}, which is not a file of the export "
                           f"folder; {REEXPORT}")
     if not os.path.isfile(weights):
         raise FileNotFoundError(f"{weights} not found: {folder!r} is an incomplete export; {REEXPORT}")
     try:
-        state = load_file(weights)
-        if model.args.tie_embeddings:
-            state["lm_head.weight"] = state["model.embeddings.weight"]
+        state = from_fla(load_file(weights), fla_config(model.args))
         model.load_state_dict(state)  # strict; copies into the model's dtype
     except (SafetensorError, KeyError, RuntimeError) as e:  # cut short, or tensors not of this model
         raise ConfigError(f"{weights} is damaged ({_one_line(e)}); {REEXPORT}") from e

@@ -21,16 +21,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from apps.gla import hf_import
 from apps.gla.compile import apply_speedups
 from apps.gla.memory_fit import check_fits
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
 from apps.gla.train_state import TrainState, compute_changes, compute_settings
 from apps.gla.train_step import StepParts, train_step
-from lingua_zeco import distributed
-from lingua_zeco import evaluation
-from lingua_zeco import meta_init
-from lingua_zeco import reliability
+from lingua_zeco import distributed, evaluation, meta_init, reliability
 from lingua_zeco.args import CONFIG_NAME, ConfigError, at_least, check_sections, dump_config, parse_args, to_dict
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMismatchError, checkpoint_dir
 from lingua_zeco.checkpoint import resume_layout, run_dir
@@ -139,7 +137,7 @@ def with_vocab_size(args: TrainArgs) -> TrainArgs:
 
 def _validated(args: TrainArgs) -> TrainArgs:
     """The config with the tokenizer's vocabulary size filled in, and checked (no process group needed)."""
-    args = with_vocab_size(args)
+    args = with_vocab_size(hf_import.resolve(args))  # init from a Hugging Face folder: the model keys from it
     check_sections(args)  # each section's check(), beside its fields: one ConfigError
     return args
 
@@ -161,7 +159,8 @@ class Trainer:
         shards = env.dims.dp_shard * env.dims.sp if args.distributed.fsdp else 1
         check_fits(args.model, args.data.batch_size * args.data.seq_len, shards, env.device,  # before any allocation
                    batch=args.data.batch_size, segment_len=args.model.segment_len)
-        self.ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s)
+        self.ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s,
+                                      init_loader=hf_import.init_loader(args.checkpoint.init_ckpt_path))
         run_dir.check_writable(self.ckpt.path)  # a read-only or full disk fails now, not at the first save
         torch.manual_seed(args.seed)
         random.seed(args.seed)

@@ -196,7 +196,28 @@ def parse_args(cls: type[T], argv: list[str] | None = None) -> T:
     args = build(cls, *layers)  # which checks every layer's keys, the YAML's first
     for key, value in raw:  # text as written, after the YAML layers (the command line wins)
         _set_dotted(args, key, value)
+    given = {k for layer in layers for k in _dotted_keys(OmegaConf.to_container(layer))} | {k for k, _ in raw}
+    object.__setattr__(args, GIVEN_KEYS, frozenset(given))
     return args
+
+
+GIVEN_KEYS = "_given_keys"  # the attribute parse_args records the keys it was given in
+
+
+def given_keys(args: Any) -> frozenset[str] | None:
+    """The dotted keys a config file (with its bases) or the command line set, as parse_args recorded them on
+    `args`; None for an object it did not build (a dataclasses.replace copy, one built in code): the caller then
+    has only the values to go by."""
+    return getattr(args, GIVEN_KEYS, None)
+
+
+def _dotted_keys(values: Any, prefix: str = "") -> set[str]:
+    """{"model.dim", ...}: every key of a nested mapping, sections included."""
+    keys = set()
+    for key, value in (values.items() if isinstance(values, dict) else ()):
+        keys.add(f"{prefix}{key}")
+        keys |= _dotted_keys(value, f"{prefix}{key}.")
+    return keys
 
 
 BASE_KEY = "base"  # a config file's key: the file it extends

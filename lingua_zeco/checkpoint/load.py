@@ -122,8 +122,9 @@ def load_weights(path: str, model) -> str:
     if not os.path.exists(os.path.join(path, ".metadata")):
         done = complete_checkpoints(path)
         if not done:
-            raise FileNotFoundError(f"init checkpoint {path!r}: neither a DCP folder (.metadata) "
-                                    f"nor a folder of complete step_* checkpoints")
+            raise FileNotFoundError(f"init checkpoint {path!r}: neither a DCP folder (.metadata) nor a folder of "
+                                    f"complete step_* checkpoints (nor, for the trainer, a Hugging Face folder: "
+                                    f"config.json and model.safetensors)")
         path = done[-1][1]
     files = read_marker(path).get("files")
     if files is None and os.path.exists(os.path.join(path, MARKER)):  # no marker at all: another tool's DCP folder

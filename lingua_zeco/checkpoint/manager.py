@@ -49,7 +49,9 @@ class SaveEvery:
 class CheckpointArgs:
     dump: SaveEvery = field(default_factory=SaveEvery)
     path: str | None = None  # default: <dump_dir>/checkpoints
-    init_ckpt_path: str | None = None  # optional: load model weights only from here at start
+    # optional: load model weights only from here at start (a checkpoint; the trainer also takes a Hugging Face
+    # folder of fla's GLA / GatedDeltaNet, its model keys then come from its config.json: docs/checkpoints.md)
+    init_ckpt_path: str | None = None
     # null = auto: true when CUDA is available. True: a save returns once the state is in host memory,
     # written in the background (async_save.py; host RAM for a copy of this rank's state)
     async_save: bool | None = None
@@ -61,9 +63,12 @@ def checkpoint_dir(args: CheckpointArgs, dump_dir: str) -> str:
 
 
 class CheckpointManager:
-    def __init__(self, args: CheckpointArgs, dump_dir: str, timeout_s: float | None = None):
-        """timeout_s: of the CPU process groups of asynchronous saves (the trainer's distributed.timeout_s)."""
+    def __init__(self, args: CheckpointArgs, dump_dir: str, timeout_s: float | None = None, init_loader=None):
+        """timeout_s: of the CPU process groups of asynchronous saves (the trainer's distributed.timeout_s).
+        init_loader(path, model) -> folder: loads init_ckpt_path instead of load_weights, for a folder of
+        another format that the caller knows (the trainer: a Hugging Face folder)."""
         self.args, self.dump_dir = args, dump_dir
+        self.init_loader = init_loader or load_weights
         self.path = checkpoint_dir(args, dump_dir)
         self.async_save = torch.cuda.is_available() if args.async_save is None else bool(args.async_save)
         self._async = AsyncWriter(timeout_s)
@@ -264,8 +269,9 @@ class CheckpointManager:
         return load_checkpoint(path, model, optimizer, source_rank)
 
     def load_model_only(self, path: str, model) -> str:
-        """Collective: load.load_weights (a step folder, or a checkpoints root's newest complete one)."""
-        return load_weights(path, model)
+        """Collective: load.load_weights (a step folder, or a checkpoints root's newest complete one), or the
+        init_loader given."""
+        return self.init_loader(path, model)
 
     def _run_id(self, create: bool = False) -> str | None:
         """This run's id (<dump_dir>/.run_id), made on request: it follows the folder when it is moved."""
