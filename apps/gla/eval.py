@@ -4,6 +4,8 @@
     python -m apps.gla.eval dump_dir=dumps/debug ckpt=dumps/debug/checkpoints/step_0000000050 eval.steps=5
     torchrun --nproc_per_node=8 -m apps.gla.eval dump_dir=...         # the run's SP size, DP over the rest
     torchrun --nproc_per_node=2 -m apps.gla.eval dump_dir=... sp_size=2   # any SP size: same context
+    python -m apps.gla.eval dump_dir=... lengths=4K,64K segment=4096   # the loss by position at other contexts
+    python -m apps.gla.eval dump_dir=... task=passkey lengths=1K,128K,1M   # retrieval: apps/gla/retrieval_eval.py
 
 The run's own `config.yaml` (in dump_dir, or `config=...`) gives the model, tokenizer and data;
 `eval.*` keys choose the validation data (lingua_zeco/evaluation.py). The ranks form the training
@@ -18,6 +20,12 @@ through the trainer's metrics writer when set.
 Validation data that the run trained on (the run's own config says what its training stream read)
 is refused with one `error:` line, exit 2; `eval.allow_train_overlap=true` reports it as
 `train_set_loss` instead. More `eval.steps` than the validation data holds is warned about.
+`lengths=` evaluates at each of those contexts instead, segment by segment (`segment=` tokens per rank and
+forward, default model.segment_len, else data.seq_len), so that any length fits.
+
+`task=passkey|needle` runs a retrieval test instead (apps/gla/retrieval_eval.py): an accuracy table, json
+lines in `out` (default <dump_dir>/eval_<task>.jsonl) and a heat map beside them. An export folder runs the
+same tasks through `python -m apps.gla.generate export=... task=...`.
 """
 from __future__ import annotations
 
@@ -31,23 +39,29 @@ from dataclasses import dataclass, field
 
 import torch
 
+from apps.gla.layers import SEGMENT_VARIANTS
 from apps.gla.model import GLAForCausalLM
+from apps.gla.retrieval_eval import RetrievalKeys, check_keys, default_segment, out_path, report, run_filler, run_tasks
 from apps.gla.train import TrainArgs
 from lingua_zeco import distributed, reliability
 from lingua_zeco.args import CONFIG_NAME, ConfigError, parse_args
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, Layout, UntrustedCheckpointError, load_file
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import LoggingArgs, MetricLogger
+from lingua_zeco.retrieval import parse_lengths
 from lingua_zeco.sp import SPContext
+from lingua_zeco.tokenizer import build_tokenizer
 
 
 @dataclass
-class EvalCLIArgs:
+class EvalCLIArgs(RetrievalKeys):
+    # loss: validation loss by token position (at each of `lengths` when given) | passkey | needle (retrieval)
+    task: str = "loss"
     dump_dir: str = ""  # the run's folder: config.yaml and checkpoints/
     ckpt: str = ""  # a step_* folder or a checkpoints root; empty = <dump_dir>/checkpoints
     config: str = ""  # empty = <dump_dir>/config.yaml
     eval: EvalArgs = field(default_factory=lambda: EvalArgs(every=1))
-    out: str = ""  # append the result as a json line here
+    out: str = ""  # append the results as json lines here (task=loss: empty = none; else eval_<task>.jsonl)
     device: str = ""  # empty: cuda when available
     sp_size: int = 0  # ranks per SP group (DP over the other ranks); 0 = the run's distributed.sp_size
     context: int = 0  # tokens per sequence; 0 = the training context (the checkpoint's sp x seq_len)
@@ -118,10 +132,10 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def check_cli_args(args: EvalCLIArgs) -> torch.device | None:
+def check_cli_args(args: EvalCLIArgs) -> tuple[torch.device | None, list[int]]:
     """This command's own keys, refused by name before anything is loaded (a negative context would
     surface as the data loader's "bad layout", `out=` a folder only after the whole evaluation).
-    Returns the device asked for (None: the mesh's)."""
+    Returns the device asked for (None: the mesh's) and the contexts of task=loss ([]: the one context)."""
     if args.context < 0:
         raise ConfigError(f"context={args.context}: give the tokens per sequence, >= 1 (0 = the training context)")
     if args.sp_size < 0:
@@ -129,16 +143,30 @@ def check_cli_args(args: EvalCLIArgs) -> torch.device | None:
     if args.out and os.path.isdir(args.out):
         raise ConfigError(f"out={args.out!r} is a folder; give a file to append the result line to, e.g. "
                           f"out={os.path.join(args.out, 'eval.jsonl')}")
-    return resolve_device(args.device) if args.device else None
+    contexts = []
+    if args.task != "loss":
+        check_keys(args)
+    elif args.segment < 0:
+        raise ConfigError(f"segment={args.segment}: give the tokens per rank and forward, >= 1 (0 = the run's)")
+    elif args.lengths:
+        if args.context:
+            raise ConfigError(f"context={args.context} and lengths={args.lengths}: give one of them")
+        try:
+            contexts = parse_lengths(args.lengths)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
+    return (resolve_device(args.device) if args.device else None), contexts
 
 
-def run(args: EvalCLIArgs) -> dict:
-    device = check_cli_args(args)
+def run(args: EvalCLIArgs) -> dict | list[dict]:
+    """task=loss: the result (a list of them with lengths=); passkey / needle: one record per cell."""
+    device, contexts = check_cli_args(args)
     cfg = load_run_config(args.dump_dir, args.config)
     # What the run trained on follows from its own config (data.sources={builtin: 1.0} reads all of the
     # built-in corpus, held-out split included); refused here, before any checkpoint is loaded.
     trained_on = training_data_args(cfg.data, cfg.eval)
-    validation_data_args(cfg.data, args.eval, trained_on)
+    if args.task == "loss":
+        validation_data_args(cfg.data, args.eval, trained_on)
     try:
         env = distributed.setup(mesh_args(cfg, args.sp_size), cfg.model.gla_options())
     except ValueError as e:
@@ -147,30 +175,54 @@ def run(args: EvalCLIArgs) -> dict:
     try:
         device = device or env.device
         model, path = load_model(cfg, args, device, env.sp)  # the run's SP layout: mesh_args
-        context = args.context or training_context(cfg, path)
-        if context % env.dims.sp:
-            raise ConfigError(f"a context of {context} tokens does not split into sp_size={env.dims.sp} equal slices")
-        data = dataclasses.replace(cfg.data, seq_len=context // env.dims.sp)  # this rank's slice of each sequence
         autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None
-        result = evaluate(model, data, args.eval, device=device, dp_rank=env.dp_rank, dp_size=env.dims.dp,
-                          sp_rank=env.sp_rank, sp_size=env.dims.sp, autocast=autocast, trained_on=trained_on,
-                          segment_len=cfg.model.segment_len)  # the run's segments: any context fits as in training
+        if args.task != "loss":
+            tok = build_tokenizer(cfg.data.tokenizer)
+            segment = args.segment or default_segment(model, cfg.data.seq_len)
+            filler = run_filler(cfg.data, tok, max(check_keys(args).lengths), args.seed)
+            cells = run_tasks(model, tok, filler, args, segment=segment, device=device, dp_rank=env.dp_rank,
+                              dp_size=env.dims.dp, autocast=autocast)
+        else:
+            carries = cfg.model.attn_variant in SEGMENT_VARIANTS and not cfg.model.softmax_layers
+            # any length fits when read in segments: by default the run's, with lengths= its seq_len otherwise
+            segment = args.segment or cfg.model.segment_len or (cfg.data.seq_len if contexts and carries else 0)
+            results = [_loss(model, cfg, args, env, (device, autocast), trained_on, c, segment)
+                       for c in contexts or [args.context or training_context(cfg, path)]]
     finally:
         distributed.teardown(env)
     step = int(os.path.basename(path).split("_")[-1]) if os.path.basename(path).startswith("step_") else None
-    result = {"ckpt": path, "step": step, "sp_size": env.dims.sp, "dp_size": env.dims.dp, **result}
-    if env.is_master:
-        print(json.dumps(result))
-    if args.out:  # the trainer's writer: one whole line appended per evaluation (rank 0 only)
-        out = os.path.abspath(args.out)
-        try:
-            writer = MetricLogger(os.path.dirname(out), LoggingArgs(metrics_file=os.path.basename(out)),
-                                  active=env.is_master)
-        except OSError as e:  # e.g. a file where its folder should be, no write permission
-            raise ConfigError(f"out={args.out!r}: cannot append to it ({e}); give a writable file path") from e
-        writer.log(result)
-        writer.close()
-    return result
+    if args.task != "loss":
+        extra = dict(ckpt=path, step=step, segment=segment, sp_size=env.dims.sp)
+        if env.is_master:
+            report(cells, out_path(args, args.dump_dir or cfg.dump_dir), **extra)
+        return [c.record(**extra) for c in cells]
+    results = [{"ckpt": path, "step": step, "sp_size": env.dims.sp, "dp_size": env.dims.dp, **r} for r in results]
+    for result in results:
+        if env.is_master:
+            print(json.dumps(result))
+        if args.out:  # the trainer's writer: one whole line appended per evaluation (rank 0 only)
+            _append(args.out, result, env.is_master)
+    return results if contexts else results[0]
+
+
+def _loss(model, cfg: TrainArgs, args: EvalCLIArgs, env, device_autocast, trained_on, context: int, segment: int):
+    device, autocast = device_autocast
+    if context % env.dims.sp:
+        raise ConfigError(f"a context of {context} tokens does not split into sp_size={env.dims.sp} equal slices")
+    data = dataclasses.replace(cfg.data, seq_len=context // env.dims.sp)  # this rank's slice of each sequence
+    return evaluate(model, data, args.eval, device=device, dp_rank=env.dp_rank, dp_size=env.dims.dp,
+                    sp_rank=env.sp_rank, sp_size=env.dims.sp, autocast=autocast, trained_on=trained_on,
+                    segment_len=segment)  # read segment by segment (the run's segments): any context fits
+
+
+def _append(out: str, result: dict, active: bool) -> None:
+    path = os.path.abspath(out)
+    try:
+        writer = MetricLogger(os.path.dirname(path), LoggingArgs(metrics_file=os.path.basename(path)), active=active)
+    except OSError as e:  # e.g. a file where its folder should be, no write permission
+        raise ConfigError(f"out={out!r}: cannot append to it ({e}); give a writable file path") from e
+    writer.log(result)
+    writer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

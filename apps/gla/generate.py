@@ -8,6 +8,11 @@ re-encoded.
 
     python -m apps.gla.generate dump_dir=dumps/debug prompt="def main" max_tokens=200 temperature=0.8 top_p=0.9
     python -m apps.gla.generate export=exports/gla_1b prompt="Once"       # a folder from apps.gla.export_hf
+    python -m apps.gla.generate export=exports/gla_1b task=passkey lengths=1K,128K   # retrieval on an export
+
+`task=passkey|needle` runs the retrieval tests of apps/gla/retrieval_eval.py on an export folder instead
+(the built-in corpus as filler, one device); a run's checkpoint runs them through apps.gla.eval (its data
+as filler, SP).
 """
 from __future__ import annotations
 
@@ -18,13 +23,16 @@ from dataclasses import dataclass
 import torch
 
 from apps.gla.model import GLAForCausalLM
+from apps.gla.retrieval_eval import RetrievalKeys, advance, builtin_filler, check_keys, default_segment, out_path, \
+    report, run_tasks
 from lingua_zeco.args import ConfigError, parse_args, raw_text
 from lingua_zeco.reliability import clean_exit
 from lingua_zeco.tokenizer import build_tokenizer
 
 
 @dataclass
-class GenerateArgs:
+class GenerateArgs(RetrievalKeys):
+    task: str = ""  # empty: continue prompt=; passkey | needle: a retrieval test of export= (retrieval_eval.py)
     dump_dir: str = ""  # the run's folder (config.yaml, checkpoints/)
     ckpt: str = ""  # step_* folder or checkpoints root; empty = <dump_dir>/checkpoints
     config: str = ""  # the run's config; empty = <dump_dir>/config.yaml
@@ -34,7 +42,7 @@ class GenerateArgs:
     temperature: float = 1.0  # 0 = greedy
     top_k: int = 0  # sample among the k likeliest tokens; 0 = off
     top_p: float = 1.0  # nucleus sampling, in (0, 1]; 1 = off
-    seed: int = 0  # sampling seed
+    seed: int = 0  # sampling seed (with task=: the trials' keys, drawn depths and filler offsets)
     device: str = ""  # empty: cuda when available
 
 
@@ -43,13 +51,7 @@ def forward_with_state(model: GLAForCausalLM, input_ids, states=None):
     """Logits [B, T, vocab] of `input_ids` continuing from `states` (one per layer, or None). Each attention
     layer carries its own state: GLA, simple GLA, Gated DeltaNet a recurrent [B, H, K, V]; a softmax layer
     its KV cache (k, v, tokens seen)."""
-    layers = model.model.layers
-    states = list(states) if states is not None else [None] * len(layers)
-    h = model.model.embeddings(input_ids)
-    for i, block in enumerate(layers):
-        a, states[i] = block.attn.forward_with_state(block.attn_norm(h), states[i])
-        h = h + a
-        h = h + block.mlp(block.mlp_norm(h))
+    h, states = advance(model, input_ids, states if states is not None else [None] * len(model.model.layers))
     return model.lm_head(model.model.norm(h)), states
 
 
@@ -119,12 +121,30 @@ def load(args: GenerateArgs, device: torch.device):
     return model, build_tokenizer(cfg.data.tokenizer)
 
 
+def run_export_tasks(args: GenerateArgs, device: torch.device) -> list[dict]:
+    """task=passkey|needle on the export folder args.export (one device)."""
+    todo = check_keys(args)
+    if not args.export:
+        raise ConfigError(f"task={args.task} with a run's checkpoint: use python -m apps.gla.eval dump_dir=... "
+                          f"task={args.task} (the run's data as filler, SP); here it takes export=<folder>")
+    model, tok = load(args, device)
+    segment = args.segment or default_segment(model)
+    cells = run_tasks(model, tok, builtin_filler(tok, max(todo.lengths)), args, segment=segment, device=device,
+                      autocast=torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else None)
+    report(cells, out_path(args, args.export), export=args.export, segment=segment)
+    return [c.record(export=args.export, segment=segment) for c in cells]
+
+
 def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     args = parse_args(GenerateArgs, argv)
     check_sampling(args)
     from apps.gla.eval import resolve_device  # imported where used, like load()'s: eval imports the trainer
     device = resolve_device(args.device)
+    if args.task:
+        logging.getLogger().setLevel(logging.INFO)  # a line per cell as it is done
+        run_export_tasks(args, device)
+        return
     model, tok = load(args, device)
     prompt = tok.encode(args.prompt, add_bos=True, add_eos=False)
     new = generate(model, prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
