@@ -287,3 +287,23 @@ def _one_node_worker(rank, world):
             in_one_node(dist.group.WORLD, AllScanArgs(node_size=4)),
             in_one_node(high, AllScanArgs(node_size=2)),            # ranks 1 and 2 straddle nodes [0,1] [2,3]
             in_one_node(low, AllScanArgs(node_size=2))]
+
+
+def test_auto_never_picks_the_unproven_symm_transport_and_symm_warns(monkeypatch):
+    """Even where symm could run (CUDA tensors, one node), auto takes nccl while AUTO_PICKS_SYMM is off; symm
+    asked by name runs, with one warning that it is experimental."""
+    import importlib
+
+    from lingua_zeco.comm.scan import P2PLink
+    mod = importlib.import_module("lingua_zeco.comm.all_scan")  # the module: the package exports its function
+
+    monkeypatch.setattr(mod, "symm_unavailable", lambda x: None)  # as on a GPU with symmetric memory
+    monkeypatch.setattr(mod, "in_one_node", lambda group, args: True)
+    links = mod._links(AllScanArgs(transport="auto"), torch.zeros(4), None, 0, 2, False)
+    assert [type(link) for link in links] == [P2PLink]
+    monkeypatch.setattr(mod, "AUTO_PICKS_SYMM", True)  # the rule once the transport is proven
+    assert [type(link).__name__ for link in mod._links(AllScanArgs(transport="auto"), torch.zeros(4), None, 0, 2,
+                                                      False)] == ["SymmLink", "P2PLink"]
+    with pytest.warns(UserWarning, match="transport=symm is experimental") as seen:
+        AllScanArgs(transport="symm").check()
+    assert len(seen) == 1
