@@ -3,7 +3,6 @@ or the file, exit code 2, no traceback; export_hf never replaces what it did not
 when it fails halfway. All cases in one interpreter (test_entry_points.DRIVER): imports cost seconds."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -12,11 +11,9 @@ import pytest
 import torch
 
 from apps.gla import export_hf
-from apps.gla.model import GLAArgs, GLAForCausalLM
-from apps.gla.train import TrainArgs
-from lingua_zeco.args import dump_config
-from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
+from apps.gla.model import GLAArgs
 from test_entry_points import assert_one_error_line, run_cases
+from tiny_run import saved_run
 
 TINY = GLAArgs(dim=32, n_layers=2, n_heads=2, ffn_hidden=64, vocab_size=258)
 EVAL, GEN, EXPORT = "apps.gla.eval", "apps.gla.generate", "apps.gla.export_hf"
@@ -55,15 +52,7 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
 def results(tmp_path_factory):
     """(tmp, model, [exit code, stderr] of export_hf over an older export, {case: (code, stderr, expected)})."""
     tmp = tmp_path_factory.mktemp("bad_inference")
-    model = GLAForCausalLM(TINY)
-    model.init_weights(0)
-    cfg = TrainArgs(model=TINY, dump_dir=str(tmp / "run"))
-    cfg.data = dataclasses.replace(cfg.data, seq_len=32, batch_size=2)
-    cfg.eval.every = 1  # trained on the built-in train split only: its held-out split validates
-    dump_config(cfg, tmp / "run")
-    ckpt = CheckpointManager(CheckpointArgs(), str(tmp / "run"))
-    ckpt.save(5, model, None, extra={"step": 5}, per_rank={})
-    ckpt.close()
+    model, _ = saved_run(tmp / "run")
     export_hf.export(model, str(tmp / "good"), dtype="fp32")
     for name in ("truncated", "tiny", "corrupt_meta", "empty_meta", "older"):
         shutil.copytree(tmp / "good", tmp / name)

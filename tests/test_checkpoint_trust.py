@@ -14,13 +14,14 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from apps.gla.model import GLAArgs, GLAForCausalLM
+from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
-from lingua_zeco.args import dump_config
+from lingua_zeco.args import dump_config, parse_args
 from lingua_zeco.checkpoint import MARKER, CheckpointArgs, CheckpointManager, UntrustedCheckpointError, load_file
 from lingua_zeco.checkpoint.integrity import checksums
 from lingua_zeco.checkpoint.step_folder import dcp_state
 from test_entry_points import assert_one_error_line, run_cases
+from tiny_run import TINY, saved_run
 
 
 class Payload:
@@ -121,7 +122,7 @@ def test_init_weights_refuse_a_metadata_payload(tmp_path):
     assert not marker.exists()
 
 
-TINY = GLAArgs(dim=32, n_layers=1, n_heads=2, ffn_hidden=64, vocab_size=258)
+TINY_1 = dataclasses.replace(TINY, n_layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -129,17 +130,10 @@ def cli_results(tmp_path_factory):
     """A tiny run folder per poisoned file; eval, generate, export_hf, train (resume) and a fresh run's
     checkpoint.init_ckpt_path on each, in one interpreter. (tmp, {case: (code, stderr, expected)})."""
     tmp = tmp_path_factory.mktemp("trust")
-    model = GLAForCausalLM(TINY)
-    model.init_weights(0)
     cases = {}
     for where in ("extra.pt", ".metadata"):
         run = tmp / where.strip(".").replace(".", "_")
-        cfg = TrainArgs(model=TINY, dump_dir=str(run))
-        cfg.data = dataclasses.replace(cfg.data, seq_len=32, batch_size=2)
-        dump_config(cfg, run)
-        mgr = CheckpointManager(CheckpointArgs(), str(run))
-        folder = Path(mgr.save(5, model, None, extra={"step": 5}, per_rank={}))
-        mgr.close()
+        _, folder = saved_run(run, TINY_1)
         marker = tmp / f"ran_{run.name}"
         _poison_metadata(folder, marker) if where == ".metadata" else _poison_pt(folder, where, marker)
         _rehash(folder)
@@ -150,7 +144,7 @@ def cli_results(tmp_path_factory):
             cases["generate-.metadata"] = ("apps.gla.generate", [f"dump_dir={run}", "max_tokens=2"], named)
             cases["export-.metadata"] = ("apps.gla.export_hf", [f"dump_dir={run}", f"out={tmp}/export"], named)
             fresh = tmp / "fresh"
-            dump_config(dataclasses.replace(cfg, dump_dir=str(fresh)), fresh)
+            dump_config(parse_args(TrainArgs, [f"config={run}/config.yaml", f"dump_dir={fresh}"]), fresh)
             cases["init_ckpt_path-.metadata"] = ("apps.gla.train", [
                 f"config={fresh}/config.yaml", "steps=1", f"checkpoint.init_ckpt_path={folder}"], named)
     got = run_cases([c[:2] for c in cases.values()])
@@ -174,7 +168,7 @@ def test_an_export_names_no_file_outside_its_folder(tmp_path, name):
     from apps.gla.export_hf import META, export, load_export
     from lingua_zeco.args import ConfigError
 
-    model = GLAForCausalLM(TINY)
+    model = GLAForCausalLM(TINY_1)
     folder = Path(export(model, str(tmp_path / "export"), dtype="fp32"))
     meta = json.loads((folder / META).read_text())
     assert load_export(str(folder))[0] is not None  # the untouched export loads

@@ -13,19 +13,17 @@ import pytest
 import torch
 
 from apps.gla import export_hf
-from apps.gla.model import GLAArgs, GLAForCausalLM
+from apps.gla.model import GLAForCausalLM
 from apps.gla.retrieval_eval import advance, check_model, prefill
-from apps.gla.train import TrainArgs
-from lingua_zeco.args import ConfigError, dump_config
-from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager
+from lingua_zeco.args import ConfigError
 from lingua_zeco.comm import AllScanArgs
 from lingua_zeco.retrieval import TEMPLATES, Cell, PromptBuilder, parse_depths, parse_lengths, score, table
 from lingua_zeco.sp import SPContext
 from lingua_zeco.tokenizer import ByteTokenizer
 from local_ranks import run_on_ranks
+from tiny_run import TINY, saved_run
 from test_entry_points import ROOT, assert_one_error_line, run_cases
 
-TINY = GLAArgs(dim=32, n_layers=2, n_heads=2, ffn_hidden=64, vocab_size=258)
 EVAL, GEN = "apps.gla.eval", "apps.gla.generate"
 
 
@@ -175,15 +173,7 @@ def _cases(tmp):
 @pytest.fixture(scope="module")
 def cli(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("retrieval")
-    model = GLAForCausalLM(TINY)
-    model.init_weights(0)
-    cfg = TrainArgs(model=TINY, dump_dir=str(tmp / "run"))
-    cfg.data = dataclasses.replace(cfg.data, seq_len=32, batch_size=2)
-    cfg.eval.every = 1
-    dump_config(cfg, tmp / "run")
-    ckpt = CheckpointManager(CheckpointArgs(), str(tmp / "run"))
-    ckpt.save(5, model, None, extra={"step": 5}, per_rank={})
-    ckpt.close()
+    model, _ = saved_run(tmp / "run")
     export_hf.export(model, str(tmp / "exp"), dtype="fp32")
     good, bad = _cases(tmp)
     with pytest.MonkeyPatch.context() as mp:
