@@ -201,7 +201,7 @@ def table(cells: list[Cell]) -> str:
     lengths = sorted({c.length for c in cells})
     depths = sorted({c.depth for c in cells}, key=lambda d: -1.0 if d is None else d)
     at = {(c.length, c.depth): c for c in cells}
-    w = max(8, *(len(short(n)) + 2 for n in lengths))
+    w = max([8, *(len(short(n)) + 2 for n in lengths)])
     lines = [f"{cells[0].task} accuracy (exact match over {cells[0].trials} trials; rows: depth, columns: tokens)"
              if cells else "no results",
              "  depth  " + "".join(short(n).rjust(w) for n in lengths)]

@@ -95,6 +95,10 @@ def check_slurm_values(args: StoolArgs) -> None:
     if not _SLURM_TIME.fullmatch(args.time):
         raise ConfigError(f"time={args.time!r} is not a Slurm time limit; "
                           f"use e.g. 24:00:00, 90 (minutes) or 2-00:00:00")
+    for key, ok, want in (("cpus", args.cpus >= 0, ">= 0 (0 = 8 per GPU)"), ("grace_s", args.grace_s >= 0, ">= 0"),
+                          ("master_port", 0 < args.master_port < 65536, "a port in 1..65535")):
+        if not ok:  # sbatch or torchrun would refuse it only once the job has waited in the queue
+            raise ConfigError(f"{key}={getattr(args, key)}: set {key} to {want}")
     if args.job_name:
         check_name("job_name", args.job_name)
     for key in ("partition", "qos", "account"):

@@ -129,6 +129,10 @@ def expand_inputs(inputs: list[str]) -> list[str]:
                 files.append(str(p))
             else:
                 raise FileNotFoundError(f"input {m!r} does not exist")
+    unique = {}  # a file both globbed and under a given folder is read once
+    for f in files:
+        unique.setdefault(os.path.realpath(f), f)
+    files = list(unique.values())
     bad = [f for f in files if not f.endswith(SUFFIXES)]
     if bad:
         raise ValueError(f"unsupported input files (use {', '.join(SUFFIXES)}): {bad[:5]}")
@@ -225,15 +229,26 @@ def _created_dirs(out: Path) -> list[Path]:
     return made
 
 
+def _remove_empty(folders: list[Path]) -> None:
+    """The folders this run created, deepest first, each only while empty again."""
+    for d in folders:
+        with contextlib.suppress(OSError):
+            d.rmdir()
+
+
 def prepare(docs, out: str, *, n_shards: int, valid_fraction: float, seed: int, max_docs: int = 0,
             meta: dict | None = None, bad: BadRecords | None = None) -> dict:
     """Write the shards and meta.json under a temporary folder in `out`, then move them into place
     (replacing the shard_*.jsonl of an earlier run); any failure removes what this run wrote."""
     out_p = Path(out)
     made = _created_dirs(out_p)
-    out_p.mkdir(parents=True, exist_ok=True)
-    # no data suffix in it: a root_dir=OUT run never reads the leftovers of a killed preparation
-    tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_p))
+    try:
+        out_p.mkdir(parents=True, exist_ok=True)
+        # no data suffix in it: a root_dir=OUT run never reads the leftovers of a killed preparation
+        tmp = Path(tempfile.mkdtemp(prefix=".prepare-", dir=out_p))
+    except OSError as e:  # a file where the folder should be, no permission
+        _remove_empty(made)
+        raise ConfigError(f"out={out}: cannot create a folder there ({e.strerror or e}); give a writable folder") from e
     try:
         counts = _write(docs, tmp, n_shards=n_shards, valid_fraction=valid_fraction, seed=seed, max_docs=max_docs)
         if counts["train"] == 0:
@@ -243,9 +258,7 @@ def prepare(docs, out: str, *, n_shards: int, valid_fraction: float, seed: int, 
         _commit(tmp, out_p)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        for d in made:  # folders this run created, empty again
-            with contextlib.suppress(OSError):
-                d.rmdir()
+        _remove_empty(made)
         raise
     shutil.rmtree(tmp)
     return counts
@@ -263,10 +276,12 @@ def _nothing_to_train(counts: dict, inputs: list[str], bad: BadRecords | None) -
 def _commit(tmp: Path, out: Path) -> None:
     """Move tmp's shards and meta.json into `out`, replacing an earlier run's shards; a failure midway puts
     the earlier ones back (they wait in tmp/replaced until the end)."""
-    moves = []  # (from, to) done so far, undone in reverse on failure
+    moves, made = [], []  # (from, to) done so far, undone in reverse on failure; split folders created
     try:
         for split in ("train", "valid"):
-            (out / split).mkdir(exist_ok=True)
+            if not (out / split).exists():
+                (out / split).mkdir()
+                made.append(out / split)
             (tmp / "replaced" / split).mkdir(parents=True)
             for old in sorted((out / split).glob("shard_*.jsonl")):  # a rerun must not mix old and new shards
                 moves.append((old, tmp / "replaced" / split / f"{old.name}.old"))
@@ -283,6 +298,7 @@ def _commit(tmp: Path, out: Path) -> None:
         for src, dst in reversed(moves):
             with contextlib.suppress(OSError):
                 os.replace(dst, src)
+        _remove_empty(made)
         raise
 
 
@@ -329,9 +345,12 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("give either input=<files, folders or globs> or hf_dataset=<name>")
     if not a.out:
         raise ConfigError("give out=<folder>")
-    if a.txt_doc not in TXT_DOCS or a.shards < 1 or not 0 <= a.valid_fraction < 1:
-        raise ConfigError(f"txt_doc must be one of {', '.join(TXT_DOCS)}, shards >= 1 and 0 <= valid_fraction < 1; "
-                          f"got {a.txt_doc!r}, {a.shards}, {a.valid_fraction}")
+    if a.txt_doc not in TXT_DOCS:
+        raise ConfigError(f"txt_doc={a.txt_doc!r}: expected {' or '.join(TXT_DOCS)}")
+    for key, ok, want in (("shards", a.shards >= 1, ">= 1"), ("max_docs", a.max_docs >= 0, ">= 0 (0 = all)"),
+                          ("valid_fraction", 0 <= a.valid_fraction < 1, "a share in [0, 1)")):
+        if not ok:
+            raise ConfigError(f"{key}={getattr(a, key)}: give {key} {want}")
     if a.on_bad_line not in BAD_LINE:
         raise ConfigError(f"on_bad_line={a.on_bad_line!r}: expected {' or '.join(BAD_LINE)}")
     bad = BadRecords(a.on_bad_line)

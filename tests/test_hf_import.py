@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from apps.gla import export_hf, hf_import
 from apps.gla.hf_format import from_fla
 from apps.gla.model import GLAArgs, GLAForCausalLM
-from apps.gla.train import Trainer, TrainArgs, _validated, build_model, train
+from apps.gla.train import Trainer, TrainArgs, build_model, train
 from fla_cpu import fla_model_on_cpu
 from lingua_zeco import distributed, evaluation
 from lingua_zeco.args import ConfigError, parse_args
@@ -63,7 +63,7 @@ def test_an_export_starts_training_with_the_same_logits_bit_for_bit(tmp_path, va
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.3)
     out = export_hf.export(ours, str(tmp_path / "hf"), dtype="fp32")
-    args = _validated(_args(tmp_path, out, "steps=1", "model.n_heads=2"))  # a given key that agrees is fine
+    args = hf_import.resolve(_args(tmp_path, out, "steps=1", "model.n_heads=2"))  # a given key that agrees is fine
     assert (args.model.dim, args.model.ffn_hidden, args.model.attn_variant) == (32, 64, variant)
     env = distributed.setup(args.distributed, args.model.gla_options())
     try:
@@ -139,6 +139,7 @@ def _config_only(path, kind="gla", **overrides):
     ("gated_deltanet", {}, "use_short_conv=true cannot be trained by this model"),  # fla's default for GDN
     ("gated_deltanet", {"use_short_conv": False, "allow_neg_eigval": True}, "allow_neg_eigval=true"),
     ("gla", {"feature_map": "relu"}, 'feature_map="relu"'),
+    ("gla", {"use_gv": True}, "use_gv=true cannot be trained by this model"),
     ("gla", {"attn": {"layers": [1], "num_heads": 2, "qkv_bias": True}}, "qkv bias"),
 ])
 def test_fla_options_this_model_lacks_are_named(tmp_path, kind, overrides, match):
@@ -232,16 +233,35 @@ def _full_weights_match(folder, extra):
         distributed.teardown(env)
 
 
+def _rank_zero_fails(folder):
+    """Rank 0's read failing in a way no check foresaw: every rank stops with it, none waits for rank 0."""
+    def no_memory(*_):
+        raise MemoryError("no room")
+
+    model = GLAForCausalLM(hf_import.resolve(parse_args(TrainArgs, [f"checkpoint.init_ckpt_path={folder}"])).model)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_import, "read_weights", no_memory)
+        try:
+            hf_import.load_hf(folder, model)
+        except (MemoryError, RuntimeError) as e:
+            return type(e).__name__, str(e)
+    return None
+
+
 def _on_rank(rank, world, folder, cases):
     torch.set_num_threads(1)
-    return [_full_weights_match(folder, extra) for extra in cases]
+    return [_full_weights_match(folder, extra) for extra in cases], _rank_zero_fails(folder)
 
 
 def test_two_ranks_load_the_folder_into_their_shards(tmp_path):
-    """FSDP over dp, FSDP over sp (tied head), no FSDP: rank 0 reads, every rank holds the folder's weights."""
+    """FSDP over dp, FSDP over sp (tied head), no FSDP: rank 0 reads, every rank holds the folder's weights;
+    a failed read stops every rank."""
     _fla_folder(tmp_path / "hf", tie_word_embeddings=True)
     cases = [["distributed.sp_size=1", "distributed.sp_method=none"], ["distributed.sp_size=2"],
              ["distributed.fsdp=false", "distributed.sp_size=1", "distributed.sp_method=none"]]
-    for rank_results in run_on_ranks(_on_rank, 2, str(tmp_path / "hf"), cases):
+    got = run_on_ranks(_on_rank, 2, str(tmp_path / "hf"), cases)
+    for rank_results, _ in got:
         for extra, (differ, n) in zip(cases, rank_results, strict=True):
             assert differ == [] and n > 10, (extra, differ)
+    assert [failed for _, failed in got] == [("MemoryError", "no room"),
+                                             ("RuntimeError", f"rank 0 failed to read {tmp_path / 'hf'}: no room")]

@@ -29,3 +29,5 @@ def test_other_settings_on_a_used_out_are_refused_not_reported(tmp_path):
     (tmp_path / "recall_hybrid.json").unlink()  # runs whose settings are unknown
     with pytest.raises(ConfigError, match="no recall_hybrid.json"):
         recall_hybrid.check_out(parse_args(recall_hybrid.RecallHybridArgs, tiny))
+    with pytest.raises(ConfigError, match="last=0: set last to 1 or more"):
+        recall_hybrid.run(parse_args(recall_hybrid.RecallHybridArgs, [*tiny, "last=0"]))

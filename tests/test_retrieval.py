@@ -92,6 +92,7 @@ def test_score_and_cells():
     rec = cell.record(segment=64)
     assert (rec["trials"], rec["accuracy"], rec["token_acc"], rec["segment"]) == (2, 0.5, 5 / 6, 64)
     assert "0.50" in table([cell]) and "1K" in table([cell])
+    assert table([]).startswith("no results")
 
 
 # -- the segmented read --------------------------------------------------------------------------------------
@@ -166,6 +167,7 @@ def _cases(tmp):
         "too-short": (EVAL, [*pk, "lengths=16"], "too short"),
         "loss-lengths": (EVAL, [*run, "lengths=-4"], "'-4'"),
         "generate-run": (GEN, [f"dump_dir={tmp}/run", "task=passkey", "lengths=1K"], "apps.gla.eval"),
+        "generate-loss": (GEN, [f"export={tmp}/exp", "task=loss", "lengths=1K"], "choose from passkey, needle"),
     }
     return good, bad
 

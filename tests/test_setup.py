@@ -246,3 +246,31 @@ def test_prepare_skips_and_counts_bad_records_like_the_loader(tmp_path, capsys):
     assert json.loads((out / "meta.json").read_text())["bad_records"] == 2
     assert f"warning: {raw / 'utf.jsonl'}:300: bad record skipped: not valid UTF-8" in err, err
     assert "skipped 2 bad record(s)" in err, err
+
+
+@pytest.mark.parametrize("bad", ["shards=0", "max_docs=-1", "valid_fraction=1", "txt_doc=page"])
+def test_prepare_bad_keys_are_named_before_reading(tmp_path, bad):
+    from lingua_zeco.args import ConfigError
+
+    key, value = bad.split("=")
+    with pytest.raises(ConfigError, match=rf"{key}='?{value}'?"):
+        prepare_data.main([f"input={tmp_path}", f"out={tmp_path / 'out'}", bad])
+    assert not (tmp_path / "out").exists()
+
+
+def test_prepare_reads_a_file_named_twice_once(tmp_path):
+    docs = _corpus(tmp_path / "raw")
+    raw = tmp_path / "raw"
+    prepare_data.main([f"input={raw},{raw / 'a.jsonl'},{raw}/*.parquet", f"out={tmp_path / 'out'}",
+                       "txt_doc=paragraph", "valid_fraction=0"])
+    assert sorted(_read(tmp_path / "out" / "train")) == sorted(docs)
+
+
+def test_prepare_out_under_a_file_is_one_error(tmp_path):
+    from lingua_zeco.args import ConfigError
+
+    _corpus(tmp_path / "raw")
+    (tmp_path / "file").write_text("kept\n")
+    with pytest.raises(ConfigError, match=r"out=.*file/out: cannot create a folder there \(Not a directory\)"):
+        prepare_data.main([f"input={tmp_path / 'raw'}", f"out={tmp_path / 'file' / 'out'}"])
+    assert (tmp_path / "file").read_text() == "kept\n"

@@ -188,6 +188,8 @@ def test_hostile_dump_dir_runs_nothing_and_arrives_as_one_argument(tmp_path, mon
     ("qos='high prio'", "qos"),
     ("exclude=node1 && touch PWNED", "exclude"),
     ("mem=0;touch PWNED", "mem"),
+    ("cpus=-8", "cpus"),
+    ("master_port=70000", "master_port"),
     ('dump_dir="{tmp}/job\\ntouch PWNED"', "dump_dir"),
     ("dump_dir={tmp}/job\\\\x", "dump_dir"),
     ("dump_dir={tmp}/job\\${{HOME}}", "dump_dir"),  # OmegaConf's escape: ${HOME} itself, which the job would resolve

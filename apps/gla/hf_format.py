@@ -21,11 +21,16 @@ TIED_HEAD, EMBEDDINGS = "lm_head.weight", "model.embeddings.weight"
 
 def fla_models():
     """fla.models (its configs register with transformers), imported without fla's warning that Triton is not
-    supported on this platform: on CPU an export needs only the config classes, never a Triton kernel."""
+    supported on this platform: on CPU an export or import needs only the config classes, never a Triton kernel."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
         import fla.models
     return fla.models
+
+
+def one_line(e: BaseException) -> str:
+    """The exception's message on one line (safetensors', fla's and torch's span several)."""
+    return " ".join(str(e).split())
 
 
 def in_folder(folder: str, name) -> str | None:

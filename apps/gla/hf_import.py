@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from apps.gla.hf_format import (CONFIG, FLA_FIXED, HF_TOKENIZER, META, TOKENIZER_FILES, WEIGHTS, WEIGHTS_INDEX,
-                                fla_models, from_fla, in_folder)
+                                fla_models, from_fla, in_folder, one_line)
 from apps.gla.layers import GLAArgs
 from lingua_zeco.args import ConfigError, given_keys
 from lingua_zeco.reliability import gather_all, rank_world
@@ -42,10 +42,6 @@ def is_hf_folder(path: str | None) -> bool:
         os.path.join(path, ".metadata"))
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())
-
-
 def read_config(folder: str):
     """fla's config object of folder/config.json (its class's defaults for the keys the file leaves out)."""
     path = os.path.join(folder, CONFIG)
@@ -53,7 +49,7 @@ def read_config(folder: str):
         with open(path) as f:
             values = json.load(f)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} cannot be read as JSON ({_one_line(e)})") from e
+        raise ConfigError(f"{path} cannot be read as JSON ({one_line(e)})") from e
     kind = values.get("model_type") if isinstance(values, dict) else None
     if kind not in CLASSES:
         raise ConfigError(f"{path}: model_type {kind!r}; checkpoint.init_ckpt_path takes fla's "
@@ -61,7 +57,7 @@ def read_config(folder: str):
     try:
         return getattr(fla_models(), CLASSES[kind]).from_dict(values)
     except (ValueError, TypeError, AssertionError) as e:  # fla's own checks of the values
-        raise ConfigError(f"{path}: fla refuses it ({_one_line(e)})") from e
+        raise ConfigError(f"{path}: fla refuses it ({one_line(e)})") from e
 
 
 def _refuse_unsupported(cfg, path: str) -> None:
@@ -74,6 +70,8 @@ def _refuse_unsupported(cfg, path: str) -> None:
         rules = common + [("use_output_gate", True, "the output gate is always on here"),
                           ("feature_map", None, "q and k have no feature map here"),
                           ("clamp_min", None, "the forget gate is not clamped here"),
+                          ("use_gk", True, "the forget gate on the keys is always on here"),
+                          ("use_gv", False, "there is no forget gate on the values here"),
                           ("num_kv_heads", heads, "grouped key/value heads are not implemented here"),
                           ("elementwise_affine", True, "the output norm has its weight here")]
     else:
@@ -146,7 +144,7 @@ def _tokenizer(args, folder: str, given: frozenset | None) -> TokenizerArgs:
                 t = json.load(f)["tokenizer"]
             name, file = t["name"], t["file"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"{meta} is damaged ({_one_line(e)}); set data.tokenizer") from e
+            raise ConfigError(f"{meta} is damaged ({one_line(e)}); set data.tokenizer") from e
         path = in_folder(folder, file) if file else None
         if file and path is None:
             raise ConfigError(f"{meta} names tokenizer file {file!r}, which is not a file of that folder; "
@@ -195,7 +193,7 @@ def _weight_files(folder: str) -> list[str]:
         with open(index) as f:
             names = sorted(set(json.load(f)["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise ConfigError(f"{index} is damaged ({_one_line(e)})") from e
+        raise ConfigError(f"{index} is damaged ({one_line(e)})") from e
     bad = [n for n in names if in_folder(folder, n) is None or not n.endswith(".safetensors")]
     if bad:
         raise ConfigError(f"{index} names {bad[0]!r}, which is not a .safetensors file of that folder")
@@ -213,7 +211,7 @@ def read_weights(folder: str, model) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(path))
         except (SafetensorError, OSError) as e:
-            raise ConfigError(f"{path} cannot be read ({_one_line(e)})") from e
+            raise ConfigError(f"{path} cannot be read ({one_line(e)})") from e
     state = from_fla(state, read_config(folder))
     want = model.state_dict()
     diff = [f"{k}: not in the folder" for k in want if k not in state]
@@ -236,10 +234,14 @@ def load_hf(folder: str, model) -> str:
     if rank == 0:
         try:
             state = read_weights(folder, model)
-        except ConfigError as e:
-            err = str(e)
-    if (err := gather_all(err)[0]) is not None:
-        raise ConfigError(err)
+        except Exception as e:  # noqa: BLE001 - any failure: the other ranks would wait for rank 0 forever
+            err = e
+    told = gather_all(None if err is None else (isinstance(err, ConfigError), str(err)))[0]
+    if err is not None:
+        raise err
+    if told is not None:
+        bad_input, message = told
+        raise ConfigError(message) if bad_input else RuntimeError(f"rank 0 failed to read {folder}: {message}")
     if dist.is_available() and dist.is_initialized():
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         set_model_state_dict(model, state, options=options)

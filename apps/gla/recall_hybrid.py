@@ -30,6 +30,13 @@ class RecallHybridArgs:
     last: int = 3  # the summary: mean recall of the last `last` logged steps
     overrides: list[str] = field(default_factory=list)  # more trainer keys, e.g. [seed=1,data.batch_size=16]
 
+    def check(self) -> None:
+        from lingua_zeco.args import ConfigError
+
+        for key in ("sp_size", "last"):  # last=0 would average every logged step, a negative one all but the first few
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{key}={getattr(self, key)}: set {key} to 1 or more")
+
 
 SUMMARY = "recall_hybrid.json"
 RUNS = ("gla", "hybrid")
@@ -93,6 +100,7 @@ def run(args: RecallHybridArgs) -> dict:
 
     from lingua_zeco.metrics import read_metrics
 
+    args.check()
     check_out(args)  # before anything is trained or written
     summary = os.path.join(args.out, SUMMARY)
     if not os.path.isfile(summary):  # the settings first: a run cut short is still known by them

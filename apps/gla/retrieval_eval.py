@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -32,6 +31,7 @@ from lingua_zeco.args import ConfigError, raw_text
 from lingua_zeco.data import build_data_loader
 from lingua_zeco.data.sources import builtin_documents
 from lingua_zeco.evaluation import EvalArgs, validation_data_args
+from lingua_zeco.metrics import LoggingArgs, MetricLogger
 from lingua_zeco.retrieval import NEEDLE_DEPTHS, TASKS, Cell, PromptBuilder, filler_tokens, parse_depths, \
     parse_lengths, score, short, table
 from lingua_zeco.segments import plan
@@ -57,7 +57,8 @@ class RetrievalKeys:
     # else the run's data.seq_len (an export: 4096)
     segment: int = 0
     seed: int = 0  # the trials' keys, drawn depths and filler offsets
-    out: str = ""  # results, a json line per (task, length, depth), appended; empty = eval_<task>.jsonl by the model
+    # results, a json line per (task, length, depth), appended; empty = eval_<task>.jsonl in dump_dir or export
+    out: str = ""
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,9 @@ class Plan:
 
 def check_keys(keys: RetrievalKeys) -> Plan:
     """The retrieval keys, refused by name before anything is loaded."""
-    if keys.task not in TASKS:
-        raise ConfigError(f"task={keys.task!r}; choose from {('loss', *TASKS)}")
+    if keys.task not in TASKS:  # a command's own default task (eval's loss) is a choice there, not elsewhere
+        default = next(f.default for f in dataclasses.fields(keys) if f.name == "task")
+        raise ConfigError(f"task={keys.task!r}; choose from {', '.join(filter(None, (default, *TASKS)))}")
     for name in ("trials", "digits"):
         if getattr(keys, name) < 1:
             raise ConfigError(f"{name}={getattr(keys, name)}: give a value >= 1")
@@ -229,13 +231,15 @@ def out_path(keys: RetrievalKeys, folder: str) -> str:
 def report(cells: list[Cell], path: str, **extra) -> str | None:
     """The table on stdout, the json lines appended to `path`, the heat map beside it; the PNG's path."""
     print(table(cells), flush=True)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "a") as f:
-            for c in cells:
-                f.write(json.dumps(c.record(**extra)) + "\n")
+    try:  # the trainer's writer: strict JSON, one whole line per write
+        writer = MetricLogger(os.path.dirname(path), LoggingArgs(metrics_file=os.path.basename(path)), active=True)
     except OSError as e:
         raise ConfigError(f"out={path!r}: cannot append to it ({e}); give a writable file path") from e
+    try:
+        for c in cells:
+            writer.log(c.record(**extra))
+    finally:
+        writer.close()
     png = os.path.splitext(path)[0] + ".png"
     try:
         heat_map(cells, png)
