@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # lingua_zeco, when run as a script
-from lingua_zeco.args import ConfigError, parse_args  # noqa: E402
+from lingua_zeco.args import ConfigError, one_line, parse_args  # noqa: E402
 from lingua_zeco.data.sources import jsonl_text  # noqa: E402  (the loader's own rules for a jsonl line)
 
 SUFFIXES = (".jsonl", ".parquet", ".txt")
@@ -113,10 +113,6 @@ def _warn(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split())  # pyarrow's messages span lines; an error is one line
-
-
 def expand_inputs(inputs: list[str]) -> list[str]:
     files = []
     for item in inputs:
@@ -162,7 +158,7 @@ def _read_parquet(path: str, text_key: str, bad: BadRecords):
     try:  # pyarrow's messages do not name the file
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
-        raise ValueError(f"{path}: not a readable parquet file ({_one_line(e)}); repair or remove it") from e
+        raise ValueError(f"{path}: not a readable parquet file ({one_line(e)}); repair or remove it") from e
     with pf:
         if text_key not in pf.schema_arrow.names:
             raise ValueError(f"{path}: no column {text_key!r} (columns: {pf.schema_arrow.names}); set text_key")
@@ -170,7 +166,7 @@ def _read_parquet(path: str, text_key: str, bad: BadRecords):
             try:
                 texts = pf.read_row_group(g, columns=[text_key]).column(0).to_pylist()
             except (pa.ArrowException, OSError, UnicodeDecodeError) as e:
-                raise ValueError(f"{path}: row group {g} (of {pf.num_row_groups}) cannot be read ({_one_line(e)}); "
+                raise ValueError(f"{path}: row group {g} (of {pf.num_row_groups}) cannot be read ({one_line(e)}); "
                                  f"repair or remove the file") from e
             for i, text in enumerate(texts):
                 if isinstance(text, str):

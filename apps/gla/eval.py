@@ -41,7 +41,7 @@ import torch
 
 from apps.gla.layers import SEGMENT_VARIANTS
 from apps.gla.model import GLAForCausalLM
-from apps.gla.retrieval_eval import RetrievalKeys, check_keys, default_segment, out_path, report, run_filler, run_tasks
+from apps.gla.retrieval_eval import RetrievalArgs, check_keys, default_segment, out_path, report, run_filler, run_tasks
 from apps.gla.train import TrainArgs
 from lingua_zeco import distributed, reliability
 from lingua_zeco.args import CONFIG_NAME, ConfigError, parse_args
@@ -54,7 +54,7 @@ from lingua_zeco.tokenizer import build_tokenizer
 
 
 @dataclass
-class EvalCLIArgs(RetrievalKeys):
+class EvalCLIArgs(RetrievalArgs):
     # loss: validation loss by token position (at each of `lengths` when given) | passkey | needle (retrieval)
     task: str = "loss"
     dump_dir: str = ""  # the run's folder: config.yaml and checkpoints/

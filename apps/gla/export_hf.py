@@ -39,9 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from apps.gla.attention_softmax import softmax_layer_set
-from apps.gla.hf_format import FLA_FIXED, META, TOKENIZER_FILES, WEIGHTS, fla_models, from_fla, in_folder, to_fla
+from apps.gla.hf_format import FLA_FIXED, META, TOKENIZER_FILES, WEIGHTS, fla_models, from_fla, to_fla
 from apps.gla.model import GLAArgs, GLAForCausalLM
-from lingua_zeco.args import ConfigError, build, parse_args
+from lingua_zeco.args import ConfigError, build, one_line, parse_args
+from lingua_zeco.checkpoint import in_folder
 from lingua_zeco.distributed import DTYPES
 from lingua_zeco.reliability import clean_exit
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
@@ -183,10 +184,6 @@ def export(model: GLAForCausalLM, out: str, *, dtype: str = "bf16", tokenizer_ar
     return out
 
 
-def _one_line(e: Exception) -> str:
-    return f"{type(e).__name__}: {' '.join(str(e).split())}"  # load_state_dict's message spans lines
-
-
 def load_export(folder: str, device: str | torch.device = "cpu"):
     """(model, tokenizer) from an export folder, as this repository's model: plain torch kernels off
     CUDA (any CPU), fla's on CUDA."""
@@ -203,7 +200,7 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
         t = meta["tokenizer"]
         tok_path = in_folder(folder, t["file"]) if t["file"] else None
     except (ValueError, KeyError, TypeError) as e:  # bad json, a missing or unknown key, a wrong type
-        raise ConfigError(f"{meta_path} is damaged ({_one_line(e)}); {REEXPORT}") from e
+        raise ConfigError(f"{meta_path} is damaged ({one_line(e)}); {REEXPORT}") from e
     if t["file"] and tok_path is None:  # export() writes a bare name: nothing outside the folder
         raise ConfigError(f"{meta_path} names tokenizer file {t['file']!r}, which is not a file of the export "
                           f"folder; {REEXPORT}")
@@ -213,7 +210,7 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
         state = from_fla(load_file(weights), fla_config(model.args))
         model.load_state_dict(state)  # strict; copies into the model's dtype
     except (SafetensorError, KeyError, RuntimeError) as e:  # cut short, or tensors not of this model
-        raise ConfigError(f"{weights} is damaged ({_one_line(e)}); {REEXPORT}") from e
+        raise ConfigError(f"{weights} is damaged ({one_line(e)}); {REEXPORT}") from e
     tok = build_tokenizer(TokenizerArgs(name=t["name"], path=tok_path))
     return model.to(device).eval(), tok
 

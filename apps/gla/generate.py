@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from apps.gla.model import GLAForCausalLM
-from apps.gla.retrieval_eval import RetrievalKeys, advance, builtin_filler, check_keys, default_segment, out_path, \
+from apps.gla.retrieval_eval import RetrievalArgs, advance, builtin_filler, check_keys, default_segment, out_path, \
     report, run_tasks
 from lingua_zeco.args import ConfigError, parse_args, raw_text
 from lingua_zeco.reliability import clean_exit
@@ -31,7 +31,7 @@ from lingua_zeco.tokenizer import build_tokenizer
 
 
 @dataclass
-class GenerateArgs(RetrievalKeys):
+class GenerateArgs(RetrievalArgs):
     task: str = ""  # empty: continue prompt=; passkey | needle: a retrieval test of export= (retrieval_eval.py)
     dump_dir: str = ""  # the run's folder (config.yaml, checkpoints/)
     ckpt: str = ""  # step_* folder or checkpoints root; empty = <dump_dir>/checkpoints

@@ -8,7 +8,6 @@ Our parameter names are fla's (apps/gla/model.py), with two exceptions this modu
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 FLA_FIXED = {"gate_low_rank_dim": 16, "gate_logit_normalizer": 16}  # fla's GLA layer hard-codes these
@@ -26,19 +25,6 @@ def fla_models():
         warnings.filterwarnings("ignore", message="Triton is not supported on current platform")
         import fla.models
     return fla.models
-
-
-def one_line(e: BaseException) -> str:
-    """The exception's message on one line (safetensors', fla's and torch's span several)."""
-    return " ".join(str(e).split())
-
-
-def in_folder(folder: str, name) -> str | None:
-    """folder/name for a bare file name; None for anything that could point elsewhere ("../x", "a/b", "", ".")."""
-    if not isinstance(name, str) or not name or name in (".", "..") or os.path.basename(name) != name \
-            or (os.altsep and os.altsep in name):
-        return None
-    return os.path.join(folder, name)
 
 
 def _renames(cfg) -> dict[str, str]:

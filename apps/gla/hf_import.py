@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from apps.gla.hf_format import (CONFIG, FLA_FIXED, HF_TOKENIZER, META, TOKENIZER_FILES, WEIGHTS, WEIGHTS_INDEX,
-                                fla_models, from_fla, in_folder, one_line)
+                                fla_models, from_fla)
 from apps.gla.layers import GLAArgs
-from lingua_zeco.args import ConfigError, given_keys
+from lingua_zeco.args import ConfigError, given_keys, one_line
+from lingua_zeco.checkpoint import in_folder
 from lingua_zeco.reliability import gather_all, rank_world
 from lingua_zeco.tokenizer import TokenizerArgs
 

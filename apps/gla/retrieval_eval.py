@@ -43,7 +43,7 @@ FILLER_READ = 65536  # tokens per batch read from the run's data for the filler
 
 
 @dataclass
-class RetrievalKeys:
+class RetrievalArgs:
     """The keys of the retrieval tasks (apps.gla.eval and apps.gla.generate take them)."""
 
     task: str = ""  # passkey | needle: a retrieval test (apps/gla/retrieval_eval.py)
@@ -68,7 +68,7 @@ class Plan:
     depths: list[float | None]  # None: drawn per trial
 
 
-def check_keys(keys: RetrievalKeys) -> Plan:
+def check_keys(keys: RetrievalArgs) -> Plan:
     """The retrieval keys, refused by name before anything is loaded."""
     if keys.task not in TASKS:  # a command's own default task (eval's loss) is a choice there, not elsewhere
         default = next(f.default for f in dataclasses.fields(keys) if f.name == "task")
@@ -157,7 +157,7 @@ def answer_hits(model, prompts, segment: int, device) -> list[tuple[torch.Tensor
     return [score(logits[b], p.answer) for b, p in enumerate(prompts)]
 
 
-def run_tasks(model, tokenizer, filler: torch.Tensor, keys: RetrievalKeys, *, segment: int, device,
+def run_tasks(model, tokenizer, filler: torch.Tensor, keys: RetrievalArgs, *, segment: int, device,
               dp_rank: int = 0, dp_size: int = 1, autocast=None) -> list[Cell]:
     """Every (length, depth) cell of keys.task: this DP rank's share of its trials, the counts summed over
     the world when a process group is up."""
@@ -224,7 +224,7 @@ def builtin_filler(tokenizer, limit: int) -> torch.Tensor:
     return filler_tokens(builtin_documents("valid"), tokenizer, limit, (tokenizer.bos_id, tokenizer.eos_id))
 
 
-def out_path(keys: RetrievalKeys, folder: str) -> str:
+def out_path(keys: RetrievalArgs, folder: str) -> str:
     return os.path.abspath(keys.out or os.path.join(folder, f"eval_{keys.task}.jsonl"))
 
 

@@ -25,6 +25,12 @@ class ConfigError(ValueError):
     pass
 
 
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line, for an `error:` line (safetensors', fla's, pyarrow's and torch's
+    messages span several)."""
+    return " ".join(str(e).split())
+
+
 def check_sections(cfg) -> None:
     """Every section of a config (each *Args dataclass, nested ones too) checks its own values in its `check()`
     method, beside its fields; the first problem ends here as one ConfigError naming the key."""

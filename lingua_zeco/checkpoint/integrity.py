@@ -91,9 +91,18 @@ def marker_files(marker: dict) -> dict[str, dict] | None:
     for name, want in files.items():
         if not (isinstance(want, dict) and isinstance(want.get("size"), int) and isinstance(want.get("sha256"), str)):
             return None
-        if os.path.basename(name) != name or name in ("", ".", ".."):  # a file outside the folder: never ours
+        if in_folder("", name) is None:  # a path out of the folder: never ours
             return None
     return files
+
+
+def in_folder(folder: str, name) -> str | None:
+    """folder/name for a bare file name read from an artifact (a marker, an export's metadata, an index of
+    shards); None for anything that could point elsewhere ("../x", "a/b", "/etc/x", "", ".")."""
+    if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name \
+            or (os.altsep and os.altsep in name):
+        return None
+    return os.path.join(folder, name)
 
 
 def verify(folder: str, files: dict[str, dict], rank: int, world: int) -> list[str]:
