@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from lingua_zeco.args import at_least
+from lingua_zeco.args import ConfigError, at_least
 
 from lingua_zeco.reliability import StorageError
 
@@ -212,6 +212,21 @@ class MetricLogger:
 def _write_all(fd: int, data: bytes) -> None:
     while data:
         data = data[os.write(fd, data):]
+
+
+def append_records(path: str, records: list[dict], active: bool = True, key: str = "out") -> None:
+    """Append each record to the jsonl file `path` as MetricLogger writes (strict JSON, one whole line a
+    write); an unwritable path is a ConfigError naming the command's `key`. `active`: this rank writes."""
+    path = os.path.abspath(path)
+    try:
+        writer = MetricLogger(os.path.dirname(path), LoggingArgs(metrics_file=os.path.basename(path)), active=active)
+    except OSError as e:  # e.g. a file where its folder should be, no write permission
+        raise ConfigError(f"{key}={path!r}: cannot append to it ({e}); give a writable file path") from e
+    try:
+        for record in records:
+            writer.log(record)
+    finally:
+        writer.close()
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:

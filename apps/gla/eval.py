@@ -47,7 +47,7 @@ from lingua_zeco import distributed, reliability
 from lingua_zeco.args import CONFIG_NAME, ConfigError, parse_args
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, Layout, UntrustedCheckpointError, load_file
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
-from lingua_zeco.metrics import LoggingArgs, MetricLogger
+from lingua_zeco.metrics import append_records
 from lingua_zeco.retrieval import parse_lengths
 from lingua_zeco.sp import SPContext
 from lingua_zeco.tokenizer import build_tokenizer
@@ -201,7 +201,7 @@ def run(args: EvalCLIArgs) -> dict | list[dict]:
         if env.is_master:
             print(json.dumps(result))
         if args.out:  # the trainer's writer: one whole line appended per evaluation (rank 0 only)
-            _append(args.out, result, env.is_master)
+            append_records(args.out, [result], env.is_master)
     return results if contexts else results[0]
 
 
@@ -213,16 +213,6 @@ def _loss(model, cfg: TrainArgs, args: EvalCLIArgs, env, device_autocast, traine
     return evaluate(model, data, args.eval, device=device, dp_rank=env.dp_rank, dp_size=env.dims.dp,
                     sp_rank=env.sp_rank, sp_size=env.dims.sp, autocast=autocast, trained_on=trained_on,
                     segment_len=segment)  # read segment by segment (the run's segments): any context fits
-
-
-def _append(out: str, result: dict, active: bool) -> None:
-    path = os.path.abspath(out)
-    try:
-        writer = MetricLogger(os.path.dirname(path), LoggingArgs(metrics_file=os.path.basename(path)), active=active)
-    except OSError as e:  # e.g. a file where its folder should be, no write permission
-        raise ConfigError(f"out={out!r}: cannot append to it ({e}); give a writable file path") from e
-    writer.log(result)
-    writer.close()
 
 
 def main(argv: list[str] | None = None) -> None:

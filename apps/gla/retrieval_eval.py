@@ -31,7 +31,7 @@ from lingua_zeco.args import ConfigError, raw_text
 from lingua_zeco.data import build_data_loader
 from lingua_zeco.data.sources import builtin_documents
 from lingua_zeco.evaluation import EvalArgs, validation_data_args
-from lingua_zeco.metrics import LoggingArgs, MetricLogger
+from lingua_zeco.metrics import append_records
 from lingua_zeco.retrieval import NEEDLE_DEPTHS, TASKS, Cell, PromptBuilder, filler_tokens, parse_depths, \
     parse_lengths, score, short, table
 from lingua_zeco.segments import plan
@@ -231,15 +231,7 @@ def out_path(keys: RetrievalArgs, folder: str) -> str:
 def report(cells: list[Cell], path: str, **extra) -> str | None:
     """The table on stdout, the json lines appended to `path`, the heat map beside it; the PNG's path."""
     print(table(cells), flush=True)
-    try:  # the trainer's writer: strict JSON, one whole line per write
-        writer = MetricLogger(os.path.dirname(path), LoggingArgs(metrics_file=os.path.basename(path)), active=True)
-    except OSError as e:
-        raise ConfigError(f"out={path!r}: cannot append to it ({e}); give a writable file path") from e
-    try:
-        for c in cells:
-            writer.log(c.record(**extra))
-    finally:
-        writer.close()
+    append_records(path, [c.record(**extra) for c in cells])  # the trainer's writer: strict JSON, whole lines
     png = os.path.splitext(path)[0] + ".png"
     try:
         heat_map(cells, png)
