@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .buffers import buffer_key
 from .scan import ScanOrder
-from .symm_hop import PAD_SLOTS, fused_chain_hop
+from .symm_hop import PAD_SLOTS, fused_chain_hop, fused_hop_fits
 
 FREE, DATA = 0, 1
 
@@ -101,12 +101,25 @@ class TorchSymmetricMemory:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
                 symm.enable_symm_mem_for_group(group.group_name)
-        return symm.empty(n, dtype=like.dtype, device=like.device)
+        buf = symm.empty(n, dtype=like.dtype, device=like.device)
+        legacy_stream_done(like.device)
+        return buf
 
     def rendezvous(self, buf: torch.Tensor, group):
         """Map every rank's buffer into this one's address space (collective); the handle."""
         import torch.distributed._symmetric_memory as symm
-        return symm.rendezvous(buf, group.group_name)
+        handle = symm.rendezvous(buf, group.group_name)
+        legacy_stream_done(buf.device)
+        return handle
+
+
+def legacy_stream_done(device: torch.device) -> None:
+    """Wait for the device work torch's symmetric memory leaves on the legacy default stream. torch 2.11 zeroes a
+    new block (buffer and signal pad) with cudaMemset and uploads a handle's peer pointer arrays (what put_signal
+    and wait_signal dereference) with cudaMemcpy, both on that stream, which is not ordered with the non-blocking
+    streams that use them next (torch's own code waits for it since August 2026, PyTorch PR 192308). Also makes
+    a GPU fault during that work surface in the step that caused it."""
+    torch.cuda.default_stream(device).synchronize()
 
 
 def agreed_setup(make, group, device: torch.device):
@@ -116,6 +129,8 @@ def agreed_setup(make, group, device: torch.device):
     try:
         out = make()
     except Exception as e:  # e.g. no peer access between the GPUs, two ranks on one GPU
+        if not gpu_usable(e, device):
+            raise  # where it surfaced: the flags below would only fail again, at the next CUDA call
         err = e
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     failed = torch.zeros(P, dtype=torch.int32, device=device)
@@ -127,6 +142,18 @@ def agreed_setup(make, group, device: torch.device):
     cause = f"{type(err).__name__}: {err}" if err is not None else "this rank's setup worked"
     raise SymmSetupError(f"all_scan(transport='symm'): no symmetric memory on this group: setup failed on "
                          f"group rank(s) {bad} ({cause}); use all_scan.transport=nccl") from err
+
+
+def gpu_usable(err: BaseException, device: torch.device) -> bool:
+    """Whether the GPU still works after err. A CUDA error like an illegal address or a trapped kernel is sticky:
+    every later CUDA call fails, so it can be neither agreed on nor fallen back from."""
+    if device.type != "cuda" or not isinstance(err, RuntimeError):  # torch.AcceleratorError is a RuntimeError
+        return True
+    try:
+        torch.cuda.synchronize(device)
+    except RuntimeError:
+        return False
+    return True
 
 
 TORCH_SYMM = TorchSymmetricMemory()
@@ -167,10 +194,10 @@ class SymmLink(ScanOrder):
         return self._same_place(self._sb.peer("buf", self._dst, self._n, view.dtype), view)
 
     def fused_chain(self, x_RV: torch.Tensor, a_R: torch.Tensor, y_RV: torch.Tensor) -> bool:
-        """The whole chain hop as one kernel (comm/symm_hop.py) where it applies: CUDA, fp32 rows of a
-        power-of-two width, one block. False: the caller runs the hop op by op."""
+        """The whole chain hop as one kernel (comm/symm_hop.py) where it applies: CUDA, one block, and what
+        fused_hop_fits accepts. False: the caller runs the hop op by op."""
         R, V = x_RV.shape
-        if not (self.fused and x_RV.is_cuda and x_RV.dtype == torch.float32 and V & (V - 1) == 0 and V <= 256):
+        if not (self.fused and x_RV.is_cuda and fused_hop_fits(x_RV, a_R, y_RV)):
             return False
         sb = self._buffer("chain_fused", x_RV.numel(), x_RV, 0)
         plan = sb.peers.get(("plan", self.pos))

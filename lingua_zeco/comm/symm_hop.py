@@ -78,6 +78,16 @@ def _kernel():
     return hop
 
 
+def fused_hop_fits(x_RV: torch.Tensor, a_R: torch.Tensor, y_RV: torch.Tensor) -> bool:
+    """Whether the kernel can take this hop: fp32 rows x, y [R, V] of a power-of-two width V <= 256 and a [R], all
+    three contiguous (it addresses row r, column c at r*V + c and a's row r at r: a strided or expanded x would be
+    read at the wrong places, past its storage for an expanded one)."""
+    R, V = x_RV.shape
+    return (x_RV.dtype == a_R.dtype == y_RV.dtype == torch.float32 and 0 < V <= 256 and V & (V - 1) == 0
+            and tuple(a_R.shape) == (R,) and y_RV.shape == x_RV.shape
+            and all(t.is_contiguous() for t in (x_RV, a_R, y_RV)))
+
+
 def fused_chain_hop(x_RV: torch.Tensor, a_R: torch.Tensor, y_RV: torch.Tensor, recv_RV: torch.Tensor,
                     send_RV: torch.Tensor | None, pad: torch.Tensor, next_pad: torch.Tensor | None,
                     prev_pad: torch.Tensor | None, seq: int, timeout_s: float = 600.0, block_r: int = 32) -> None:

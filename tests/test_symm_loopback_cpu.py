@@ -1,0 +1,102 @@
+"""The symm transport's index arithmetic, on CPU (its kernels run in test_symm_scan.py, on a GPU):
+* the one-GPU loopback (comm/symm_loopback.py): virtual rank s's signal on channel c to virtual rank d is one slot
+  of d's real one-rank signal pad, the one d's wait on (c, s) reads; no two (channel, sender) pairs share a slot;
+  every channel SymmLink admits fits the real pad; the one-kernel hop's flags are the rank's own pad;
+* which hops the one-kernel hop takes (comm/symm_hop.py, fused_hop_fits): it addresses contiguous rows only;
+* a CUDA error that left the GPU unusable comes out of the setup as it surfaced (comm/symm.py, agreed_setup)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lingua_zeco.comm import symm
+from lingua_zeco.comm.symm import SymmBuffer, SymmSetupError, agreed_setup
+from lingua_zeco.comm.symm_hop import PAD_SLOTS, fused_hop_fits
+from lingua_zeco.comm.symm_loopback import _Handle, _World
+
+PAD_BYTES = 9216  # torch's default signal pad: 32 channels x 72 ranks x 4 bytes
+
+
+class RealPad:
+    """What the loopback needs of a real one-rank handle: its pad, and which slots put/wait touch (rank must be 0)."""
+
+    def __init__(self):
+        self.signal_pad_size = PAD_BYTES
+        self.pad = torch.zeros(PAD_BYTES // 4, dtype=torch.int32)
+        self.touched = []
+
+    def put_signal(self, rank, channel, timeout_ms=0):
+        assert rank == 0
+        self.touched.append(("put", channel))
+
+    def wait_signal(self, rank, channel, timeout_ms=0):
+        assert rank == 0
+        self.touched.append(("wait", channel))
+
+    def get_signal_pad(self, rank, sizes, dtype):
+        assert rank == 0
+        return self.pad.view(dtype)[: sizes[0]]
+
+
+def loopback(P: int):
+    world = _World(P, group=None)
+    reals = [RealPad() for _ in range(P)]
+    world.allocs = [[SymmBuffer(torch.zeros(8), r) for r in reals]]
+    return [_Handle(world, 0, v) for v in range(P)], reals
+
+
+@pytest.mark.parametrize("P", [2, 3, 5, 8])
+def test_loopback_signals_meet_in_one_slot_each(P):
+    handles, reals = loopback(P)
+    channels = handles[0].signal_pad_size // (P * 4)  # the most SymmLink._buffer admits
+    assert channels >= 2  # FREE and one data channel at least
+    for d in range(P):
+        slots = {}
+        for c in range(channels):
+            for s in range(P):
+                for r in reals:
+                    r.touched.clear()
+                handles[s].put_signal(d, c)
+                handles[d].wait_signal(s, c)
+                assert all(not r.touched for i, r in enumerate(reals) if i != d)  # only the receiver's pad
+                (put, slot), (wait, slot_read) = reals[d].touched
+                assert (put, wait) == ("put", "wait") and slot == slot_read, (c, s, d)
+                assert 0 <= slot < PAD_BYTES // 4, (c, s, slot)
+                assert slot not in slots, f"channel {c} from {s} and {slots.get(slot)} share slot {slot} of {d}"
+                slots[slot] = (c, s)
+
+
+def test_loopback_hop_flags_are_the_ranks_own_pad():
+    handles, reals = loopback(3)
+    for s in range(3):
+        for r in range(3):
+            pad = handles[s].get_signal_pad(r, (PAD_SLOTS,), torch.int32)
+            assert pad.data_ptr() == reals[r].pad.data_ptr() and pad.numel() == PAD_SLOTS
+
+
+def test_fused_hop_takes_contiguous_fp32_rows_only():
+    x, a, y = torch.randn(30, 4), torch.rand(30), torch.empty(30, 4)
+    assert fused_hop_fits(x, a, y)
+    assert fused_hop_fits(torch.randn(5, 256), torch.rand(5), torch.empty(5, 256))
+    assert not fused_hop_fits(torch.randn(1, 4).expand(30, 4), a, y)  # 4 elements stored, 120 read
+    assert not fused_hop_fits(torch.randn(30, 8)[:, :4], a, y)  # rows 8 apart, read 4 apart
+    assert not fused_hop_fits(x, torch.rand(60)[::2], y)
+    assert not fused_hop_fits(x, a, torch.empty(4, 30).t())
+    assert not fused_hop_fits(x, torch.rand(29), y)
+    assert not fused_hop_fits(torch.randn(30, 3), a, torch.empty(30, 3))
+    assert not fused_hop_fits(torch.randn(30, 512), a, torch.empty(30, 512))
+    assert not fused_hop_fits(x.bfloat16(), a.bfloat16(), y.bfloat16())
+
+
+def test_a_lost_gpu_is_raised_where_it_surfaced(monkeypatch):
+    fault = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+    def make():
+        raise fault
+
+    monkeypatch.setattr(symm, "gpu_usable", lambda err, device: False)  # the GPU a sticky error leaves behind
+    with pytest.raises(torch.AcceleratorError) as got:
+        agreed_setup(make, None, torch.device("cpu"))
+    assert got.value is fault and not isinstance(got.value, SymmSetupError)
+    monkeypatch.undo()
+    assert symm.gpu_usable(fault, torch.device("cpu"))  # no CUDA device to lose: an ordinary setup failure
