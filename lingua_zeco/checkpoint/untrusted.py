@@ -27,13 +27,15 @@ from torch.distributed.checkpoint.metadata import StorageMeta
 from lingua_zeco.args import ConfigError
 
 _META = "torch.distributed.checkpoint.metadata"
-# (module, name) pairs DCP's metadata pickle names (torch 2.6-2.13), and nothing reachable from them by a
-# dotted name: find_class resolves "os.system" inside any module that imports os.
+# (module, name) pairs DCP's metadata pickle names (as torch 2.13 writes it; TensorProperties and its memory
+# format enum also where older torch kept them), and nothing reachable from them by a dotted name: find_class
+# resolves "os.system" inside any module that imports os.
 METADATA_GLOBALS = frozenset(
     {(_META, n) for n in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
                           "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")}
     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
        ("torch.serialization", "_get_layout"), ("collections", "OrderedDict")}
+    | {("torch.distributed._shard.sharded_tensor.metadata", n) for n in ("TensorProperties", "MEM_FORMAT_ENCODING")}
     | {("pathlib", n) for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
     | {("torch", n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)})
 
