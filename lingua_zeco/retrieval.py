@@ -170,6 +170,9 @@ class Cell:
     token_hits: int = 0
     tokens: int = 0
     nll: float = 0.0  # summed over the answer tokens
+    seconds: float = 0.0  # this rank's time for its trials (prompts read and answers scored)
+    read_tokens: int = 0  # prompt tokens this rank read: its trials x length
+    peak_gib: float | None = None  # this rank's peak of allocated device memory over the cell (CUDA only)
 
     def add(self, hits: torch.Tensor, nll: torch.Tensor) -> None:
         self.trials += 1
@@ -193,7 +196,9 @@ class Cell:
         """One jsonl line."""
         return {"task": self.task, "length": self.length, "depth": self.depth, "trials": self.trials,
                 "accuracy": self.accuracy, "token_acc": self.token_hits / self.tokens if self.tokens else math.nan,
-                "answer_nll": self.nll / self.tokens if self.tokens else math.nan, **extra}
+                "answer_nll": self.nll / self.tokens if self.tokens else math.nan, "seconds": self.seconds,
+                "tokens_per_s": self.read_tokens / self.seconds if self.seconds else math.nan,
+                "peak_gib": self.peak_gib, **extra}
 
 
 def table(cells: list[Cell]) -> str:

@@ -199,6 +199,9 @@ def test_cli_writes_table_jsonl_and_heat_map(cli, name, path, cells):
     rows = _lines(tmp / path)
     assert len(rows) == cells and {r["task"] for r in rows} == {task}
     assert all(r["trials"] == (1 if name == "export" else 2) and 0 <= r["accuracy"] <= 1 for r in rows)
+    for r in rows:  # this rank's speed over its prompts; no device memory on a CPU
+        assert r["seconds"] > 0 and r["tokens_per_s"] == pytest.approx(r["trials"] * r["length"] / r["seconds"])
+        assert r["peak_gib"] is None
     if name == "needle":
         assert {(r["length"], r["depth"]) for r in rows} == {(n, d) for n in (512, 1024) for d in (0, 0.5, 1)}
         assert {r["segment"] for r in rows} == {128}

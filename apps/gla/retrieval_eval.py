@@ -172,13 +172,20 @@ def run_tasks(model, tokenizer, filler: torch.Tensor, keys: RetrievalArgs, *, se
     cells = []
     for length in todo.lengths:
         for depth in todo.depths:
-            cell, t0 = Cell(todo.task, length, depth), time.perf_counter()
+            cell, cuda = Cell(todo.task, length, depth), torch.device(device).type == "cuda"
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
             if mine:
                 prompts = [build.build(length, i, depth) for i in mine]
                 with autocast or contextlib.nullcontext():
                     hits = answer_hits(model, prompts, segment, device)
                 for h, nll in hits:
                     cell.add(h, nll)
+            if cuda:
+                torch.cuda.synchronize(device)
+                cell.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+            cell.seconds, cell.read_tokens = time.perf_counter() - t0, len(mine) * length
             cells.append(cell)
             log.info("%s %s depth %s: %d/%d exact (%.1f s)", todo.task, short(length),
                      "random" if depth is None else f"{depth:.2f}", cell.exact, cell.trials, time.perf_counter() - t0)

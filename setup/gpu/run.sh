@@ -8,6 +8,9 @@
 #   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
 #   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
 #   profile       the 16K step of ours with its kernel time by category and the GPU's idle gaps          ≈ 3
+#   extension     GLA-1B from a Hugging Face folder (docs/long_context.md, section 8): passkey at 128K, 1M  ≈ 9
+#                 and 4M tokens (tokens/s, peak memory); 64K training in segments of 16K from the folder
+#                 and from scratch (tok/s side by side)
 #   compare       step (16K) and operator on BASE_DIR, another checkout, and on this tree back to back   ≈ 8
 #                 (defaults unchanged or faster across a change); make one with e.g.
 #                 mkdir -p dumps/base && git archive <commit> apps lingua_zeco configs | tar -x -C dumps/base
@@ -16,7 +19,7 @@
 # autotune results go to $OUT/autotune.tgz (fold them into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when
 # every part's commands exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
-PARTS="tests step operator long_context profile compare"
+PARTS="tests step operator long_context profile extension compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -94,6 +97,22 @@ part_long_context() {  # three steps of ≈ 96 s: the first (compiles), one warm
 part_profile() {
     train "$HERE" "$OUT/profile" 420 stem=train_16384_profile seq_len=16384 warmup=3 steps=8 variants=ours \
         profile=ours
+}
+
+part_extension() {  # random GLA-1B weights: the path is what is measured, not the model
+    local tmp=/tmp/extension out="$OUT/extension" long=(data.seq_len=65536 model.segment_len=16384 steps=8
+                                                           logging.freq=1)
+    run "$HERE" "$out/base.log" 240 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
+        dump_dir=$tmp/base steps=1 data.seq_len=4096
+    run "$HERE" "$out/export.log" 120 "rror|Traceback" python3 -m apps.gla.export_hf dump_dir=$tmp/base \
+        out="$out/hf" dtype=bf16
+    run "$HERE" "$out/passkey.log" 240 "rror|Traceback|accuracy|random" python3 -m apps.gla.eval dump_dir=$tmp/base \
+        task=passkey lengths=128K,1M,4M trials=1 segment=16384 out="$out/passkey.jsonl"
+    run "$HERE" "$out/from_hf.log" 150 "rror|Traceback|tok/s|Hugging" python3 -m apps.gla.train \
+        config=gla_1b_zeco.yaml dump_dir=$tmp/from_hf checkpoint.init_ckpt_path="$out/hf" "${long[@]}"
+    run "$HERE" "$out/scratch.log" 150 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
+        dump_dir=$tmp/scratch "${long[@]}"
+    rm -rf "$out/hf" "$tmp"  # weights of random GLA-1B: not a result
 }
 
 part_compare() {  # base then current for each benchmark: drift over the call hits both alike
