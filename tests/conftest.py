@@ -20,7 +20,7 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # set before torch is imported here o
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-def pytest_collection_modifyitems(session, config, items):
+def pytest_collection_modifyitems(items):
     """Files holding a `slow` test first, each file's tests kept together and in their order."""
     slow = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow)  # stable: the order within each group stays
