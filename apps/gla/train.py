@@ -142,20 +142,14 @@ def _validated(args: TrainArgs) -> TrainArgs:
     return args
 
 
-def _checked(args: TrainArgs) -> TrainArgs:
-    """`_validated`, and the same on every rank."""
-    args = _validated(args)
-    reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
-    return args
-
-
 class Trainer:
     """One run: its model, optimizer, data, TrainState and meters, set up (or resumed) at construction;
     `train()` runs the steps left."""
 
     def __init__(self, args: TrainArgs, env: distributed.DistEnv):
-        dump_dir, self.args, self.env = _dump_dir(args), _checked(args), env
-        args = self.args
+        """args: as `train` passes them, through _validated."""
+        reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
+        dump_dir, self.args, self.env = _dump_dir(args), args, env
         shards = env.dims.dp_shard * env.dims.sp if args.distributed.fsdp else 1
         check_fits(args.model, args.data.batch_size * args.data.seq_len, shards, env.device,  # before any allocation
                    batch=args.data.batch_size, segment_len=args.model.segment_len)
