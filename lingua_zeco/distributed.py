@@ -37,7 +37,9 @@ class DistributedArgs:
     softmax_sp: str = "allgather"
     dp_shard: int = -1  # FSDP shard degree; -1 = whatever is left of the world
     dp_replicate: int = 1  # HSDP replicas (full copies of the sharded model)
-    fsdp: bool = True  # False: replicate parameters and all-reduce gradients (debugging)
+    # null = auto: FSDP with more than one process; one process trains the plain module (nothing to shard)
+    # unless its weight copies do not fit (apps/gla/memory_fit.py). False: replicate, all-reduce gradients
+    fsdp: bool | None = None
     meta_init: bool = True  # build on the meta device, shard, then allocate and init (lingua_zeco/meta_init.py)
     # block: one FSDP unit per block (weights gathered a block at a time: the least memory);
     # model: one unit for the whole model. On a one-rank mesh sharding saves nothing, and the per-block

@@ -63,7 +63,8 @@ def test_an_export_starts_training_with_the_same_logits_bit_for_bit(tmp_path, va
             if p.ndim == 1:
                 p.add_(torch.randn_like(p) * 0.3)
     out = export_hf.export(ours, str(tmp_path / "hf"), dtype="fp32")
-    args = hf_import.resolve(_args(tmp_path, out, "steps=1", "model.n_heads=2"))  # a given key that agrees is fine
+    args = hf_import.resolve(_args(tmp_path, out, "steps=1", "model.n_heads=2",  # a given key that agrees is fine
+                                             "distributed.fsdp=true"))
     assert (args.model.dim, args.model.ffn_hidden, args.model.attn_variant) == (32, 64, variant)
     env = distributed.setup(args.distributed, args.model.gla_options())
     try:
@@ -257,7 +258,8 @@ def test_two_ranks_load_the_folder_into_their_shards(tmp_path):
     """FSDP over dp, FSDP over sp (tied head), no FSDP: rank 0 reads, every rank holds the folder's weights;
     a failed read stops every rank."""
     _fla_folder(tmp_path / "hf", tie_word_embeddings=True)
-    cases = [["distributed.sp_size=1", "distributed.sp_method=none"], ["distributed.sp_size=2"],
+    cases = [["distributed.fsdp=true", "distributed.sp_size=1", "distributed.sp_method=none"],
+             ["distributed.fsdp=true", "distributed.sp_size=2"],
              ["distributed.fsdp=false", "distributed.sp_size=1", "distributed.sp_method=none"]]
     got = run_on_ranks(_on_rank, 2, str(tmp_path / "hf"), cases)
     for rank_results, _ in got:

@@ -91,8 +91,8 @@ def _reference(dp: int, sp: int):
 
 
 @pytest.mark.parametrize("layout", [
-    ["distributed.sp_size=2"],  # FSDP over dp_shard 2 x sp 2
-    ["distributed.sp_size=2", "distributed.dp_replicate=2"],  # HSDP: replicate 2 x (shard 1 x sp 2)
+    ["distributed.sp_size=2", "distributed.fsdp=true"],  # FSDP over dp_shard 2 x sp 2
+    ["distributed.sp_size=2", "distributed.dp_replicate=2", "distributed.fsdp=true"],  # HSDP: 2 x (shard 1 x sp 2)
     ["distributed.sp_size=2", "distributed.fsdp=false"],  # replicated params, all-reduced gradients
 ])
 def test_step_gradient_is_global_token_mean(layout):

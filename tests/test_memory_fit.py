@@ -87,3 +87,54 @@ def test_kept_chunk_states_count_where_the_operator_keeps_them():
     for other in (dict(activation_checkpointing="full"), dict(attn_variant="simple_gla")):
         assert estimate_bytes(dataclasses.replace(kept, **other), tokens, 1, "cuda")["kept_states"] == 0
     assert estimate_bytes(kept, tokens, 1, "cpu")["kept_states"] == 0
+
+
+def test_the_plain_module_counts_its_weight_copies_on_cuda_only():
+    """Without FSDP, autocast's bf16 copy of every weight outside the embedding lives from the forward to the
+    backward (float8 linears keep their 1-byte cast instead); CPU computes in the weights' dtype, no copies."""
+    from apps.gla.model import count_params
+
+    n = count_params(GLA_1B)
+    for float8, elem in (("none", 2), ("tensorwise", 1)):
+        args = dataclasses.replace(GLA_1B, float8=float8)
+        sharded, plain = (estimate_bytes(args, 16384, 1, "cuda", plain=p) for p in (False, True))
+        assert sharded["weight_copies"] == 0
+        assert plain["weight_copies"] == (n["non_embedding"] + n["head"]) * elem
+        assert plain["total"] - sharded["total"] == plain["weight_copies"]
+    assert estimate_bytes(GLA_1B, 16384, 1, "cpu", plain=True)["weight_copies"] == 0
+
+
+def _train_args(*extra: str):
+    from apps.gla.train import TrainArgs
+    from lingua_zeco.args import parse_args
+
+    return parse_args(TrainArgs, ["config=gla_1b_dp.yaml", "data.seq_len=16384", "data.batch_size=1", *extra])
+
+
+def test_auto_fsdp_shards_over_processes_and_keeps_one_process_plain_when_it_fits(monkeypatch):
+    args, cuda = _train_args(), torch.device("cuda", 0)
+    assert args.distributed.fsdp is None  # the default is auto
+    need = {plain: estimate_bytes(args.model, 16384, 1, "cuda", plain=plain)["total"] for plain in (False, True)}
+    _budget(monkeypatch, need[True] + 1)
+    got, why = memory_fit.choose_fsdp(args, 1, cuda)
+    assert got.distributed.fsdp is False and why.startswith("distributed.fsdp=false (auto: one process")
+    assert args.distributed.fsdp is None  # the given args stay as they were (config.yaml keeps auto)
+    _budget(monkeypatch, (need[True] + need[False]) / 2)  # only FSDP's block-by-block gathers fit
+    got, why = memory_fit.choose_fsdp(args, 1, cuda)
+    assert got.distributed.fsdp is True and "weight copies would not fit" in why
+    assert memory_fit.choose_fsdp(args, 2, cuda)[0].distributed.fsdp is True  # more processes: always shard
+    for given in ("true", "false"):
+        _budget(monkeypatch, 1.0)  # a setting is kept whatever the memory
+        got, why = memory_fit.choose_fsdp(_train_args(f"distributed.fsdp={given}"), 1, cuda)
+        assert str(got.distributed.fsdp).lower() == given and why == f"distributed.fsdp={given} (as set)"
+
+
+def test_build_model_and_the_step_refuse_an_undecided_fsdp():
+    from apps.gla.train import build_model
+    from apps.gla.train_step import StepParts
+
+    args = _train_args()
+    with pytest.raises(ValueError, match="distributed.fsdp is null"):
+        build_model(args, env=None)
+    with pytest.raises(ValueError, match="distributed.fsdp is null"):
+        StepParts(args, *[None] * 7)

@@ -57,9 +57,11 @@ def _check(res: dict, tied: bool) -> None:
     assert res["tied"] == (tied, tied)
 
 
-@pytest.mark.parametrize("extra", [[], ["model.tie_embeddings=true"], ["distributed.fsdp=false"],
+@pytest.mark.parametrize("extra", [["distributed.fsdp=true"], ["distributed.fsdp=true", "model.tie_embeddings=true"],
+                                   ["distributed.fsdp=false"],
                                    ["distributed.fsdp=false", "model.tie_embeddings=true"],
-                                   ["model.float8=tensorwise"], ["model.softmax_layers=[1]"]])
+                                   ["distributed.fsdp=true", "model.float8=tensorwise"],
+                                   ["distributed.fsdp=true", "model.softmax_layers=[1]"]])
 def test_one_rank_meta_init_gives_the_same_weights(extra):
     _check(_compare(extra), tied="model.tie_embeddings=true" in extra)
 
@@ -70,9 +72,9 @@ def _on_rank(rank, world, cases):
 
 
 def test_two_ranks_fsdp_over_dp_and_sp_and_no_fsdp_same_weights():
-    cases = [["distributed.sp_size=1", "distributed.sp_method=none"],
-             ["distributed.sp_size=2", "model.tie_embeddings=true"],
-             ["distributed.sp_size=2", "distributed.fsdp_unit=model"],
+    cases = [["distributed.fsdp=true", "distributed.sp_size=1", "distributed.sp_method=none"],
+             ["distributed.fsdp=true", "distributed.sp_size=2", "model.tie_embeddings=true"],
+             ["distributed.fsdp=true", "distributed.sp_size=2", "distributed.fsdp_unit=model"],
              ["distributed.fsdp=false", "distributed.sp_size=1", "distributed.sp_method=none",
               "model.tie_embeddings=true"]]
     for rank_results in run_on_ranks(_on_rank, 2, cases):
@@ -88,3 +90,18 @@ def test_a_meta_init_run_trains_as_the_full_model_run(tmp_path):
     losses = [train(parse_args(TrainArgs, [*base, f"dump_dir={tmp_path / str(meta)}",
                                            f"distributed.meta_init={meta}"]))["losses"] for meta in (False, True)]
     assert len(losses[0]) == 3 and losses[0] == losses[1]
+
+
+def test_one_process_trains_the_plain_module_by_default_with_fsdps_losses(tmp_path, caplog):
+    """distributed.fsdp=auto on one process: the decision in the log, config.yaml keeps auto, and the same
+    losses as FSDP over that one rank (a run may resume under either)."""
+    from apps.gla.train import train
+
+    base = [*TINY, "model.vocab_size=259", "steps=3", "logging.freq=1", "data.batch_size=1", "data.seq_len=32",
+            "data.prefetch=0", "checkpoint.dump.every=0"]
+    with caplog.at_level("INFO", logger="train"):
+        auto = train(parse_args(TrainArgs, [*base, f"dump_dir={tmp_path / 'auto'}"]))
+    assert "distributed.fsdp=false (auto: one process" in caplog.text
+    assert "fsdp: null" in (tmp_path / "auto" / "config.yaml").read_text()
+    sharded = train(parse_args(TrainArgs, [*base, f"dump_dir={tmp_path / 'fsdp'}", "distributed.fsdp=true"]))
+    assert len(auto["losses"]) == 3 and auto["losses"] == sharded["losses"]

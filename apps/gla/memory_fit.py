@@ -15,6 +15,10 @@ minutes of allocating; on a GPU it ends in an out-of-memory traceback. The estim
                  [n_heads, head_k, head_v] per 64 tokens (fla's largest chunk; shorter ones keep more).
                  Counted for every SP method: LASP-1 and the unfused methods keep none, so with them the
                  key only raises the bound by that much (set it off there)
+    weight_copies
+                 the plain module (no FSDP) on CUDA: autocast's bf16 copy (float8: the 1-byte cast) of every
+                 weight outside the embedding, held from its forward matmul to its backward (FSDP gathers
+                 them a block at a time)
 
 Segment-recurrent training (segment_len = s > 0 tokens per rank per segment, n = ceil(seq_len / s) segments of
 each of the batch's sequences): activations and logits count one segment (batch * s tokens) instead of the
@@ -27,6 +31,7 @@ CUDA: the free memory of the rank's device.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -48,14 +53,16 @@ def segments(tokens: int, batch: int, segment_len: int) -> int:
 
 
 def estimate_bytes(args: GLAArgs, tokens: int, shards: int, device_type: str, batch: int = 1,
-                   segment_len: int = 0) -> dict:
+                   segment_len: int = 0, plain: bool = False) -> dict:
     """Lower bounds, in bytes, of what one rank holds at the peak of a training step (see the module doc).
-    tokens: per rank, `batch` sequences of tokens / batch; segment_len: tokens per segment (0 = no segments)."""
+    tokens: per rank, `batch` sequences of tokens / batch; segment_len: tokens per segment (0 = no segments);
+    plain: the module without FSDP (shards 1)."""
     n_seg = segments(tokens, batch, segment_len)
     live = tokens if n_seg == 1 else batch * segment_len  # what one forward with autograd holds
     elem = DTYPES[args.dtype].itemsize if device_type != "cuda" else 4
     act_elem = 2 if device_type == "cuda" else elem
-    states = count_params(args)["total"] * (3 if n_seg == 1 else 4) * elem / max(shards, 1)
+    counts = count_params(args)
+    states = counts["total"] * (3 if n_seg == 1 else 4) * elem / max(shards, 1)
     per_token_layer = args.dim if args.activation_checkpointing != "none" else 2 * args.dim + 3 * args.ffn_dim
     activations = live * args.n_layers * per_token_layer * act_elem
     logits = 0 if device_type == "cuda" else live * args.vocab_size * elem
@@ -65,8 +72,11 @@ def estimate_bytes(args: GLAArgs, tokens: int, shards: int, device_type: str, ba
     keeps = (args.gla_save_h and device_type == "cuda" and args.activation_checkpointing == "none"
              and args.attn_variant == "gla")
     kept_states = live // 64 * linear_layers * args.key_dim * args.value_dim // args.n_heads * 2 if keeps else 0
-    return {"states": states, "activations": activations, "logits": logits, "segment_states": segment_states,
-            "kept_states": kept_states, "total": states + activations + logits + segment_states + kept_states}
+    copy_elem = (2 if args.float8 == "none" else 1) if plain and device_type == "cuda" else 0  # float8: 1 byte
+    weight_copies = (counts["non_embedding"] + counts["head"]) * copy_elem
+    parts = {"states": states, "activations": activations, "logits": logits, "segment_states": segment_states,
+             "kept_states": kept_states, "weight_copies": weight_copies}
+    return {**parts, "total": sum(parts.values())}
 
 
 def available_bytes(device: torch.device) -> tuple[float, str] | None:
@@ -87,25 +97,55 @@ def available_bytes(device: torch.device) -> tuple[float, str] | None:
     return avail / max(local, 1), what
 
 
-def check_fits(args: GLAArgs, tokens: int, shards: int, device: torch.device, batch: int = 1,
-               segment_len: int = 0) -> None:
-    """ValueError (one line, the numbers and what to change) when the estimate exceeds what the device has.
-    tokens: per rank (batch sequences); segment_len: tokens per rank per segment, 0 = the whole sequence."""
-    need = estimate_bytes(args, tokens, shards, device.type, batch, segment_len)  # bad sizes fail on any device
+def shortfall(args: GLAArgs, tokens: int, shards: int, device: torch.device, batch: int = 1,
+              segment_len: int = 0, plain: bool = False) -> str | None:
+    """None when the estimate fits what the device has (or that cannot be read), else one line: the numbers and
+    what to change. tokens: per rank (batch sequences); segment_len: tokens per rank per segment, 0 = the whole
+    sequence; plain: the module without FSDP."""
+    need = estimate_bytes(args, tokens, shards, device.type, batch, segment_len, plain)  # bad sizes fail anywhere
     have = available_bytes(device)
-    if have is None:
-        return
+    if have is None or need["total"] <= have[0]:
+        return None
     avail, what = have
-    if need["total"] <= avail:
-        return
     n = count_params(args)["total"]
-    parts = ", ".join(f"{k} {need[k] / GiB:.1f}" for k in ("states", "activations", "logits", "segment_states",
-                                                          "kept_states") if need[k])
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in need.items() if k != "total" and v)
     seg = f" in segments of {segment_len}" if segments(tokens, batch, segment_len) > 1 else ""
-    raise ValueError(
-        f"this model ({n / 1e6:.1f}M parameters, {tokens} tokens per rank{seg}) needs at least "
-        f"{need['total'] / GiB:.1f} GiB per rank ({parts}) but {device.type} has {avail / GiB:.1f} GiB ({what}): "
-        f"use a smaller config (e.g. config=debug.yaml, or a smaller model.dim / model.n_layers / data.seq_len), "
-        f"model.activation_checkpointing=full, model.segment_len (fewer tokens per segment), "
-        f"{'model.gla_save_h=false, ' if need['kept_states'] else ''}more ranks to shard "
-        f"over, or a device with more memory")
+    return (f"this model ({n / 1e6:.1f}M parameters, {tokens} tokens per rank{seg}) needs at least "
+            f"{need['total'] / GiB:.1f} GiB per rank ({parts}) but {device.type} has {avail / GiB:.1f} GiB ({what}): "
+            f"use a smaller config (e.g. config=debug.yaml, or a smaller model.dim / model.n_layers / data.seq_len), "
+            f"model.activation_checkpointing=full, model.segment_len (fewer tokens per segment), "
+            f"{'model.gla_save_h=false, ' if need['kept_states'] else ''}more ranks to shard "
+            f"over, or a device with more memory")
+
+
+def check_fits(args: GLAArgs, tokens: int, shards: int, device: torch.device, batch: int = 1,
+               segment_len: int = 0, plain: bool = False) -> None:
+    """ValueError (shortfall's line) when the estimate exceeds what the device has."""
+    if (why := shortfall(args, tokens, shards, device, batch, segment_len, plain)) is not None:
+        raise ValueError(why)
+
+
+def choose_fsdp(args, world: int, device: torch.device):
+    """(args, why): the trainer's args (.model, .data, .distributed) with distributed.fsdp decided where it is
+    null (auto), and one line saying what was decided and why. More than one process: FSDP shards. One
+    process: nothing to shard, so the plain module, which skips FSDP's casts, copies and hooks; unless its
+    weight copies would not fit, then FSDP, which gathers them a block at a time."""
+    dist_args = args.distributed
+    if dist_args.fsdp is not None:
+        return args, f"distributed.fsdp={str(dist_args.fsdp).lower()} (as set)"
+    if world > 1:
+        fsdp, why = True, f"{world} processes share the parameters"
+    else:
+        tokens, batch = args.data.batch_size * args.data.seq_len, args.data.batch_size
+        fsdp = shortfall(args.model, tokens, 1, device, batch, args.model.segment_len, plain=True) is not None
+        why = ("one process, but the plain module's weight copies would not fit: FSDP gathers them block by block"
+               if fsdp else "one process: nothing to shard, the plain module skips FSDP's casts and copies")
+    resolved = dataclasses.replace(args, distributed=dataclasses.replace(dist_args, fsdp=fsdp))
+    return resolved, f"distributed.fsdp={str(fsdp).lower()} (auto: {why})"
+
+
+def decided_fsdp(args) -> bool:
+    """args.distributed.fsdp once choose_fsdp has decided it; ValueError while it is still null (auto)."""
+    if args.distributed.fsdp is None:
+        raise ValueError("distributed.fsdp is null (auto): decide it with apps.gla.memory_fit.choose_fsdp first")
+    return args.distributed.fsdp

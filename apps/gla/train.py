@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from apps.gla import hf_import
 from apps.gla.compile import apply_speedups
-from apps.gla.memory_fit import check_fits
+from apps.gla.memory_fit import check_fits, choose_fsdp, decided_fsdp
 from apps.gla.model import GLAArgs, GLAForCausalLM, count_params, flops_per_token
 from apps.gla.recall import RecallMeter
 from apps.gla.train_state import TrainState, compute_changes, compute_settings
@@ -67,6 +67,8 @@ class TrainArgs:
 
 
 def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
+    """args: with distributed.fsdp decided (choose_fsdp), as the Trainer passes them."""
+    fsdp = decided_fsdp(args)
     meta = args.distributed.meta_init  # on the meta device, initialised once sharded: the same weights
     with meta_init.building_device(meta):
         model = GLAForCausalLM(args.model, sp=env.sp)
@@ -74,12 +76,12 @@ def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
         model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
         model.to(env.device)
     apply_speedups(model, args.model, env.device, env.dims.sp)  # model.float8 / model.compile, before FSDP
-    if args.distributed.fsdp:
+    if fsdp:
         distributed.apply_fsdp(model, env, args.distributed, model.blocks)
     if meta:
         meta_init.materialize(model, env.device)
         model.init_weights(args.seed)
-    if not args.distributed.fsdp:
+    if not fsdp:
         distributed.broadcast_params(model)
     return model
 
@@ -149,10 +151,11 @@ class Trainer:
     def __init__(self, args: TrainArgs, env: distributed.DistEnv):
         """args: as `train` passes them, through _validated."""
         reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
+        given, (args, fsdp_choice) = args, choose_fsdp(args, env.dims.world, env.device)  # config.yaml keeps auto
         dump_dir, self.args, self.env = _dump_dir(args), args, env
         shards = env.dims.dp_shard * env.dims.sp if args.distributed.fsdp else 1
         check_fits(args.model, args.data.batch_size * args.data.seq_len, shards, env.device,  # before any allocation
-                   batch=args.data.batch_size, segment_len=args.model.segment_len)
+                   batch=args.data.batch_size, segment_len=args.model.segment_len, plain=not args.distributed.fsdp)
         self.ckpt = CheckpointManager(args.checkpoint, dump_dir, timeout_s=args.distributed.timeout_s,
                                       init_loader=hf_import.init_loader(args.checkpoint.init_ckpt_path))
         run_dir.check_writable(self.ckpt.path)  # a read-only or full disk fails now, not at the first save
@@ -175,7 +178,7 @@ class Trainer:
         self.ckpt.prepare(self.model, self.optimizer)  # resumed: the host buffers of async saves, once
         try:
             if env.is_master:  # only once started from a compatible state: a failed start keeps the run's config
-                dump_config(args, dump_dir)
+                dump_config(given, dump_dir)
             self.metrics = MetricLogger(dump_dir, args.logging, active=env.is_master, run_name=args.name,
                                         config=to_dict(args), resume_step=self.step)
         except OSError as e:  # e.g. a full disk: the documented error line, not a traceback
@@ -184,9 +187,9 @@ class Trainer:
         self.guard = reliability.StepGuard(args.reliability, skipped=self.state.skipped_steps)
         self.fault = reliability.FaultInjection(env.rank)
         if env.is_master:
-            logger.info("world %d = dp_replicate %d x dp_shard %d x sp %d (%s); %.1fM params; start at step %d",
+            logger.info("world %d = dp_replicate %d x dp_shard %d x sp %d (%s); %s; %.1fM params; start at step %d",
                         env.dims.world, env.dims.dp_replicate, env.dims.dp_shard, env.dims.sp, env.sp_method,
-                        count_params(args.model)["total"] / 1e6, self.step)
+                        fsdp_choice, count_params(args.model)["total"] / 1e6, self.step)
         self.fpt = flops_per_token(args.model, context=env.dims.sp * args.data.seq_len)  # softmax: the whole sequence
         self.peak = peak_flops(env.device, args.logging.peak_flops)
         self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if env.device.type == "cuda"

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from apps.gla.memory_fit import decided_fsdp
 from apps.gla.model import GLAForCausalLM
 from lingua_zeco import distributed
 from lingua_zeco import reliability
@@ -77,6 +78,9 @@ class StepParts:
     data: object  # an iterator of batches
     autocast: object  # a context manager: bf16 autocast on CUDA
     guard: reliability.StepGuard
+
+    def __post_init__(self):
+        decided_fsdp(self.args)  # the step must treat the model as build_model built it
 
 
 def train_step(parts: StepParts, step: int, stop_requested: bool = False, sync: bool = False):

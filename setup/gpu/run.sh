@@ -4,7 +4,8 @@
 #     bash setup/gpu/run.sh PART...
 # Parts (minutes on one H200 with the autotune cache seeded by device_env.sh; each fits one device call of 10):
 #   tests         every GPU test (pytest -m gpu) in 14 processes, one autotune config per kernel         ≈ 5
-#   step          the GLA-1B training step, bench_train fla,ours,ours_float8 at 16K and at 32K tokens    ≈ 5
+#   step          the GLA-1B training step, bench_train fla,ours,ours_float8 at 16K and at 32K tokens,   ≈ 6
+#                 and at 16K FSDP forced on the one GPU (ours_fsdp, ours_float8_fsdp) beside the default
 #   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
 #   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
 #   profile       the 16K step of ours with its kernel time by category and the GPU's idle gaps          ≈ 3
@@ -69,7 +70,8 @@ operator_bench() {
     run "$1" "$2/bench_fused.log" "$3" "^\{|rror|Traceback" \
         python3 -m apps.gla.bench.bench_fused out="$2" t_local=16384,32768 iters=40
 }
-STEP_16K=(stem=train_16384 seq_len=16384 warmup=3 steps=8 variants=fla,ours,ours_float8)
+STEP_16K=(stem=train_16384 seq_len=16384 warmup=3 steps=8)
+DEFAULTS=variants=fla,ours,ours_float8  # what every checkout has: compare runs them on both
 
 # ---------------------------------------------------------------------------------------------- parts
 part_tests() {
@@ -81,8 +83,8 @@ part_tests() {
 }
 
 part_step() {
-    train "$HERE" "$OUT/step" 240 "${STEP_16K[@]}"
-    train "$HERE" "$OUT/step" 300 stem=train_32768 seq_len=32768 warmup=3 steps=6 variants=fla,ours,ours_float8
+    train "$HERE" "$OUT/step" 330 "${STEP_16K[@]}" "$DEFAULTS",ours_fsdp,ours_float8_fsdp
+    train "$HERE" "$OUT/step" 300 stem=train_32768 seq_len=32768 warmup=3 steps=6 "$DEFAULTS"
 }
 
 part_operator() {
@@ -116,8 +118,8 @@ part_extension() {  # random GLA-1B weights: the path is what is measured, not t
 }
 
 part_compare() {  # base then current for each benchmark: drift over the call hits both alike
-    train "$BASE_DIR" "$OUT/compare/base" 160 "${STEP_16K[@]}"
-    train "$HERE" "$OUT/compare/current" 160 "${STEP_16K[@]}"
+    train "$BASE_DIR" "$OUT/compare/base" 160 "${STEP_16K[@]}" "$DEFAULTS"
+    train "$HERE" "$OUT/compare/current" 160 "${STEP_16K[@]}" "$DEFAULTS"
     operator_bench "$BASE_DIR" "$OUT/compare/base" 110
     operator_bench "$HERE" "$OUT/compare/current" 110
 }

@@ -2,7 +2,7 @@ r"""Training throughput of GLA-1B: the trainer's own step against fla's GLAForCa
 and the SP methods against data parallelism under torchrun.
 
     python -m apps.gla.bench.bench_train                                  # fla + ours at 16K
-    python -m apps.gla.bench.bench_train variants=ours,ours_nofsdp seq_len=262144 \
+    python -m apps.gla.bench.bench_train variants=ours,ours_fsdp seq_len=262144 \
         overrides=model.activation_checkpointing=full
     python -m apps.gla.bench.bench_train profile=fla,ours                 # + kernel time by category
     torchrun --nproc_per_node=2 -m apps.gla.bench.bench_train variants=ours,sp_zeco,sp_lasp1,sp_lasp2
@@ -10,10 +10,11 @@ and the SP methods against data parallelism under torchrun.
 Every variant runs in this one process, one after another, on the same random tokens: warm-up
 steps, then `steps` back-to-back steps with a CUDA event after each and no synchronisation in
 between (a host sync inside a step shows as a longer step); the table gives the median step time,
-tok/s and the peak memory. "ours*" variants call `apps.gla.train_step.train_step` (FSDP2, autocast,
-clipping, the non-finite guard, AdamW) on a model built by `apps.gla.train.build_model` from
-`config` plus `overrides` and the variant's own. "fla" is fla's `GLAForCausalLM` of the same shape (fp32
-weights, bf16 autocast, fused AdamW, clipping): the reference every ours* row is set against (vs_fla).
+tok/s and the peak memory. "ours*" variants call `apps.gla.train_step.train_step` (FSDP2 or the plain
+module as the trainer decides it, autocast, clipping, the non-finite guard, AdamW) on a model built by
+`apps.gla.train.build_model` from `config` plus `overrides` and the variant's own. "fla" is fla's
+`GLAForCausalLM` of the same shape (fp32 weights, bf16 autocast, fused AdamW, clipping): the reference every
+ours* row is set against (vs_fla).
 """
 from __future__ import annotations
 
@@ -33,14 +34,17 @@ from lingua_zeco.args import ConfigError
 # name -> extra overrides on top of `config` and `overrides`
 VARIANTS = {
     "fla": None,
-    "ours": [],  # the default config: model.compile=auto (compiled blocks on CUDA), kept GLA states
+    # the default config: model.compile=auto (compiled blocks on CUDA), kept GLA states, distributed.fsdp=auto
+    # (one GPU: the plain module when it fits)
+    "ours": [],
     "ours_eager": ["model.compile=none"],  # no torch.compile: fla's fused norms / SwiGLU, eager everything
     # torchao float8 block linears (compiled blocks fuse the scaling casts); _head: the LM head too
     "ours_float8": ["model.float8=tensorwise"],
     "ours_float8_rowwise": ["model.float8=rowwise"],
     "ours_float8_head": ["model.float8=tensorwise", "model.float8_head=true"],
-    "ours_float8_nofsdp": ["model.float8=tensorwise", "distributed.fsdp=false"],
-    "ours_nofsdp": ["distributed.fsdp=false"],  # plain module + autocast (one GPU needs no sharding)
+    # FSDP2 forced on one GPU (what auto decided before it chose the plain module there)
+    "ours_fsdp": ["distributed.fsdp=true"],
+    "ours_float8_fsdp": ["model.float8=tensorwise", "distributed.fsdp=true"],
     # compiled blocks replayed from CUDA graphs (static parameter addresses: no FSDP)
     "ours_cudagraphs": ["distributed.fsdp=false", "model.compile_mode=reduce-overhead"],
     "ours_float8_cudagraphs": ["model.float8=tensorwise", "distributed.fsdp=false",
@@ -102,14 +106,14 @@ def doc_bounds(name: str, a: BenchTrainArgs, world: int) -> list[int] | None:
 
 
 def build_ours(name: str, a: BenchTrainArgs):
-    """(step function, n_params, objects to keep alive) of the trainer's step for variant `name`."""
+    """(step function, n_params, objects to keep alive, FSDP or not) of the trainer's step for variant `name`."""
     argv = [f"config={a.config}", f"data.seq_len={a.seq_len}", "data.batch_size=1", "grad_acc_steps=1",
             *a.overrides, *VARIANTS[name]]
     if name.startswith("sp_"):
         argv.append(f"distributed.sp_size={dist.get_world_size()}")
-    step, _, _, model, opt = trainer_step(argv, a.seq_len, guard=_NoSyncGuard() if name == "ours_noguard" else None,
-                                          cu_seqlens=doc_bounds(name, a, dist.get_world_size()))
-    return step, sum(p.numel() for p in model.parameters()), (model, opt)
+    step, args, _, model, opt = trainer_step(argv, a.seq_len, cu_seqlens=doc_bounds(name, a, dist.get_world_size()),
+                                             guard=_NoSyncGuard() if name == "ours_noguard" else None)
+    return step, sum(p.numel() for p in model.parameters()), (model, opt), args.distributed.fsdp
 
 
 def build_fla(a: BenchTrainArgs, device):
@@ -239,7 +243,7 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     from lingua_zeco.metrics import peak_flops
 
     reset_peak_memory(device)
-    step, n_params, keep = build_fla(a, device) if name == "fla" else build_ours(name, a)
+    step, n_params, keep, fsdp = (*build_fla(a, device), None) if name == "fla" else build_ours(name, a)
     first_s = first_step_seconds(step, device)  # compile time is the first step's excess over a median step
     s = summarize(steady_state_times(step, device, a.warmup, a.steps))
     m = trainer_args([f"config={a.config}", *a.overrides, *(VARIANTS[name] or [])]).model
@@ -248,7 +252,7 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     peak, mem = peak_flops(device), peak_memory_mib(device)
     row = dict(variant=name, seq_len=a.seq_len, params_M=n_params / 1e6, step_ms=s["median_ms"],
                p10_ms=s["p10_ms"], p90_ms=s["p90_ms"], tok_per_s=tok_s, mfu=tok_s * fpt / peak if peak else None,
-               peak_gib=mem / 1024 if mem is not None else None, first_step_s=first_s)
+               peak_gib=mem / 1024 if mem is not None else None, first_step_s=first_s, fsdp=fsdp)
     if name in a.profile:
         row["profile"], row["profile_ops"], row["profile_gaps"] = kernel_breakdown(step)
     del keep, step

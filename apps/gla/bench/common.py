@@ -294,11 +294,13 @@ def trainer_step(argv: list[str], seq_len: int, seed: int = 0, guard=None, sync:
     each step, in host memory as the loader gives them (with cu_seqlens, host ints: packed documents
     with those boundaries). Returns (step, args, env, model, optimizer)."""
     from apps.gla import train, train_step
+    from apps.gla.memory_fit import choose_fsdp
     from lingua_zeco.optim import build_optimizer
     from lingua_zeco.reliability import StepGuard
 
     args = trainer_args(argv)
     env = distributed.setup(args.distributed, args.model.gla_options())
+    args, _ = choose_fsdp(args, env.dims.world, env.device)  # as the Trainer decides it
     model = train.build_model(args, env)
     optimizer, scheduler = build_optimizer(model, args.optim, 10**6)
     guard = StepGuard(args.reliability) if guard is None else guard
