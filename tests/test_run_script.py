@@ -72,7 +72,10 @@ def test_compare_without_a_base_is_refused(sandbox):
     assert proc.returncode == 2 and "BASE_DIR" in proc.stdout and not (tmp / "sourced").exists()
 
 
-@pytest.mark.parametrize("part", _usage_parts())
+STRESS_PARTS = ("symm", "memcheck")  # scripts and the sanitizer rather than `python3 -m` modules: tested below
+
+
+@pytest.mark.parametrize("part", [p for p in _usage_parts() if p not in STRESS_PARTS])
 def test_every_part_runs_its_commands_into_its_own_folder(sandbox, part):
     tmp, env = sandbox
     proc = _run(tmp / "repo", part, env=env)
@@ -88,3 +91,35 @@ def test_every_part_runs_its_commands_into_its_own_folder(sandbox, part):
     assert len(list(out.rglob("*.log")) + list(out.rglob("*.txt"))) == len(calls)  # one log per command
     if part == "compare":  # both trees, back to back
         assert {c.split()[0] for c in calls} == {str(tmp / "base"), str(tmp / "repo")}
+
+
+def test_symm_runs_the_stress_processes_at_once_and_counts_the_failed(sandbox):
+    """14 scan processes, then 12 beside 2 trapping ones; each with its log and exit code. A scan process that
+    fails is counted and fails the part."""
+    tmp, env = sandbox
+    proc = _run(tmp / "repo", "symm", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp / "calls.txt").read_text().splitlines()
+    scans = [c.split()[1:] for c in calls if " scan " in c]
+    assert len(scans) == 26 and len(calls) == 28 and all(c.split()[1] == "tests/gpu_symm_stress.py" for c in calls)
+    assert {s[2] for s in scans} == {"2", "3", "5"} and {s[3] for s in scans} == {"10"}
+    out = tmp / "out/symm"
+    assert len(list(out.rglob("*.log"))) == 28 and "0 of 14 scan processes failed" in proc.stdout
+    stub = tmp / "bin/python3"  # now every scan process fails
+    stub.write_text('#!/bin/sh\ncase "$*" in *" scan "*) echo "illegal memory access"; exit 1;; esac\n')
+    proc = _run(tmp / "repo", "symm", env=env)
+    assert proc.returncode == 1 and "12 of 12 scan processes failed" in proc.stdout, proc.stdout
+
+
+def test_memcheck_runs_the_sanitizer_or_says_it_is_missing(sandbox):
+    tmp, env = sandbox
+    proc = _run(tmp / "repo", "memcheck", env=env)
+    assert proc.returncode == 1 and "no compute-sanitizer on this machine" in proc.stdout
+    sanitizer = tmp / "bin/compute-sanitizer"
+    sanitizer.write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$CALLS"\necho "ERROR SUMMARY: 0 errors"\n')
+    sanitizer.chmod(sanitizer.stat().st_mode | stat.S_IXUSR)
+    proc = _run(tmp / "repo", "memcheck", env=env)
+    assert proc.returncode == 0 and proc.stdout.count("ERROR SUMMARY: 0 errors") == 4, proc.stdout
+    calls = (tmp / "calls.txt").read_text().splitlines()
+    assert len(calls) == 4 and all(c.startswith("--tool memcheck --target-processes all") for c in calls)
+    assert [c.split()[-1] for c in calls[:3]] == ["300"] * 3 and calls[3].endswith("-k one_gpu")

@@ -12,6 +12,10 @@
 #   extension     GLA-1B from a Hugging Face folder (docs/long_context.md, section 8): passkey at 128K, 1M  ≈ 9
 #                 and 4M tokens (tokens/s, peak memory); 64K training in segments of 16K from the folder
 #                 and from scratch (tok/s side by side)
+#   symm          the symmetric-memory All-Scan's loopback under load: what the GPU shares between        ≤ 5
+#                 processes (compute mode, MPS, Xid lines), 14 concurrent stress processes, then 12 with 2
+#                 processes trapping on purpose beside them
+#   memcheck      compute-sanitizer memcheck of one stress round at P = 2, 3, 5 and of the loopback test  ≤ 9
 #   compare       step (16K) and operator on BASE_DIR, another checkout, and on this tree back to back   ≈ 8
 #                 (defaults unchanged or faster across a change); make one with e.g.
 #                 mkdir -p dumps/base && git archive <commit> apps lingua_zeco configs | tar -x -C dumps/base
@@ -20,7 +24,7 @@
 # autotune results go to $OUT/autotune.tgz (fold them into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when
 # every part's commands exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
-PARTS="tests step operator long_context profile extension compare"
+PARTS="tests step operator long_context profile extension symm memcheck compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -115,6 +119,60 @@ part_extension() {  # random GLA-1B weights: the path is what is measured, not t
     run "$HERE" "$out/scratch.log" 150 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
         dump_dir=$tmp/scratch "${long[@]}"
     rm -rf "$out/hf" "$tmp"  # weights of random GLA-1B: not a result
+}
+
+# stress N_SCAN N_TRAP LOG_DIR LIMIT_S: N_SCAN `gpu_symm_stress.py scan` processes (P = 2, 3, 5 in turn) and
+# N_TRAP trapping ones started 5 s later, at once on the one GPU; one log and one exit code per process, and a
+# count of the scan processes that failed
+stress() {
+    local n_scan=$1 n_trap=$2 dir=$3 limit=$4 i pids=()
+    mkdir -p "$dir"
+    for ((i = 0; i < n_scan; i++)); do
+        (timeout "$limit" python3 tests/gpu_symm_stress.py scan $((i % 3 == 0 ? 2 : i % 3 == 1 ? 3 : 5)) 10 60 \
+            >"$dir/scan_$i.log" 2>&1; echo $? >"$dir/scan_$i.rc") &
+        pids+=($!)
+    done
+    sleep 5
+    for ((i = 0; i < n_trap; i++)); do
+        (timeout 120 python3 tests/gpu_symm_stress.py trap $((i % 2)) 1 >"$dir/trap_$i.log" 2>&1
+         echo $? >"$dir/trap_$i.rc") &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    local bad
+    bad=$(grep -Lx 0 "$dir"/scan_*.rc | wc -l)
+    echo "== $dir: $bad of $n_scan scan processes failed (with $n_trap trapping beside them)"
+    grep -h -m1 -iE "illegal|error" "$dir"/scan_*.log | sort | uniq -c | head -5
+    [ "$bad" -eq 0 ] || FAILED+=("$dir: $bad of $n_scan scan processes failed")
+}
+
+part_symm() {
+    local out="$OUT/symm"
+    mkdir -p "$out"
+    { nvidia-smi -q -d COMPUTE; pgrep -a nvidia-cuda-mps || echo "no MPS daemon"; } >"$out/gpu_sharing.txt" 2>&1
+    grep -iE "compute mode|MPS" "$out/gpu_sharing.txt"
+    stress 14 0 "$out/concurrent" 130
+    stress 12 2 "$out/with_traps" 130
+    dmesg 2>/dev/null | grep -i xid | tail -20 >"$out/xid.txt"
+    [ -s "$out/xid.txt" ] && cat "$out/xid.txt"
+}
+
+part_memcheck() {
+    local out="$OUT/memcheck" sanitizer P
+    mkdir -p "$out"
+    sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+    if [ -z "$sanitizer" ]; then
+        echo "no compute-sanitizer on this machine" | tee "$out/missing.txt"
+        FAILED+=("$out: no compute-sanitizer")
+    else
+        for P in 2 3 5; do
+            run "$HERE" "$out/scan_$P.txt" 120 "ERROR SUMMARY|Invalid|rror" "$sanitizer" --tool memcheck \
+                --target-processes all --error-exitcode 3 python3 tests/gpu_symm_stress.py scan "$P" 1 300
+        done
+        run "$HERE" "$out/pytest.txt" 170 "ERROR SUMMARY|passed|failed" "$sanitizer" --tool memcheck \
+            --target-processes all --error-exitcode 3 python3 -m pytest -m gpu -q -p no:cacheprovider \
+            tests/test_symm_scan.py -k one_gpu
+    fi
 }
 
 part_compare() {  # base then current for each benchmark: drift over the call hits both alike
