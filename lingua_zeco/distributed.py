@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -25,7 +26,6 @@ from lingua_zeco.sp.context import check_softmax as check_softmax_sp
 from lingua_zeco.sp.validate import DIAGNOSTIC_METHODS, SP_METHODS  # one list of SP method names
 
 logger = logging.getLogger(__name__)
-FSDP_UNITS = ("block", "model")  # distributed.fsdp_unit
 
 
 @dataclass
@@ -41,24 +41,21 @@ class DistributedArgs:
     # unless its weight copies do not fit (apps/gla/memory_fit.py). False: replicate, all-reduce gradients
     fsdp: bool | None = None
     meta_init: bool = True  # build on the meta device, shard, then allocate and init (lingua_zeco/meta_init.py)
-    # block: one FSDP unit per block (weights gathered a block at a time: the least memory);
-    # model: one unit for the whole model. On a one-rank mesh sharding saves nothing, and the per-block
-    # units' host work made GLA-1B's forward host-bound on an H200 (docs/results/README.md, "History"); the
-    # price is the compute-dtype copy of every weight held through the step (its memory and speed-up:
-    # docs/results/README.md, "History")
-    fsdp_unit: str = "block"
     param_dtype: str = "bf16"  # FSDP compute dtype on GPU; CPU always runs fp32
     reduce_dtype: str = "fp32"  # gradient reduction dtype on GPU
     timeout_s: int = 600  # collective timeout: a stuck rank becomes an error, not a hang
     all_scan: AllScanArgs = field(default_factory=AllScanArgs)  # zeco's scan: algorithm, blocks, alpha-beta
+
+    # keys older run folders hold (their config.yaml still loads, with a warning; on the command line: an error)
+    RETIRED: ClassVar[dict[str, str]] = {
+        "fsdp_unit": "since 2026-12-05 FSDP has one unit per block; its one-GPU regime (one unit for the whole "
+                     "model) is the plain module now, which distributed.fsdp's auto picks on one process"}
 
     def check(self) -> None:
         """Names no layout can use (the sizes against the world: resolve_dims); all_scan checks its own."""
         if self.sp_method not in (*SP_METHODS, *DIAGNOSTIC_METHODS):
             raise ValueError(f"distributed.sp_method={self.sp_method!r}; choose one of {', '.join(SP_METHODS)}")
         check_softmax_sp(self.softmax_sp)
-        if self.fsdp_unit not in FSDP_UNITS:
-            raise ValueError(f"distributed.fsdp_unit={self.fsdp_unit!r}; choose one of {', '.join(FSDP_UNITS)}")
         for name in ("param_dtype", "reduce_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"distributed.{name}={getattr(self, name)!r}; choose one of {', '.join(DTYPES)}")
@@ -195,7 +192,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32} 
 
 
 def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, blocks) -> torch.nn.Module:
-    """FSDP2 each block (fsdp_unit=block), then the root (the rest, or everything with fsdp_unit=model).
+    """FSDP2 each block (its weights gathered a block at a time: the least memory), then the root (the rest).
     `blocks`: the block modules."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -203,7 +200,7 @@ def apply_fsdp(model: torch.nn.Module, env: DistEnv, args: DistributedArgs, bloc
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[args.param_dtype], reduce_dtype=DTYPES[args.reduce_dtype])
     else:
         mp = MixedPrecisionPolicy()  # CPU: fp32 end to end
-    for i, block in enumerate(blocks if args.fsdp_unit == "block" else []):
+    for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=env.fsdp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=env.fsdp_mesh, mp_policy=mp)

@@ -27,7 +27,6 @@ def test_resolve_dims():
     (dict(sp_size=2, dp_shard=3), 4, "!= world size 4"),
     (dict(sp_size=1, dp_replicate=3), 4, "dp_replicate=3 does not divide"),
     (dict(sp_size=0), 4, "positive int or 'auto'"),
-    (dict(fsdp_unit="layer"), 4, "fsdp_unit='layer'; choose one of block, model"),
     (dict(param_dtype="bfloat16"), 4, "param_dtype='bfloat16'; choose one of bf16, fp16, fp32"),
     (dict(reduce_dtype="fp64"), 4, "reduce_dtype='fp64'; choose one of bf16, fp16, fp32"),
 ])
@@ -48,7 +47,7 @@ def test_single_process_setup():
     assert not dist.is_initialized()
 
 
-def _layout(rank, world, dp_replicate, sp, unit="block"):
+def _layout(rank, world, dp_replicate, sp):
     env = setup(DistributedArgs(sp_size=sp, dp_replicate=dp_replicate))
     assert not env.owns_group  # the test harness made the group; setup must not replace it
     sp_members = dist.get_process_group_ranks(env.sp_group)
@@ -58,7 +57,7 @@ def _layout(rank, world, dp_replicate, sp, unit="block"):
     model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 3))
     full = [p.detach().clone() for p in model.parameters()]
     blocks = [model[0]]
-    apply_fsdp(model, env, DistributedArgs(fsdp_unit=unit), blocks)
+    apply_fsdp(model, env, DistributedArgs(), blocks)
     xs = torch.randn(world, 5, 6, generator=torch.Generator().manual_seed(1))
     model(xs[rank]).square().sum().backward()
     got = [p.grad.full_tensor() for p in model.parameters()]
@@ -86,11 +85,10 @@ def test_mesh_layout_and_grad_reduction_4_ranks(dp_replicate):
         assert o["err"] < 1e-5, o
 
 
-@pytest.mark.parametrize("unit, units", [("block", 2), ("model", 1)])
-def test_pure_data_parallel_gets_one_rank_sp_groups(unit, units):
-    """sp_size=1 on 2 ranks: each rank's SP group holds only itself (a None group would mean the world).
-    fsdp_unit=model: one FSDP unit, the same averaged gradient."""
-    out = run_on_ranks(_layout, 2, 1, 1, unit)
+def test_pure_data_parallel_gets_one_rank_sp_groups():
+    """sp_size=1 on 2 ranks: each rank's SP group holds only itself (a None group would mean the world); one
+    FSDP unit per block and one for the root."""
+    out = run_on_ranks(_layout, 2, 1, 1)
     for rank, o in enumerate(out):
         assert o["sp_members"] == [rank] and o["method"] == "none" and o["err"] < 1e-6
-        assert o["units"] == units, o
+        assert o["units"] == 2, o

@@ -74,7 +74,7 @@ def _on_rank(rank, world, cases):
 def test_two_ranks_fsdp_over_dp_and_sp_and_no_fsdp_same_weights():
     cases = [["distributed.fsdp=true", "distributed.sp_size=1", "distributed.sp_method=none"],
              ["distributed.fsdp=true", "distributed.sp_size=2", "model.tie_embeddings=true"],
-             ["distributed.fsdp=true", "distributed.sp_size=2", "distributed.fsdp_unit=model"],
+             ["distributed.fsdp=true", "distributed.sp_size=2"],
              ["distributed.fsdp=false", "distributed.sp_size=1", "distributed.sp_method=none",
               "model.tie_embeddings=true"]]
     for rank_results in run_on_ranks(_on_rank, 2, cases):

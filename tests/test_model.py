@@ -175,19 +175,20 @@ def test_simple_gla_variant():
 
 
 def test_retired_operator_keys_load_from_old_run_folders_and_are_refused_on_the_command_line(tmp_path, caplog):
-    """model.gla_bwd_intra and model.gla_split are gone: an old run's config.yaml still loads (one warning line
-    each, the value ignored), the command line names the key and why."""
+    """model.gla_bwd_intra, model.gla_split and distributed.fsdp_unit are gone: an old run's config.yaml still
+    loads (one warning line each, the value ignored), the command line names the key and why."""
     from apps.gla.train import TrainArgs
     from lingua_zeco.args import ConfigError, parse_args
     old = tmp_path / "config.yaml"
-    old.write_text("model:\n  dim: 32\n  gla_bwd_intra: zeco\n  gla_split: 2\n")
+    old.write_text("model:\n  dim: 32\n  gla_bwd_intra: zeco\n  gla_split: 2\ndistributed:\n  fsdp_unit: model\n")
     with caplog.at_level("WARNING"):
         args = parse_args(TrainArgs, [f"config={old}"])
     assert args.model.dim == 32 and args.model.gla_save_h
     warned = [r.getMessage() for r in caplog.records]
     assert any("model.gla_bwd_intra' is ignored" in m for m in warned), warned
     assert any("model.gla_split' is ignored" in m for m in warned), warned
-    for bad in ("model.gla_bwd_intra=fla", "model.gla_split=2"):
+    assert any("distributed.fsdp_unit' is ignored" in m for m in warned), warned
+    for bad in ("model.gla_bwd_intra=fla", "model.gla_split=2", "distributed.fsdp_unit=model"):
         with pytest.raises(ConfigError, match=f"'{bad.split('=')[0]}' no longer exists"):
             parse_args(TrainArgs, [f"config={old}", bad])
     with pytest.raises(ConfigError, match="unknown config key 'model.gla_bwd'"):  # not every unknown key
