@@ -118,8 +118,8 @@ def _losses(rank, world, argv):
 
 @pytest.mark.slow
 def test_trainer_compiled_equals_eager_fsdp_and_sp2(tmp_path):
-    """The trainer's loss curve with compiled blocks (FSDP2 on one rank; SP = 2 with ZeCO, whose exchange
-    runs outside the graph, and full activation checkpointing) equals the eager one."""
+    """The trainer's loss curve with compiled blocks (one rank, the plain module; SP = 2 with ZeCO and FSDP2,
+    the exchange outside the graph, and full activation checkpointing) equals the eager one."""
     from torch._dynamo.utils import counters
     ref = _losses(0, 1, [*TINY, f"dump_dir={tmp_path / 'eager'}", "data.seq_len=64", "model.compile=none"])
     counters.clear()
@@ -162,6 +162,63 @@ def test_float8_head_and_bad_keys():
                      (dict(float8_head=True), "float8_head")):
         with pytest.raises(ValueError, match=msg):
             GLAForCausalLM(GLAArgs(**{**SMALL, **bad}))
+
+
+def test_float8_all_gather_only_where_fsdp_gathers_over_nccl():
+    from apps.gla.compile import float8_all_gather
+    args, cuda = GLAArgs(float8="tensorwise"), torch.device("cuda", 0)
+    assert float8_all_gather(args, True, cuda)
+    assert not float8_all_gather(args, False, cuda)  # the plain module gathers nothing
+    assert not float8_all_gather(args, True, torch.device("cpu"))  # gloo carries no float8 between ranks
+    assert not float8_all_gather(GLAArgs(float8="rowwise"), True, cuda)  # torchao: tensorwise only
+    assert not float8_all_gather(GLAArgs(), True, cuda)
+
+
+def _float8_run(argv, rule=None):
+    """(losses by step, the model's float8 weights' local tensors) of a Trainer run; rule: the all-gather
+    decision in place of the CUDA one."""
+    import apps.gla.compile as compile_module
+    import apps.gla.train_step as train_step_module
+    from apps.gla.train import Trainer, with_vocab_size
+    from lingua_zeco import distributed
+
+    with pytest.MonkeyPatch.context() as mp:
+        if rule is not None:
+            for module in (compile_module, train_step_module):
+                mp.setattr(module, "float8_all_gather", rule)
+        args = with_vocab_size(parse_args(TrainArgs, argv))
+        env = distributed.setup(args.distributed, args.model.gla_options())
+        try:
+            trainer = Trainer(args, env)
+            losses = trainer.train()["losses"]
+            weights = [m.weight._local_tensor for m in trainer.model.modules() if type(m).__name__ == "Float8Linear"]
+            trainer.ckpt.close()
+        finally:
+            distributed.teardown(env)
+    return losses, weights
+
+
+def test_float8_all_gather_trains_and_resumes_as_the_full_precision_gather(tmp_path):
+    """FSDP gathering the float8 linears' weights already cast, their scales precomputed after each step:
+    forced here on one gloo rank (FSDP then gathers nothing between ranks; torchao emulates float8). Through
+    meta init, async checkpoints and a resume, the losses are those of FSDP gathering the fp32 weights."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    def rule(args, fsdp, device):  # the CUDA rule, without the device
+        return args.float8 == "tensorwise" and fsdp
+
+    argv = [*TINY, "model.dim=64", "model.ffn_hidden=128", "model.float8=tensorwise", "model.compile=none",
+            "distributed.fsdp=true", "data.seq_len=32", "steps=4", "checkpoint.dump.every=2",
+            "checkpoint.async_save=true"]
+    ref, plain = _float8_run([*argv, f"dump_dir={tmp_path / 'ref'}"])
+    assert plain and not any(isinstance(w, WeightWithDynamicFloat8CastTensor) for w in plain)
+    got, cast = _float8_run([*argv, f"dump_dir={tmp_path / 'ag'}"], rule)
+    assert len(cast) == len(plain) and all(isinstance(w, WeightWithDynamicFloat8CastTensor) for w in cast)
+    assert all(w._precomputed_scale is not None for w in cast)  # set by the step, not left to each gather
+    assert sorted(got) == [1, 2, 3, 4] and got == ref
+    _float8_run([*argv, f"dump_dir={tmp_path / 'resumed'}", "steps=2"], rule)
+    resumed, _ = _float8_run([*argv, f"dump_dir={tmp_path / 'resumed'}"], rule)
+    assert resumed == {s: ref[s] for s in (3, 4)}
 
 
 def test_compile_mode_reaches_torch_compile(monkeypatch):

@@ -73,3 +73,26 @@ def test_float8_compiled_close_to_bf16(recipe):
     # float8's 3 mantissa bits at init: a weight gradient moves by ~30 % (measured on H200); an unrelated one
     # by ~140 %
     assert _rel(got["model.layers.1.mlp.down_proj.weight"], ref["model.layers.1.mlp.down_proj.weight"]) < 0.5
+
+
+def test_float8_all_gather_trains_and_resumes_close_to_the_bf16_gather(tmp_path):
+    """FSDP forced on the one GPU with tensorwise float8: the weights are gathered in float8 (NCCL), scales
+    precomputed after each step; the losses stay within float8's scale rounding of the bf16 gather's, and an
+    asynchronous save resumes."""
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from test_compile import TINY, _float8_run
+
+    argv = [*TINY, "model.dim=64", "model.ffn_hidden=128", "model.float8=tensorwise", "model.compile=none",
+            "distributed.fsdp=true", "data.seq_len=64", "steps=4", "checkpoint.dump.every=2",
+            "checkpoint.async_save=true"]
+    ref, _ = _float8_run([*argv, f"dump_dir={tmp_path / 'ref'}"], rule=lambda *_: False)
+    got, cast = _float8_run([*argv, f"dump_dir={tmp_path / 'ag'}"])
+    assert cast and all(isinstance(w, WeightWithDynamicFloat8CastTensor) for w in cast)
+    assert all(w._precomputed_scale is not None for w in cast)
+    assert sorted(got) == [1, 2, 3, 4]
+    for s in got:
+        assert abs(got[s] / ref[s] - 1) < 1e-2, (s, got, ref)
+    _float8_run([*argv, f"dump_dir={tmp_path / 'resumed'}", "steps=2"])
+    resumed, _ = _float8_run([*argv, f"dump_dir={tmp_path / 'resumed'}"])
+    assert sorted(resumed) == [3, 4] and resumed == pytest.approx({s: got[s] for s in (3, 4)}, rel=1e-5)

@@ -10,7 +10,9 @@ graph (one graph break per block, torch.compiler.disable in lingua_zeco.sp).
 
 float8 (torchao.float8): the block linears become Float8Linear with torchao's tensorwise or rowwise
 recipe (dynamic scaling, e4m3); the low-rank forget-gate projections (rank 16) stay in bf16, the LM head
-too unless model.float8_head. Off CUDA torchao emulates float8 (the CPU tests).
+too unless model.float8_head. Off CUDA torchao emulates float8 (the CPU tests). Under FSDP on CUDA with the
+tensorwise recipe, FSDP gathers those weights already cast to float8 (half the bytes of bf16), with every
+scale computed at once after each optimizer step (torchao's float8 all-gather; gloo carries no float8).
 """
 from __future__ import annotations
 
@@ -60,11 +62,26 @@ def _float8_filter(head: bool):
     return keep
 
 
-def convert_float8(model: nn.Module, recipe: str, head: bool, device: torch.device) -> list[str]:
-    """Swap the chosen linears for torchao's Float8Linear (before FSDP wraps the model). Returns their names."""
+def float8_all_gather(args: GLAArgs, fsdp: bool, device: torch.device) -> bool:
+    """Whether FSDP gathers the float8 linears' weights in float8 (torchao: tensorwise only; NCCL, not gloo)."""
+    return args.float8 == "tensorwise" and fsdp and device.type == "cuda"
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step, with float8_all_gather: every float8 weight's scale from one amax all-reduce
+    (else each all-gather computes its own)."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def convert_float8(model: nn.Module, recipe: str, head: bool, device: torch.device,
+                   all_gather: bool = False) -> list[str]:
+    """Swap the chosen linears for torchao's Float8Linear (before FSDP wraps the model); all_gather: FSDP gathers
+    their weights in float8 (float8_all_gather). Returns their names."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig.from_recipe_name(recipe)
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), enable_fsdp_float8_all_gather=all_gather)
     if device.type != "cuda":  # no float8 GEMMs here: torchao computes the same roundings in higher precision
         config = dataclasses.replace(config, emulate=True)
     keep = _float8_filter(head)
@@ -73,16 +90,18 @@ def convert_float8(model: nn.Module, recipe: str, head: bool, device: torch.devi
     return names
 
 
-def apply_speedups(model, args: GLAArgs, device: torch.device, sp_size: int = 1) -> dict:
-    """model.float8, then model.compile, on a built model before FSDP (sp_size: the SP group's). Returns what
-    was applied."""
+def apply_speedups(model, args: GLAArgs, device: torch.device, sp_size: int = 1, fsdp: bool = False) -> dict:
+    """model.float8, then model.compile, on a built model before FSDP (sp_size: the SP group's; fsdp: whether
+    FSDP will wrap it). Returns what was applied."""
     done = dict(float8=[], compiled=False)
     if args.float8 != "none":
-        done["float8"] = convert_float8(model, args.float8, args.float8_head, device)
+        done["float8"] = convert_float8(model, args.float8, args.float8_head, device,
+                                        all_gather=float8_all_gather(args, fsdp, device))
     if compile_enabled(args, device, sp_size):
         compile_blocks(model.blocks, args.compile_backend, args.compile_mode)
         done["compiled"] = True
     return done
 
 
-__all__ = ["apply_speedups", "compile_blocks", "compile_enabled", "convert_float8"]
+__all__ = ["apply_speedups", "compile_blocks", "compile_enabled", "convert_float8", "float8_all_gather",
+           "precompute_float8_scales"]

@@ -75,7 +75,7 @@ def build_model(args: TrainArgs, env: distributed.DistEnv) -> GLAForCausalLM:
     if not meta:
         model.init_weights(args.seed)  # full tensors on every rank, before sharding: same weights for any layout
         model.to(env.device)
-    apply_speedups(model, args.model, env.device, env.dims.sp)  # model.float8 / model.compile, before FSDP
+    apply_speedups(model, args.model, env.device, env.dims.sp, fsdp)  # model.float8 / model.compile, before FSDP
     if fsdp:
         distributed.apply_fsdp(model, env, args.distributed, model.blocks)
     if meta:

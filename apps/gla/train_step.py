@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from apps.gla.compile import float8_all_gather, precompute_float8_scales
 from apps.gla.memory_fit import decided_fsdp
 from apps.gla.model import GLAForCausalLM
 from lingua_zeco import distributed
@@ -80,7 +81,8 @@ class StepParts:
     guard: reliability.StepGuard
 
     def __post_init__(self):
-        decided_fsdp(self.args)  # the step must treat the model as build_model built it
+        # the step must treat the model as build_model built it
+        self.float8_scales = float8_all_gather(self.args.model, decided_fsdp(self.args), self.env.device)
 
 
 def train_step(parts: StepParts, step: int, stop_requested: bool = False, sync: bool = False):
@@ -97,6 +99,8 @@ def train_step(parts: StepParts, step: int, stop_requested: bool = False, sync: 
     verdict = guard.check(step + 1, loss_sum, n_sum, grad_norm, stop_requested, optimizer=optimizer, sync=sync)
     if verdict.apply:  # a skipped step leaves weights and optimizer state as they were
         optimizer.step()
+        if parts.float8_scales:  # the next all-gathers' float8 scales, one all-reduce for all weights
+            precompute_float8_scales(model)
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return loss_sum, n_sum, data_wait, grad_norm, verdict

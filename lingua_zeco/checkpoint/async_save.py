@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint._state_dict_stager import StateDictStager  # DCP's copier (no public name)
 from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
 
 from lingua_zeco.reliability import is_distributed, rank_world
 
@@ -61,7 +62,7 @@ class _KeptStager(AsyncStager):
         self._copier = StateDictStager(pin_memory=cuda, share_memory=False)
 
     def stage(self, state_dict):
-        staged = self._copier.stage(state_dict, non_blocking=self._cuda)
+        staged = self._copier.stage(_unwrapped(state_dict), non_blocking=self._cuda)
         if self._cuda:
             torch.cuda.synchronize()  # the non-blocking device-to-host copies have landed
         self.buffers = _storages(staged)
@@ -75,6 +76,35 @@ class _KeptStager(AsyncStager):
 
     def release(self) -> None:
         self._copier.close()
+
+
+def _inner(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor a wrapper subclass holds as its data (the one inner tensor of its shape and dtype), or
+    t itself when it is plain."""
+    if type(t) in (torch.Tensor, torch.nn.Parameter) or not hasattr(t, "__tensor_flatten__"):
+        return t
+    names, _ = t.__tensor_flatten__()
+    inner = [x for x in (getattr(t, n) for n in names) if x.shape == t.shape and x.dtype == t.dtype]
+    if len(inner) != 1:
+        raise TypeError(f"an asynchronous save cannot copy a {type(t).__name__} (a tensor subclass without one "
+                        f"inner tensor of its shape); set checkpoint.async_save=false")
+    return _inner(inner[0])
+
+
+def _unwrapped(obj):
+    """The (nested) state dict with every tensor subclass wrapper replaced by the plain tensor it wraps (DTensors
+    rebuilt around theirs). DCP's stager copies raw storage, and a wrapper such as torchao's float8
+    all-gather weight has none: its staged copy would be uninitialised memory."""
+    if isinstance(obj, dict):
+        return {k: _unwrapped(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unwrapped(v) for v in obj]
+    if isinstance(obj, DTensor):
+        local = obj.to_local()
+        inner = _inner(local)
+        return obj if inner is local else DTensor.from_local(inner, obj.device_mesh, obj.placements,
+                                                             run_check=False, shape=obj.shape, stride=obj.stride())
+    return _inner(obj) if isinstance(obj, torch.Tensor) else obj
 
 
 def _storages(obj, out: dict | None = None) -> dict[int, int]:
