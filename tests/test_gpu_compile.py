@@ -76,16 +76,16 @@ def test_float8_compiled_close_to_bf16(recipe):
 
 
 def test_float8_all_gather_trains_and_resumes_close_to_the_bf16_gather(tmp_path):
-    """FSDP forced on the one GPU with tensorwise float8: the weights are gathered in float8 (NCCL), scales
-    precomputed after each step; the losses stay within float8's scale rounding of the bf16 gather's, and an
-    asynchronous save resumes."""
+    """FSDP forced on the one GPU with tensorwise float8 and compiled blocks (what several GPUs run): the
+    weights are gathered in float8 (NCCL), scales precomputed after each step; the losses stay within float8's
+    scale rounding of the bf16 gather's, and an asynchronous save resumes."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
     from test_compile import TINY, _float8_run
 
-    argv = [*TINY, "model.dim=64", "model.ffn_hidden=128", "model.float8=tensorwise", "model.compile=none",
-            "distributed.fsdp=true", "data.seq_len=64", "steps=4", "checkpoint.dump.every=2",
-            "checkpoint.async_save=true"]
+    argv = [*TINY, "model.dim=64", "model.ffn_hidden=128", "model.float8=tensorwise", "model.compile=blocks",
+            "model.compile_backend=inductor", "distributed.fsdp=true", "data.seq_len=64", "steps=4",
+            "checkpoint.dump.every=2", "checkpoint.async_save=true"]
     ref, _ = _float8_run([*argv, f"dump_dir={tmp_path / 'ref'}"], rule=lambda *_: False)
     got, cast = _float8_run([*argv, f"dump_dir={tmp_path / 'ag'}"])
     assert cast and all(isinstance(w, WeightWithDynamicFloat8CastTensor) for w in cast)
