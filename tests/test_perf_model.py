@@ -497,6 +497,9 @@ def test_fused_extra_comes_from_the_newest_bench_fused(tmp_path):
     eager = {k: v for k, v in row.items() if "graph" not in k}  # no graph times: eager ones
     _fused_file(tmp_path / "eager.json", "", [eager])
     assert load_fused(str(tmp_path / "eager.json"))[0] == {16384: pytest.approx(3.8 / 3.6 - 1)}
+    both = {**row, "staged_chunk_intra_save_h_graph_ms": 2.0, "zeco_fused_chunk_intra_save_h_graph_ms": 2.1}
+    _fused_file(tmp_path / "dec04.json", "", [both])  # the 2026-12-04 form: today's stages among removed ones
+    assert load_fused(str(tmp_path / "dec04.json"))[0] == {16384: pytest.approx(2.1 / 2.0 - 1)}
     old = dict(T_local=16384, fla_chunk_gla_ms=4.17, zeco_fused_no_comm_ms=4.82, extra_pct=15.47)  # 2026-11-30 form
     _fused_file(tmp_path / "old.json", "", [old])
     assert load_fused(str(tmp_path / "old.json"))[0] == {16384: pytest.approx(0.1547)}
@@ -507,8 +510,12 @@ def test_fused_extra_comes_from_the_newest_bench_fused(tmp_path):
     files = [(json.loads(Path(f).read_text()), f) for f in found]
     data, newest = max(files, key=lambda df: (df[0].get("env", {}).get("time", ""), df[1]))
     _, _, op, _, notes = calibrate(str(ROOT / RAW))
-    assert op.zeco_extra_by_T == {r["T_local"]: pytest.approx(r["zeco_fused_graph_ms"] / r["staged_chunk_gla_graph_ms"]
-                                                              - 1) for r in data["rows"]}
+    def todays(r):  # files of 2026-12-04 name today's stages "chunk_intra_save_h", beside stage sets removed since
+        fused, base = (("zeco_fused_chunk_intra_save_h", "staged_chunk_intra_save_h")
+                       if "staged_chunk_intra_save_h_graph_ms" in r else ("zeco_fused", "staged_chunk_gla"))
+        return r[f"{fused}_graph_ms"] / r[f"{base}_graph_ms"] - 1
+
+    assert op.zeco_extra_by_T == {r["T_local"]: pytest.approx(todays(r)) for r in data["rows"]}
     assert notes["sources"]["op.zeco_extra_by_T"].startswith(f"measured: {Path(newest).relative_to(ROOT)} ")
     # the in-operator scan cost is fitted with the extra of the operator raw's zeco row ran, whatever raw_fused says
     _, _, op_old, _, _ = calibrate(str(ROOT / RAW), raw_fused=None)

@@ -107,14 +107,20 @@ def single_gpu_runs(folder: str) -> dict[str, dict[int, dict]]:
     return {v: dict(sorted(runs.items())) for v, runs in sorted(out.items())}
 
 
+# (fused, single-device) columns of a bench_fused row, first found first: the files of 2026-12-04 timed today's
+# stages (whole-chunk intra-chunk stages, kept states) under these names, beside the stage sets removed since
+FUSED_PAIRS = (("zeco_fused_chunk_intra_save_h", "staged_chunk_intra_save_h"), ("zeco_fused", "staged_chunk_gla"),
+               ("zeco_fused", "fla_chunk_gla"))
+
+
 def fused_extra(row: dict) -> tuple[float, str]:
     """The fused ZeCO operator's extra work over the single-device operator, as a fraction, and how: against
     the staged operator (what one GPU runs on CUDA) where the row has it, else fla's chunk_gla; CUDA-graph times
     (GPU work alone) where the row has them, else eager; rows with neither: extra_pct (eager, against fla)."""
-    base = "staged_chunk_gla" if "staged_chunk_gla_ms" in row else "fla_chunk_gla"
-    for suffix in ("_graph_ms", "_ms"):
-        if f"zeco_fused{suffix}" in row and f"{base}{suffix}" in row:
-            return row[f"zeco_fused{suffix}"] / row[f"{base}{suffix}"] - 1, f"zeco_fused{suffix} / {base}{suffix} - 1"
+    for fused, base in FUSED_PAIRS:
+        for suffix in ("_graph_ms", "_ms"):
+            if f"{fused}{suffix}" in row and f"{base}{suffix}" in row:
+                return row[f"{fused}{suffix}"] / row[f"{base}{suffix}"] - 1, f"{fused}{suffix} / {base}{suffix} - 1"
     return row["extra_pct"] / 100, "extra_pct: fused ZeCO without comm vs fla"
 
 
