@@ -20,8 +20,9 @@ GPU_ONLY = ("bench_fused", "bench_stages", "profile_fused", "profile_sp", "roofl
 def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
     """name -> (module, argv, a substring the error line must hold: the key, the fix or the choices)."""
     train, op, comm = "apps.gla.bench.bench_train", "apps.gla.bench.bench_op", "apps.gla.bench.bench_comm"
-    ckpt = "apps.gla.bench.bench_checkpoint"
+    ckpt, loss = "apps.gla.bench.bench_checkpoint", "apps.gla.bench.bench_loss"
     out = [f"out={tmp}/bad"]
+    ref = f"ref={tmp}/ref.json"  # written by `results`: 5 steps of bf16 on debug.yaml
     cases = {
         "bench_train-seq_len-0": (train, [*TRAIN, "seq_len=0", *out], "seq_len=0"),
         "bench_train-steps-0": (train, [*TRAIN, "steps=0", *out], "steps=0"),
@@ -38,6 +39,12 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
         "bench_checkpoint-idle_steps-0": (ckpt, ["idle_steps=0", *out], "idle_steps=0"),
         "bench_checkpoint-modes-bogus": (ckpt, ["modes=lazy", *out], "async"),
         "bench_checkpoint-models-bogus": (ckpt, ["models=gpt9", *out], "models=gpt9"),
+        "bench_loss-variants-bogus": (loss, ["variants=fp4", *out], "variants=fp4"),
+        "bench_loss-tail-past-steps": (loss, ["steps=5", "tail=10", *out], "tail=10"),
+        "bench_loss-ref-not-json": (loss, [f"ref={tmp}/not.json", *out], "not a bench_loss output"),
+        "bench_loss-ref-other-steps": (loss, ["variants=float8", "steps=3", "tail=3", ref, *out], "steps=5 there"),
+        "bench_loss-ref-has-the-variant": (loss, ["variants=bf16", "steps=5", "tail=5", ref, *out],
+                                           "variants=bf16 is in ref"),
         "perf_model-P-0": (PERF, ["what=comm", "P=0"], "P=0"),
         "perf_model-P-negative": (PERF, ["what=comm", "P=-8"], "P=-8"),
         "perf_model-T-0": (PERF, ["what=throughput", "T=0"], "T=0"),
@@ -55,6 +62,8 @@ def results(tmp_path_factory):
     """[exit code, stderr] of the debug config's bench_train run and then of each bad case."""
     tmp = tmp_path_factory.mktemp("bad_bench")
     (tmp / "not.json").write_text("P=8 alpha=1e-6\n")
+    (tmp / "ref.json").write_text(json.dumps(dict(args=dict(config="debug.yaml", steps=5, seq_len=0, overrides=[]),
+                                                   curves=dict(bf16=[5.0, 4.0, 3.0, 2.0, 1.0]))))
     good = ("apps.gla.bench.bench_train", ["config=debug.yaml", "variants=ours", "seq_len=64", "steps=2", "warmup=1",
                                            f"out={tmp}/good"])
     cases = _bad_cases(tmp)

@@ -51,9 +51,10 @@ def sandbox(tmp_path):
     stub.write_text('#!/bin/sh\nprintf "%s\\n" "$PWD $*" >> "$CALLS"\n')
     stub.chmod(stub.stat().st_mode | stat.S_IXUSR)
     (tmp_path / "base/apps/gla/bench").mkdir(parents=True)
+    (tmp_path / "parity_bf16.json").write_text("{}")
     env = dict(os.environ, PATH=f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}", OUT=str(tmp_path / "out"),
                SOURCED=str(tmp_path / "sourced"), TC=str(tmp_path / "tc"), CALLS=str(tmp_path / "calls.txt"),
-               BASE_DIR=str(tmp_path / "base"))
+               BASE_DIR=str(tmp_path / "base"), PARITY_REF=str(tmp_path / "parity_bf16.json"))
     return tmp_path, env
 
 
@@ -65,11 +66,12 @@ def test_bad_arguments_install_nothing(sandbox, bad):
     assert not (tmp / "sourced").exists()
 
 
-def test_compare_without_a_base_is_refused(sandbox):
+@pytest.mark.parametrize("part, var", [("compare", "BASE_DIR"), ("parity_float8", "PARITY_REF")])
+def test_a_part_without_its_input_is_refused(sandbox, part, var):
     tmp, env = sandbox
-    env.pop("BASE_DIR")
-    proc = _run(tmp / "repo", "compare", env=env)
-    assert proc.returncode == 2 and "BASE_DIR" in proc.stdout and not (tmp / "sourced").exists()
+    env.pop(var)
+    proc = _run(tmp / "repo", part, env=env)
+    assert proc.returncode == 2 and var in proc.stdout and not (tmp / "sourced").exists()
 
 
 STRESS_PARTS = ("symm", "memcheck")  # scripts and the sanitizer rather than `python3 -m` modules: tested below

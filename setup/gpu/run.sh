@@ -16,6 +16,9 @@
 #                 processes (compute mode, MPS, Xid lines), 14 concurrent stress processes, then 12 with 2
 #                 processes trapping on purpose beside them
 #   memcheck      compute-sanitizer memcheck of one stress round at P = 2, 3, 5 and of the loopback test  ≤ 9
+#   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)    ≈ 6
+#   parity_float8 second half: the same with float8 against the first half's output, given as         ≈ 6
+#                 PARITY_REF=<parity_bf16.json, carried>; both curves in parity_float8.png
 #   compare       step (16K) and operator on BASE_DIR, another checkout, and on this tree back to back   ≈ 8
 #                 (defaults unchanged or faster across a change); make one with e.g.
 #                 mkdir -p dumps/base && git archive <commit> apps lingua_zeco configs | tar -x -C dumps/base
@@ -24,7 +27,7 @@
 # autotune results go to $OUT/autotune.tgz (fold them into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when
 # every part's commands exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
-PARTS="tests step operator long_context profile extension symm memcheck compare"
+PARTS="tests step operator long_context profile extension symm memcheck parity_bf16 parity_float8 compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -41,6 +44,11 @@ case " $* " in
     [ -n "${BASE_DIR:-}" ] && [ -d "${BASE_DIR}/apps/gla/bench" ] \
         || { echo "error: compare needs BASE_DIR=<a checkout of the repository, carried to the device>"; exit 2; }
     BASE_DIR=$(cd "$BASE_DIR" && pwd) ;;
+esac
+case " $* " in
+*" parity_float8 "*)
+    [ -f "${PARITY_REF:-}" ] || { echo "error: parity_float8 needs PARITY_REF=<the parity_bf16.json of parity_bf16, carried to the device>"; exit 2; }
+    PARITY_REF=$(cd "$(dirname "$PARITY_REF")" && pwd)/$(basename "$PARITY_REF") ;;
 esac
 
 source setup/gpu/device_env.sh  # wheels, autotune cache, OUT, PYTHONPATH=/tmp/site:$PWD
@@ -173,6 +181,18 @@ part_memcheck() {
             --target-processes all --error-exitcode 3 python3 -m pytest -m gpu -q -p no:cacheprovider \
             tests/test_symm_scan.py -k one_gpu
     fi
+}
+
+PARITY=(config=gla_1b_dp.yaml steps=1000 seq_len=16384 tail=100)  # the float8 parity runs: same data and seed
+
+part_parity_bf16() {
+    run "$HERE" "$OUT/parity_bf16/parity_bf16.log" 560 "^\{|rror|Traceback" python3 -m apps.gla.bench.bench_loss \
+        "${PARITY[@]}" variants=bf16 stem=parity_bf16 out="$OUT/parity_bf16"
+}
+
+part_parity_float8() {
+    run "$HERE" "$OUT/parity_float8/parity_float8.log" 560 "^\{|rror|Traceback" python3 -m apps.gla.bench.bench_loss \
+        "${PARITY[@]}" variants=float8 ref="$PARITY_REF" stem=parity_float8 out="$OUT/parity_float8"
 }
 
 part_compare() {  # base then current for each benchmark: drift over the call hits both alike

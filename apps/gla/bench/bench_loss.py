@@ -1,9 +1,13 @@
 """Loss-curve parity of trainer variants: the same config, seed and data trained once per variant (each a
 fresh `python -m apps.gla.train` process, every step logged); writes every curve, the mean loss of the
-last `tail` steps and its relative difference to the first variant.
+last `tail` steps and its relative difference to the first variant, and <stem>.png with the curves.
 
     python -m apps.gla.bench.bench_loss                          # debug config on CPU: eager vs compiled blocks
     python -m apps.gla.bench.bench_loss config=gla_1b_dp.yaml variants=bf16,float8 steps=300 seq_len=8192
+    # runs longer than one sitting: one variant each, the second compared with the first's output
+    python -m apps.gla.bench.bench_loss config=gla_1b_dp.yaml variants=bf16 steps=1000 seq_len=16384 stem=bf16
+    python -m apps.gla.bench.bench_loss config=gla_1b_dp.yaml variants=float8 steps=1000 seq_len=16384 \
+        ref=bench_out/bf16.json stem=float8
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import tempfile
 from dataclasses import dataclass
 
 from apps.gla.bench.common import at_least, bench_main, markdown_table
+from apps.gla.plot_metrics import pyplot, save_figure
 from lingua_zeco import reliability
 from lingua_zeco.args import ConfigError
 from lingua_zeco.metrics import read_metrics
@@ -40,6 +45,8 @@ class BenchLossArgs:
     overrides: tuple[str, ...] = ()  # trainer keys for every variant
     out: str = "bench_out"  # output folder
     stem: str = "loss"  # output file names
+    # an earlier bench_loss JSON of the same settings: its curves come first (the first is the reference)
+    ref: str = ""
 
 
 def train_curve(name: str, a: BenchLossArgs, dump: str) -> list[float]:
@@ -54,6 +61,30 @@ def train_curve(name: str, a: BenchLossArgs, dump: str) -> list[float]:
     return [losses[s] for s in sorted(losses)]
 
 
+# what an earlier output must share with this run for its curves to be compared with this run's
+SAME = ("config", "steps", "seq_len", "overrides")
+
+
+def reference_curves(a: BenchLossArgs) -> dict[str, list[float]]:
+    """{variant: curve} of the output a.ref names ({} without ref): one ConfigError if it cannot be used."""
+    if not a.ref:
+        return {}
+    try:
+        with open(a.ref) as f:
+            old = json.load(f)
+        curves, args = old["curves"], old["args"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"ref={a.ref}: not a bench_loss output ({type(e).__name__}: {e}); give the .json an "
+                          f"earlier run wrote") from e
+    differ = [f"{k}={args.get(k)!r} there, {getattr(a, k)!r} here" for k in SAME
+              if args.get(k) != (list(v) if isinstance(v := getattr(a, k), tuple) else v)]
+    if differ:
+        raise ConfigError(f"ref={a.ref} ran other settings ({'; '.join(differ)}): its curves cannot be compared")
+    if clash := [n for n in a.variants if n in curves]:
+        raise ConfigError(f"variants={clash[0]} is in ref={a.ref} already; run the other variants")
+    return curves
+
+
 def check_args(a: BenchLossArgs, device) -> None:
     at_least(a, steps=1, tail=1, seq_len=0)
     unknown = [n for n in a.variants if n not in VARIANTS]
@@ -61,16 +92,30 @@ def check_args(a: BenchLossArgs, device) -> None:
         raise ConfigError(f"variants={unknown[0]}: unknown variant; choose from {', '.join(VARIANTS)}")
     if a.tail > a.steps:
         raise ConfigError(f"tail={a.tail} exceeds steps={a.steps}; the compared mean needs that many steps")
+    reference_curves(a)
+
+
+def plot_curves(curves: dict[str, list[float]], path: str, tail: int) -> str:
+    """Every curve (thin) and its running mean over `tail` steps (thick) against the step."""
+    fig, ax = pyplot().subplots(figsize=(8, 4.5))
+    for name, curve in curves.items():
+        steps = range(1, len(curve) + 1)
+        line, = ax.plot(steps, curve, lw=0.5, alpha=0.4)
+        mean = [sum(curve[max(0, i - tail + 1):i + 1]) / (i + 1 - max(0, i - tail + 1)) for i in range(len(curve))]
+        ax.plot(steps, mean, color=line.get_color(), lw=1.8, label=f"{name} (mean of {tail})")
+    ax.set(xlabel="step", ylabel="loss (nats/token)", title="loss curves, same data and seed")
+    return save_figure(fig, path, axes=(ax,))
 
 
 def measure(a: BenchLossArgs, device):
-    curves, rows = {}, []
-    for name in a.variants:
-        dump = tempfile.mkdtemp(prefix=f"bench_loss_{name}_")
-        try:  # the run's final checkpoint can be large (GLA-1B's: docs/checkpoints.md): never kept
-            curves[name] = train_curve(name, a, dump)
-        finally:
-            shutil.rmtree(dump, ignore_errors=True)
+    curves, rows = reference_curves(a), []
+    for name in [*curves, *a.variants]:
+        if name not in curves:
+            dump = tempfile.mkdtemp(prefix=f"bench_loss_{name}_")
+            try:  # the run's final checkpoint can be large (GLA-1B's: docs/checkpoints.md): never kept
+                curves[name] = train_curve(name, a, dump)
+            finally:
+                shutil.rmtree(dump, ignore_errors=True)
         tail = curves[name][-a.tail:]
         rows.append(dict(variant=name, steps=len(curves[name]), first_loss=curves[name][0],
                          last_loss=curves[name][-1], tail_mean=sum(tail) / len(tail)))
@@ -79,6 +124,7 @@ def measure(a: BenchLossArgs, device):
             r["tail_vs_ref"] = r["tail_mean"] / ref - 1
         print(json.dumps(rows[-1]), flush=True)
         md = markdown_table(rows, ["variant", "steps", "first_loss", "last_loss", "tail_mean", "tail_vs_ref"])
+        plot_curves(curves, os.path.join(a.out, a.stem + ".png"), a.tail)
         yield a.stem, dict(rows=rows, curves=curves), md
 
 
