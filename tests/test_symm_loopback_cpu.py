@@ -1,7 +1,8 @@
 """The symm transport's index arithmetic, on CPU (its kernels run in test_symm_scan.py, on a GPU):
 * the one-GPU loopback (comm/symm_loopback.py): virtual rank s's signal on channel c to virtual rank d is one slot
   of d's real one-rank signal pad, the one d's wait on (c, s) reads; no two (channel, sender) pairs share a slot;
-  every channel SymmLink admits fits the real pad; the one-kernel hop's flags are the rank's own pad;
+  every channel SymmLink admits fits the real pad; the one-kernel hop's flags are the rank's own pad; a buffer
+  is never handed out at a size other than the one it was made with;
 * which hops the one-kernel hop takes (comm/symm_hop.py, fused_hop_fits): it addresses contiguous rows only;
 * a CUDA error that left the GPU unusable comes out of the setup as it surfaced (comm/symm.py, agreed_setup)."""
 from __future__ import annotations
@@ -100,3 +101,28 @@ def test_a_lost_gpu_is_raised_where_it_surfaced(monkeypatch):
     assert got.value is fault and not isinstance(got.value, SymmSetupError)
     monkeypatch.undo()
     assert symm.gpu_usable(fault, torch.device("cpu"))  # no CUDA device to lose: an ordinary setup failure
+
+
+class FakeMemory:
+    """Stands in for torch's symmetric memory under the loopback: plain CPU buffers of the size asked for."""
+
+    def buffer(self, key, n, like, group):
+        return SymmBuffer(torch.zeros(n, dtype=like.dtype), RealPad())
+
+
+def test_loopback_buffers_keep_the_size_they_were_made_with():
+    """The k-th buffer of every virtual rank is made when the first of them asks, at its size: a rank asking for
+    its k-th at another size (ranks asking in different orders) is refused instead of writing past the end."""
+    from lingua_zeco.comm.symm_loopback import _Memory
+
+    world = _World(2, group=None)
+    world.real = FakeMemory()
+    mems = [_Memory(world, v) for v in range(2)]
+    f32 = torch.empty(0)
+    a0, b0 = mems[0].buffer("A", 8, f32, None), mems[0].buffer("B", 16, f32, None)
+    assert (a0.buf.numel(), b0.buf.numel()) == (8, 16)
+    assert mems[1].buffer("A", 8, f32, None).buf.numel() == 8  # the same order: the same sizes
+    with pytest.raises(RuntimeError, match="holds 16 torch.float32, asked for 32"):
+        mems[1].buffer("C", 32, f32, None)  # its second buffer, made at B's 16 by rank 0
+    with pytest.raises(RuntimeError, match="asked for 16 torch.bfloat16"):
+        mems[1].buffer("D", 16, torch.empty(0, dtype=torch.bfloat16), None)

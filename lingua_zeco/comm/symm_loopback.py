@@ -30,6 +30,10 @@ class _World:
         while len(self.allocs) <= idx:
             k = len(self.allocs)
             self.allocs.append([self.real.buffer(("loopback", k, v), n, like, self.group) for v in range(self.P)])
+        buf = self.allocs[idx][0].buf
+        if buf.numel() != n or buf.dtype != like.dtype:  # sized by the first asker: another size would overrun it
+            raise RuntimeError(f"loopback: buffer {idx} holds {buf.numel()} {buf.dtype}, asked for {n} {like.dtype}: "
+                               f"the virtual ranks asked for their buffers in different orders")
         return self.allocs[idx]
 
 
