@@ -16,6 +16,8 @@
 #                 processes (compute mode, MPS, Xid lines), 14 concurrent stress processes, then 12 with 2
 #                 processes trapping on purpose beside them
 #   memcheck      compute-sanitizer memcheck of one stress round at P = 2, 3, 5 and of the loopback test  ≤ 9
+#   symm_loop     the symm GPU tests 20 times in a row (SYMM_ROUNDS=N for another count), each run in 14   ≈ 7
+#                 processes as the suite runs them; one log per run and the count of runs that passed
 #   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)    ≈ 6
 #   parity_float8 second half: the same with float8 against the first half's output, given as         ≈ 6
 #                 PARITY_REF=<parity_bf16.json, carried>; both curves in parity_float8.png
@@ -27,7 +29,7 @@
 # autotune results go to $OUT/autotune.tgz (fold them into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when
 # every part's commands exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
-PARTS="tests step operator long_context profile extension symm memcheck parity_bf16 parity_float8 compare"
+PARTS="tests step operator long_context profile extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -181,6 +183,15 @@ part_memcheck() {
             --target-processes all --error-exitcode 3 python3 -m pytest -m gpu -q -p no:cacheprovider \
             tests/test_symm_scan.py -k one_gpu
     fi
+}
+
+part_symm_loop() {
+    local i rounds=${SYMM_ROUNDS:-20} before=${#FAILED[@]}
+    for ((i = 1; i <= rounds; i++)); do
+        run "$HERE" "$OUT/symm_loop/run_$i.txt" 120 "passed|failed" python3 -m pytest -m gpu -n 14 -q -p no:cacheprovider \
+            tests/test_symm_scan.py tests/test_symm_setup.py tests/test_symm_protocol.py
+    done
+    echo "== symm_loop: $((rounds - ${#FAILED[@]} + before)) of $rounds runs passed"
 }
 
 PARITY=(config=gla_1b_dp.yaml steps=1000 seq_len=16384 tail=100)  # the float8 parity runs: same data and seed
