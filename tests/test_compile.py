@@ -178,14 +178,12 @@ def _float8_run(argv, rule=None):
     """(losses by step, the model's float8 weights' local tensors) of a Trainer run; rule: the all-gather
     decision in place of the CUDA one."""
     import apps.gla.compile as compile_module
-    import apps.gla.train_step as train_step_module
     from apps.gla.train import Trainer, with_vocab_size
     from lingua_zeco import distributed
 
     with pytest.MonkeyPatch.context() as mp:
         if rule is not None:
-            for module in (compile_module, train_step_module):
-                mp.setattr(module, "float8_all_gather", rule)
+            mp.setattr(compile_module, "float8_all_gather", rule)
         args = with_vocab_size(parse_args(TrainArgs, argv))
         env = distributed.setup(args.distributed, args.model.gla_options())
         try:

@@ -67,6 +67,11 @@ def float8_all_gather(args: GLAArgs, fsdp: bool, device: torch.device) -> bool:
     return args.float8 == "tensorwise" and fsdp and device.type == "cuda"
 
 
+def gathers_float8(model: nn.Module) -> bool:
+    """Whether convert_float8 made any of the model's linears gather their weights in float8."""
+    return any(getattr(getattr(m, "config", None), "enable_fsdp_float8_all_gather", False) for m in model.modules())
+
+
 def precompute_float8_scales(model: nn.Module) -> None:
     """After an optimizer step, with float8_all_gather: every float8 weight's scale from one amax all-reduce
     (else each all-gather computes its own)."""
@@ -104,4 +109,4 @@ def apply_speedups(model, args: GLAArgs, device: torch.device, sp_size: int = 1,
 
 
 __all__ = ["apply_speedups", "compile_blocks", "compile_enabled", "convert_float8", "float8_all_gather",
-           "precompute_float8_scales"]
+           "gathers_float8", "precompute_float8_scales"]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from apps.gla.compile import float8_all_gather, precompute_float8_scales
+from apps.gla.compile import gathers_float8, precompute_float8_scales
 from apps.gla.memory_fit import decided_fsdp
 from apps.gla.model import GLAForCausalLM
 from lingua_zeco import distributed
@@ -81,8 +81,8 @@ class StepParts:
     guard: reliability.StepGuard
 
     def __post_init__(self):
-        # the step must treat the model as build_model built it
-        self.float8_scales = float8_all_gather(self.args.model, decided_fsdp(self.args), self.env.device)
+        decided_fsdp(self.args)  # the step treats the model as FSDP-wrapped or not, as build_model built it
+        self.float8_scales = gathers_float8(self.model)  # read once: not a walk over the modules every step
 
 
 def train_step(parts: StepParts, step: int, stop_requested: bool = False, sync: bool = False):
