@@ -419,7 +419,7 @@ def test_symm_hop_fit_recovers_the_per_hop_cost(tmp_path):
         (tmp_path / f"comm_loopback_P{P}.json").write_text(json.dumps(dict(results=rows)))
     got, source = symm_hop_fit(str(tmp_path))
     assert got == pytest.approx(alpha, rel=1e-6) and "6 rows" in source
-    measured, _ = symm_hop_fit("docs/results/raw/2026-12-02-h200/run10/loopback")
+    measured, _ = symm_hop_fit("docs/results/raw/2026-12-02-h200/loopback")
     assert 1e-6 < measured < 10e-6
     for f in tmp_path.glob("comm_loopback_P[48].json"):
         f.unlink()
@@ -452,17 +452,17 @@ def test_one_gpu_step_comes_from_the_newest_bench_train_of_a_folder(tmp_path, ca
     one = tmp_path / "one_gpu"
     _bench_train(one / "zz_old.json", "2026-12-02 17:00:00", [("ours", 16384, 50e3), ("ours", 32768, 52e3),
                                                              ("fla", 16384, 45e3)])
-    _bench_train(one / "run1" / "train_16k.json", "2026-12-03 09:00:00", [("ours", 16384, 60e3), ("fla", 16384, 1),
+    _bench_train(one / "first" / "train_16k.json", "2026-12-03 09:00:00", [("ours", 16384, 60e3), ("fla", 16384, 1),
                                                                          ("ours", 16384, 62e3)])
-    _bench_train(one / "run2" / "two.json", "2026-12-03 10:00:00", [("ours", 16384, 99e3)], world=2)
-    _bench_train(one / "run2" / "ckpt.json", "2026-12-03 10:00:00", [("ours", 16384, 98e3)],
+    _bench_train(one / "second" / "two.json", "2026-12-03 10:00:00", [("ours", 16384, 99e3)], world=2)
+    _bench_train(one / "second" / "ckpt.json", "2026-12-03 10:00:00", [("ours", 16384, 98e3)],
                  overrides=("model.activation_checkpointing=full",))
     _, _, _, tput, _ = calibrate(str(ROOT / RAW), raw_1gpu=str(one))
     assert tput.tok_s == {16384: 61e3, 32768: 52e3} and tput.tok_s_world == 1
     out = tmp_path / "pm.json"
     assert cli_main(["what=throughput", "P=8", "T=16384", f"raw_1gpu={one}", f"json={out}"]) == 0
     origin = {r["input"]: r["source"] for r in json.loads(out.read_text())["tables"]["inputs"]}
-    assert f"T=16384: {one / 'run1' / 'train_16k.json'} (2 rows, median)" in origin["tput.tok_s"]
+    assert f"T=16384: {one / 'first' / 'train_16k.json'} (2 rows, median)" in origin["tput.tok_s"]
     assert f"T=32768: {one / 'zz_old.json'} (1 row" in origin["tput.tok_s"]
     # the committed default: the newest one-GPU "ours" rows per length, found here independently
     newest: dict[int, tuple] = {}
@@ -477,7 +477,7 @@ def test_one_gpu_step_comes_from_the_newest_bench_train_of_a_folder(tmp_path, ca
     _, _, _, tput, _ = calibrate(str(ROOT / RAW))
     assert newest and tput.tok_s == pytest.approx({T: v[2] for T, v in newest.items()}, rel=1e-12)
     with pytest.raises(FileNotFoundError, match="raw_1gpu=.*no one-GPU bench_train JSON"):
-        calibrate(str(ROOT / RAW), raw_1gpu=str(one / "run2"))
+        calibrate(str(ROOT / RAW), raw_1gpu=str(one / "second"))
 
 
 def _fused_file(path: Path, time: str, rows: list[dict]) -> None:
@@ -490,10 +490,10 @@ def test_fused_extra_comes_from_the_newest_bench_fused(tmp_path):
     it records); the committed default is the newest committed file and matches its rows."""
     row = dict(T_local=16384, fla_chunk_gla_ms=4.0, staged_chunk_gla_ms=3.6, zeco_fused_ms=3.8, extra_pct=-5.0,
                fla_chunk_gla_graph_ms=3.5, staged_chunk_gla_graph_ms=3.0, zeco_fused_graph_ms=3.3)
-    _fused_file(tmp_path / "run9" / "bench_fused.json", "2026-12-02 08:00:00", [dict(row, zeco_fused_graph_ms=9.9)])
-    _fused_file(tmp_path / "run10" / "bench_fused.json", "2026-12-02 14:00:00", [row])
+    _fused_file(tmp_path / "older" / "bench_fused.json", "2026-12-02 08:00:00", [dict(row, zeco_fused_graph_ms=9.9)])
+    _fused_file(tmp_path / "newer" / "bench_fused.json", "2026-12-02 14:00:00", [row])
     extra, src = load_fused(str(tmp_path))
-    assert extra == {16384: pytest.approx(3.3 / 3.0 - 1)} and "run10" in src and "graph" in src
+    assert extra == {16384: pytest.approx(3.3 / 3.0 - 1)} and "newer" in src and "graph" in src
     eager = {k: v for k, v in row.items() if "graph" not in k}  # no graph times: eager ones
     _fused_file(tmp_path / "eager.json", "", [eager])
     assert load_fused(str(tmp_path / "eager.json"))[0] == {16384: pytest.approx(3.8 / 3.6 - 1)}
@@ -504,7 +504,7 @@ def test_fused_extra_comes_from_the_newest_bench_fused(tmp_path):
     _fused_file(tmp_path / "old.json", "", [old])
     assert load_fused(str(tmp_path / "old.json"))[0] == {16384: pytest.approx(0.1547)}
     with pytest.raises(FileNotFoundError, match="raw_fused=.*no bench_fused JSON"):
-        load_fused(str(tmp_path / "run10" / "nothing_here"))
+        load_fused(str(tmp_path / "newer" / "nothing_here"))
     # the committed default: the newest *bench_fused*.json under RAW_FUSED, its graph times against the staged operator
     found = glob.glob(str(ROOT / RAW_FUSED / "**" / "*bench_fused*.json"), recursive=True)
     files = [(json.loads(Path(f).read_text()), f) for f in found]
@@ -553,13 +553,13 @@ def _rows(pattern: str, variant: str) -> list[dict]:
 
 
 def test_memory_of_segments_against_the_measured_peaks():
-    """The trainer's own activation bytes fitted from its unsegmented 16K step (run38/train_16k.json, eager
+    """The trainer's own activation bytes fitted from its unsegmented 16K step (step/train_16k.json, eager
     blocks: a segment runs its blocks uncompiled), the model predicts the peaks of 1M, 2M and 4M tokens in
-    segments of 16K (run4[34]/seg16k_*.json, committed bench_train files) within 10 %; the whole 4M sequence
+    segments of 16K (long_context/seg16k_*.json, committed bench_train files) within 10 %; the whole 4M sequence
     at once would not fit."""
-    (base,) = _rows("run38/train_16k.json", "ours_eager")
+    (base,) = _rows("step/train_16k.json", "ours_eager")
     act = act_bytes_from_peak(MemoryArgs(T_local=16384, sp=1), base["peak_gib"])
-    runs = _rows("run4[34]/seg16k_*.json", "ours")
+    runs = _rows("long_context/seg16k_*.json", "ours")
     assert sorted(r["seq_len"] for r in runs) == [1 << 20, 1 << 21, 1 << 22]
     for r in runs:
         m = peak_memory(MemoryArgs(T_local=r["seq_len"], segment_len=16384, sp=1, act_bytes_override=act))
