@@ -135,7 +135,8 @@ def resolve_device(name: str) -> torch.device:
 def check_cli_args(args: EvalCLIArgs) -> tuple[torch.device | None, list[int]]:
     """This command's own keys, refused by name before anything is loaded (a negative context would
     surface as the data loader's "bad layout", `out=` a folder only after the whole evaluation).
-    Returns the device asked for (None: the mesh's) and the contexts of task=loss ([]: the one context)."""
+    Returns the device asked for (None: the mesh's) and the lengths: task=loss's contexts ([]: the one context),
+    a retrieval task's prompt lengths."""
     if args.context < 0:
         raise ConfigError(f"context={args.context}: give the tokens per sequence, >= 1 (0 = the training context)")
     if args.sp_size < 0:
@@ -145,7 +146,7 @@ def check_cli_args(args: EvalCLIArgs) -> tuple[torch.device | None, list[int]]:
                           f"out={os.path.join(args.out, 'eval.jsonl')}")
     contexts = []
     if args.task != "loss":
-        check_keys(args)
+        contexts = check_keys(args).lengths
     elif args.segment < 0:
         raise ConfigError(f"segment={args.segment}: give the tokens per rank and forward, >= 1 (0 = the run's)")
     elif args.lengths:
@@ -179,7 +180,7 @@ def run(args: EvalCLIArgs) -> dict | list[dict]:
         if args.task != "loss":
             tok = build_tokenizer(cfg.data.tokenizer)
             segment = args.segment or default_segment(model, cfg.data.seq_len)
-            filler = run_filler(cfg.data, tok, max(check_keys(args).lengths), args.seed)
+            filler = run_filler(cfg.data, tok, max(contexts), args.seed)
             cells = run_tasks(model, tok, filler, args, segment=segment, device=device, dp_rank=env.dp_rank,
                               dp_size=env.dims.dp, autocast=autocast)
         else:
