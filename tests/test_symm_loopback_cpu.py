@@ -126,3 +126,26 @@ def test_loopback_buffers_keep_the_size_they_were_made_with():
         mems[1].buffer("C", 32, f32, None)  # its second buffer, made at B's 16 by rank 0
     with pytest.raises(RuntimeError, match="asked for 16 torch.bfloat16"):
         mems[1].buffer("D", 16, torch.empty(0, dtype=torch.bfloat16), None)
+
+
+def test_setup_flags_not_0_or_1_are_named_not_trusted(monkeypatch):
+    """The setup's failure flags are a SUM of one-hot flags, 0 or 1 each: anything else means device memory was
+    written by something else during the setup (seen as an illegal address in torch's nonzero on 2026-12-05);
+    it is refused naming the values, never read as ranks that failed."""
+    import torch.distributed as dist
+
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group, cpu = dist.group.WORLD, torch.device("cpu")
+        assert agreed_setup(lambda: "made", group, cpu) == "made"
+        with pytest.raises(SymmSetupError, match=r"setup failed on group rank\(s\) \[0\]"):
+            agreed_setup(lambda: 1 / 0, group, cpu)
+        real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: (real(t, group=group), t.add_(7)))
+        with pytest.raises(RuntimeError, match=r"flags read \[7\], not 0 or 1 each"):
+            agreed_setup(lambda: "made", group, cpu)
+    finally:
+        if owns:
+            dist.destroy_process_group()

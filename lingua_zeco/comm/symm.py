@@ -136,7 +136,11 @@ def agreed_setup(make, group, device: torch.device):
     failed = torch.zeros(P, dtype=torch.int32, device=device)
     failed[rank] = int(err is not None)
     dist.all_reduce(failed, group=group)  # SUM of one-hot flags: which ranks failed (one small collective)
-    bad = failed.nonzero().flatten().tolist()
+    flags = failed.tolist()  # read once: a second pass over device memory could see other values
+    if any(f not in (0, 1) for f in flags):
+        raise RuntimeError(f"all_scan(transport='symm'): the setup's failure flags read {flags}, not 0 or 1 each: "
+                           f"device memory was written by something else during the setup")
+    bad = [r for r, f in enumerate(flags) if f]
     if not bad:
         return out
     cause = f"{type(err).__name__}: {err}" if err is not None else "this rank's setup worked"
