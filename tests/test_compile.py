@@ -164,16 +164,6 @@ def test_float8_head_and_bad_keys():
             GLAForCausalLM(GLAArgs(**{**SMALL, **bad}))
 
 
-def test_float8_all_gather_only_where_fsdp_gathers_over_nccl():
-    from apps.gla.compile import float8_all_gather
-    args, cuda = GLAArgs(float8="tensorwise"), torch.device("cuda", 0)
-    assert float8_all_gather(args, True, cuda)
-    assert not float8_all_gather(args, False, cuda)  # the plain module gathers nothing
-    assert not float8_all_gather(args, True, torch.device("cpu"))  # gloo carries no float8 between ranks
-    assert not float8_all_gather(GLAArgs(float8="rowwise"), True, cuda)  # torchao: tensorwise only
-    assert not float8_all_gather(GLAArgs(), True, cuda)
-
-
 def _float8_run(argv, rule=None):
     """(losses by step, the model's float8 weights' local tensors) of a Trainer run; rule: the all-gather
     decision in place of the CUDA one."""
