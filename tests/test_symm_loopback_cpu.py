@@ -128,10 +128,10 @@ def test_loopback_buffers_keep_the_size_they_were_made_with():
         mems[1].buffer("D", 16, torch.empty(0, dtype=torch.bfloat16), None)
 
 
-def test_setup_flags_not_0_or_1_are_named_not_trusted(monkeypatch):
-    """The setup's failure flags are a SUM of one-hot flags, 0 or 1 each: anything else means device memory was
-    written by something else during the setup (seen as an illegal address in torch's nonzero on 2026-12-05);
-    it is refused naming the values, never read as ranks that failed."""
+def test_setup_flags_on_the_host_for_gloo_and_0_or_1_each(monkeypatch):
+    """The setup's failure flags: a gloo group reduces them on the host; they are a SUM of one-hot flags, 0 or 1
+    each, and anything else (memory written by something else during the setup) is refused naming the values,
+    never read as ranks that failed."""
     import torch.distributed as dist
 
     owns = not dist.is_initialized()
@@ -142,7 +142,13 @@ def test_setup_flags_not_0_or_1_are_named_not_trusted(monkeypatch):
         assert agreed_setup(lambda: "made", group, cpu) == "made"
         with pytest.raises(SymmSetupError, match=r"setup failed on group rank\(s\) \[0\]"):
             agreed_setup(lambda: 1 / 0, group, cpu)
+        # a gloo group (the loopback's) agrees on the host whatever device the buffers are on: "meta" stands in
+        # for the GPU, whose flags through gloo changed under torch's nonzero
+        seen = []
         real = dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: (seen.append(t.device), real(t, group=group)))
+        assert agreed_setup(lambda: "made", group, torch.device("meta")) == "made" and seen == [cpu]
+        monkeypatch.undo()
         monkeypatch.setattr(dist, "all_reduce", lambda t, group=None: (real(t, group=group), t.add_(7)))
         with pytest.raises(RuntimeError, match=r"flags read \[7\], not 0 or 1 each"):
             agreed_setup(lambda: "made", group, cpu)

@@ -124,7 +124,10 @@ def legacy_stream_done(device: torch.device) -> None:
 
 def agreed_setup(make, group, device: torch.device):
     """make() on every rank of `group`, then one all_reduce of per-rank failure flags: its result where it
-    worked everywhere, else SymmSetupError on every rank, naming the ranks that failed and this one's cause."""
+    worked everywhere, else SymmSetupError on every rank, naming the ranks that failed and this one's cause.
+    The flags are read once, on the host. They were a CUDA tensor through gloo (the loopback's group) and then
+    torch's nonzero, whose first pass counted no flag set and whose second found one: it wrote an index to
+    address 0, the illegal memory access of the loopback tests (compute-sanitizer, one H200, 2026-12-05)."""
     err, out = None, None
     try:
         out = make()
@@ -133,7 +136,9 @@ def agreed_setup(make, group, device: torch.device):
             raise  # where it surfaced: the flags below would only fail again, at the next CUDA call
         err = e
     P, rank = dist.get_world_size(group), dist.get_rank(group)
-    failed = torch.zeros(P, dtype=torch.int32, device=device)
+    # NCCL reduces on the GPU, ordered with this stream; any other backend (gloo: the one-GPU loopback) on the host
+    on = device if "nccl" in str(dist.get_backend(group)) else torch.device("cpu")
+    failed = torch.zeros(P, dtype=torch.int32, device=on)
     failed[rank] = int(err is not None)
     dist.all_reduce(failed, group=group)  # SUM of one-hot flags: which ranks failed (one small collective)
     flags = failed.tolist()  # read once: a second pass over device memory could see other values
