@@ -1,6 +1,7 @@
 """setup/gpu/run.sh without a GPU: a bad part name is one error line before anything is installed, and every
 part its usage names runs its commands (here a stand-in python3 that records them, and a stand-in for
-device_env.sh) with each command's output under $OUT/<part>/."""
+device_env.sh) with each command's output under $OUT/<part>/, packed into $OUT/<part>.tgz when the part ends: the
+device tool brings back 8 files a call."""
 from __future__ import annotations
 
 import os
@@ -8,6 +9,7 @@ import re
 import shutil
 import stat
 import subprocess
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,20 @@ def test_an_unknown_part_is_one_error_line():
     assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
     assert lines[0].startswith("error: unknown part 'nosuchpart'; usage: bash setup/gpu/run.sh PART...")
     assert len(_usage_parts()) >= 6
+
+
+def _unpacked(tmp: Path, part: str) -> Path:
+    """The part's folder out of $OUT/<part>.tgz, the only thing it left in $OUT besides autotune.tgz."""
+    assert {p.name for p in (tmp / "out").iterdir()} == {f"{part}.tgz", "autotune.tgz"}
+    shutil.rmtree(tmp / "unpacked", ignore_errors=True)
+    with tarfile.open(tmp / "out" / f"{part}.tgz") as tar:
+        tar.extractall(tmp / "unpacked", filter="data")
+    return tmp / "unpacked" / part
+
+
+def test_more_parts_than_files_come_back_is_refused():
+    proc = _run(ROOT, *["step"] * 8)
+    assert proc.returncode == 2 and "at most 7" in proc.stdout and len(proc.stdout.splitlines()) == 1
 
 
 @pytest.fixture
@@ -85,11 +101,10 @@ def test_every_part_runs_its_commands_into_its_own_folder(sandbox, part):
     assert (tmp / "sourced").exists() and (tmp / "out/autotune.tgz").is_file()
     calls = (tmp / "calls.txt").read_text().splitlines()
     assert calls and all(" -m " in c for c in calls), calls
-    out = tmp / "out" / part
     for call in calls:
         outs = [a.removeprefix("out=") for a in call.split() if a.startswith("out=")]
-        assert all(Path(o).is_relative_to(out) for o in outs), call
-    assert {p.name for p in (tmp / "out").iterdir()} == {part, "autotune.tgz"}
+        assert all(Path(o).is_relative_to(tmp / "out" / part) for o in outs), call
+    out = _unpacked(tmp, part)
     assert len(list(out.rglob("*.log")) + list(out.rglob("*.txt"))) == len(calls)  # one log per command
     if part == "compare":  # both trees, back to back
         assert {c.split()[0] for c in calls} == {str(tmp / "base"), str(tmp / "repo")}
@@ -105,7 +120,7 @@ def test_symm_runs_the_stress_processes_at_once_and_counts_the_failed(sandbox):
     scans = [c.split()[1:] for c in calls if " scan " in c]
     assert len(scans) == 26 and len(calls) == 28 and all(c.split()[1] == "tests/gpu_symm_stress.py" for c in calls)
     assert {s[2] for s in scans} == {"2", "3", "5"} and {s[3] for s in scans} == {"10"}
-    out = tmp / "out/symm"
+    out = _unpacked(tmp, "symm")
     assert len(list(out.rglob("*.log"))) == 28 and "0 of 14 scan processes failed" in proc.stdout
     stub = tmp / "bin/python3"  # now every scan process fails
     stub.write_text('#!/bin/sh\ncase "$*" in *" scan "*) echo "illegal memory access"; exit 1;; esac\n')

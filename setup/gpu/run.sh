@@ -25,9 +25,10 @@
 #                 (defaults unchanged or faster across a change); make one with e.g.
 #                 mkdir -p dumps/base && git archive <commit> apps lingua_zeco configs | tar -x -C dumps/base
 #                 and carry it: BASE_DIR=dumps/base bash setup/gpu/run.sh compare
-# Part P writes its raw output under $OUT/P/ ($OUT: the device tool's folder; default /tmp/out); at the end Triton's
-# autotune results go to $OUT/autotune.tgz (fold them into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when
-# every part's commands exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
+# Part P writes its raw output under $OUT/P/ ($OUT: the device tool's folder; default /tmp/out), packed into $OUT/P.tgz
+# when the part ends (the device tool brings back 8 files a call: at most 7 parts a call, and Triton's autotune results
+# in $OUT/autotune.tgz; fold those into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when every part's commands
+# exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
 PARTS="tests step operator long_context profile extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
@@ -35,6 +36,7 @@ USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 # ---------------------------------------------------------------------------------------------- arguments
 # checked before anything is installed: a typo costs no device time
 [ $# -gt 0 ] || { echo "error: no part given; $USAGE"; exit 2; }
+[ $# -le 7 ] || { echo "error: $# parts given; the device tool brings back 8 files a call: give at most 7"; exit 2; }
 for part in "$@"; do
     case " $PARTS " in
     *" $part "*) ;;
@@ -91,8 +93,7 @@ DEFAULTS=variants=fla,ours,ours_float8  # what every checkout has: compare runs 
 part_tests() {
     # one config per autotuner (tests/conftest.py): the tests check values, which any config must get right;
     # failures' reports as they happen (xdist workers' too)
-    LINGUA_ZECO_ONE_CONFIG=1 LINGUA_ZECO_FAILURES_FILE="$OUT/tests/failures_now.txt" \
-        run "$HERE" "$OUT/tests/pytest_gpu.txt" 540 "FAILED|ERROR|passed|failed" \
+    LINGUA_ZECO_ONE_CONFIG=1 run "$HERE" "$OUT/tests/pytest_gpu.txt" 540 "FAILED|ERROR|passed|failed" \
         python3 -m pytest -m gpu -n 14 -v -p no:logging -p no:cacheprovider -rfEs --tb=short tests/
 }
 
@@ -216,8 +217,11 @@ part_compare() {  # base then current for each benchmark: drift over the call hi
 for part in "$@"; do
     echo "==== $part ($(date -u +%H:%M:%S) UTC)"
     start=$SECONDS
+    mkdir -p "$OUT/$part"
+    export LINGUA_ZECO_FAILURES_FILE="$OUT/$part/failures_now.txt"  # pytest's failures as they happen, with the part
     "part_$part"
     echo "==== $part: $((SECONDS - start)) s"
+    [ -d "$OUT/$part" ] && tar czf "$OUT/$part.tgz" -C "$OUT" "$part" && rm -rf "${OUT:?}/$part"
 done
 (cd "$TRITON_CACHE_DIR" && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
 if [ ${#FAILED[@]} -gt 0 ]; then
