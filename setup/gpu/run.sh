@@ -3,7 +3,7 @@
 # flash-linear-attention, omegaconf, torchao; pytest-xdist and execnet for `tests`):
 #     bash setup/gpu/run.sh PART...
 # Parts (minutes on one H200 with the autotune cache seeded by device_env.sh; each fits one device call of 10):
-#   tests         every GPU test (pytest -m gpu) in 14 processes, one autotune config per kernel         ≈ 5
+#   tests         every GPU test (pytest -m gpu) in 14 processes, one autotune config per kernel         ≈ 4
 #   step          the GLA-1B training step, bench_train fla,ours,ours_float8 at 16K and at 32K tokens,   ≈ 6
 #                 and at 16K FSDP forced on the one GPU (ours_fsdp, ours_float8_fsdp) beside the default
 #   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
@@ -15,7 +15,7 @@
 #   symm          the symmetric-memory All-Scan's loopback under load: what the GPU shares between        ≤ 5
 #                 processes (compute mode, MPS, Xid lines), 14 concurrent stress processes, then 12 with 2
 #                 processes trapping on purpose beside them
-#   memcheck      compute-sanitizer memcheck of one stress round at P = 2, 3, 5 and of the loopback test  ≤ 9
+#   memcheck      compute-sanitizer memcheck of one stress round at P = 2, 3, 5 and of the loopback test  ≈ 2
 #   symm_loop     the symm GPU tests 20 times in a row (SYMM_ROUNDS=N for another count), each run in 14   ≈ 7
 #                 processes as the suite runs them; one log per run and the count of runs that passed
 #   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)    ≈ 6
