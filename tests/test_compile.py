@@ -192,7 +192,7 @@ def test_float8_all_gather_trains_and_resumes_as_the_full_precision_gather(tmp_p
     meta init, async checkpoints and a resume, the losses are those of FSDP gathering the fp32 weights."""
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
 
-    def rule(args, fsdp, device):  # the CUDA rule, without the device
+    def rule(args, fsdp, device):  # forced: wherever FSDP wraps tensorwise float8 linears
         return args.float8 == "tensorwise" and fsdp
 
     argv = [*TINY, "model.dim=64", "model.ffn_hidden=128", "model.float8=tensorwise", "model.compile=none",

@@ -65,7 +65,7 @@ def _float8_filter(head: bool):
 def float8_all_gather(args: GLAArgs, fsdp: bool, device: torch.device) -> bool:
     """Whether FSDP gathers the float8 linears' weights in float8 (torchao's float8 all-gather). Never, for now:
     on one H200 (2026-12-05) its GPU test (FSDP forced, tests/test_gpu_compile.py) failed among the suite's 14
-    processes and did not finish alone. The tests force it (CPU: one gloo rank; GPU: NCCL)."""
+    processes and, alone, had not finished after 150 s. The tests force it (CPU: one gloo rank; GPU: NCCL)."""
     return False
 
 
