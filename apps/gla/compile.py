@@ -63,10 +63,10 @@ def _float8_filter(head: bool):
 
 
 def float8_all_gather(args: GLAArgs, fsdp: bool, device: torch.device) -> bool:
-    """Whether FSDP gathers the float8 linears' weights in float8 (torchao's float8 all-gather). Never, for now:
-    on one H200 (2026-12-05) its GPU test (FSDP forced, tests/test_gpu_compile.py) failed among the suite's 14
-    processes and, alone, had not finished after 150 s. The tests force it (CPU: one gloo rank; GPU: NCCL)."""
-    return False
+    """Whether FSDP gathers the float8 linears' weights in float8 (torchao's float8 all-gather: tensorwise
+    only; NCCL, not gloo): half the bytes of a bf16 gather, the same float8 GEMM inputs up to rounding (the
+    weights are cast from fp32 once instead of through bf16)."""
+    return args.float8 == "tensorwise" and fsdp and device.type == "cuda"
 
 
 def gathers_float8(model: nn.Module) -> bool:
