@@ -38,11 +38,12 @@ ALGORITHMS = ("chain", "tree", "hier", "auto")
 TRANSPORTS = ("nccl", "symm", "auto")
 # Whether transport=auto may take symm. Not while the symm transport is unproven: its one-GPU loopback test hit
 # an illegal memory access among 14 concurrent test processes (2026-12-04, one H200), found in the setup's
-# failure flags and fixed (comm.symm.agreed_setup, 2026-12-05); the symm tests have yet to pass 20 runs in a row
-# under that load. It stays selectable by name, with a warning (AllScanArgs.check); auto means nccl until then.
+# failure flags and fixed (comm.symm.agreed_setup, 2026-12-05); the symm tests then passed 20 runs in a row under
+# that load, and the whole GPU suite has yet to pass in one run. It stays selectable by name, with a warning
+# (AllScanArgs.check); auto means nccl until then.
 AUTO_PICKS_SYMM = False
 SYMM_EXPERIMENTAL = ("all_scan.transport=symm is experimental: its one-GPU test hit an illegal memory access "
-                     "(2026-12-04, fixed 2026-12-05) and has yet to pass repeated runs under load; "
+                     "(2026-12-04, fixed 2026-12-05); the whole GPU suite has yet to pass with the fix; "
                      "all_scan.transport=nccl is the proven transport")
 OVERLAP = ("auto", "on", "off")
 
