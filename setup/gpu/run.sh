@@ -15,7 +15,7 @@
 #   symm          the symmetric-memory All-Scan's loopback under load: what the GPU shares between        ≤ 5
 #                 processes (compute mode, MPS, Xid lines), 14 concurrent stress processes, then 12 with 2
 #                 processes trapping on purpose beside them
-#   memcheck      compute-sanitizer memcheck of 3 stress rounds at P = 2, 3, 5 and of the loopback test    ≈ 3
+#   memcheck      compute-sanitizer memcheck of 3 stress rounds at P = 2, 3, 5 and of the symm GPU tests   ≈ 4
 #   symm_loop     the symm GPU tests 20 times in a row (SYMM_ROUNDS=N for another count), each run in 14   ≈ 7
 #                 processes as the suite runs them; one log per run and the count of runs that passed
 #   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)    ≈ 6
@@ -180,9 +180,10 @@ part_memcheck() {
             run "$HERE" "$out/scan_$P.txt" 120 "ERROR SUMMARY|Invalid|rror" "$sanitizer" --tool memcheck \
                 --target-processes all --error-exitcode 3 python3 tests/gpu_symm_stress.py scan "$P" 3 60
         done
-        run "$HERE" "$out/pytest.txt" 170 "ERROR SUMMARY|passed|failed" "$sanitizer" --tool memcheck \
-            --target-processes all --error-exitcode 3 python3 -m pytest -m gpu -q -p no:cacheprovider \
-            tests/test_symm_scan.py -k one_gpu
+        # every symm GPU test one GPU runs: the loopback at P = 2, 3, 5 and the dead peer's ends
+        run "$HERE" "$out/pytest.txt" 240 "ERROR SUMMARY|passed|failed" "$sanitizer" --tool memcheck \
+            --target-processes all --error-exitcode 3 python3 -m pytest -m gpu -q -rs -p no:cacheprovider \
+            tests/test_symm_scan.py
     fi
 }
 
