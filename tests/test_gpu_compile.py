@@ -93,7 +93,7 @@ def test_float8_all_gather_trains_and_resumes_close_to_the_bf16_gather(tmp_path)
     assert sorted(got) == [1, 2, 3, 4]
     # the first loss sees only the forward's casts: fp32 -> float8 here, fp32 -> bf16 -> float8 in the
     # reference (2.7e-4 apart on one H200, 2026-12-05); the tiny model's fast descent then spreads that
-    # rounding (1.4e-2 by step 4). A wrong scale saturates or flushes the weights: far outside both.
+    # rounding (1.4e-2 by step 4). A wrong scale would saturate or flush the weights, not round them.
     assert abs(got[1] / ref[1] - 1) < 2e-3, (got, ref)
     for s in got:
         assert abs(got[s] / ref[s] - 1) < 5e-2, (s, got, ref)
