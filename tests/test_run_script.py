@@ -139,4 +139,5 @@ def test_memcheck_runs_the_sanitizer_or_says_it_is_missing(sandbox):
     assert proc.returncode == 0 and proc.stdout.count("ERROR SUMMARY: 0 errors") == 4, proc.stdout
     calls = (tmp / "calls.txt").read_text().splitlines()
     assert len(calls) == 4 and all(c.startswith("--tool memcheck --target-processes all") for c in calls)
-    assert [c.split()[-2:] for c in calls[:3]] == [["3", "60"]] * 3 and calls[3].endswith("tests/test_symm_scan.py")  # 3 rounds; every symm GPU test
+    assert [c.split()[-2:] for c in calls[:3]] == [["3", "60"]] * 3  # 3 stress rounds at each P
+    assert calls[3].endswith("tests/test_symm_scan.py")  # every symm GPU test
