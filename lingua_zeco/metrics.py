@@ -72,6 +72,16 @@ def throughput(tokens_per_gpu: int, step_time_s: float, flops_per_token: float, 
     return out
 
 
+def duration_text(seconds: float) -> str:
+    """'H:MM:SS', with days in front past 24 hours ('3d 04:05:06'); any non-negative number of seconds, huge
+    ones included (a run of 10^20 steps), where time.gmtime would overflow and %H would wrap at a day."""
+    if not math.isfinite(seconds) or seconds >= 1e15:
+        return "never" if seconds > 0 else "?"
+    days, rest = divmod(int(max(seconds, 0)), 86400)
+    text = f"{rest // 3600:02d}:{rest // 60 % 60:02d}:{rest % 60:02d}"
+    return f"{days}d {text}" if days else text
+
+
 class StepTimer:
     """Mean seconds per step over a logging window, with no synchronisation per step. Marks are CUDA
     events (perf_counter on CPU); `pause()`/`resume()` leave logging, evaluation and checkpoints out

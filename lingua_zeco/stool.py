@@ -11,7 +11,9 @@ queue), writes it to `dump_dir/job_config.yaml`, copies the code (apps/, lingua_
 sbatch (unless dry_run=true). See slurm/README.md.
 
 Every value goes into the scripts quoted (shell words) or checked (Slurm names and sizes), before any file
-is written: a dump_dir such as `/x/$(cmd)` stays a path, and a job name with a newline is refused.
+is written: a dump_dir such as `/x/$(cmd)` stays a path, and a job name with a newline is refused. On the
+command line a value is YAML first, as every config key is: an unquoted newline there ends the value or starts a
+comment, and what YAML leaves is the value checked (the job's config.yaml shows it).
 """
 from __future__ import annotations
 

@@ -39,6 +39,8 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
         "bench_checkpoint-idle_steps-0": (ckpt, ["idle_steps=0", *out], "idle_steps=0"),
         "bench_checkpoint-modes-bogus": (ckpt, ["modes=lazy", *out], "async"),
         "bench_checkpoint-models-bogus": (ckpt, ["models=gpt9", *out], "models=gpt9"),
+        "bench_checkpoint-ckpt-not-empty": (ckpt, [f"out={tmp}/used"], f"{tmp}/used/ckpt is not empty"),
+        "bench_checkpoint-path-not-empty": (ckpt, [f"path={tmp}/used/ckpt", *out], "another path="),
         "bench_loss-variants-bogus": (loss, ["variants=fp4", *out], "variants=fp4"),
         "bench_loss-tail-past-steps": (loss, ["steps=5", "tail=10", *out], "tail=10"),
         "bench_loss-ref-not-json": (loss, [f"ref={tmp}/not.json", *out], "not a bench_loss output"),
@@ -62,6 +64,8 @@ def results(tmp_path_factory):
     """[exit code, stderr] of the debug config's bench_train run and then of each bad case."""
     tmp = tmp_path_factory.mktemp("bad_bench")
     (tmp / "not.json").write_text("P=8 alpha=1e-6\n")
+    (tmp / "used" / "ckpt").mkdir(parents=True)
+    (tmp / "used" / "ckpt" / "mine.txt").write_text("a file of the user's: the benchmark must not delete it")
     (tmp / "ref.json").write_text(json.dumps(dict(args=dict(config="debug.yaml", steps=5, seq_len=0, overrides=[]),
                                                    curves=dict(bf16=[5.0, 4.0, 3.0, 2.0, 1.0]))))
     good = ("apps.gla.bench.bench_train", ["config=debug.yaml", "variants=ours", "seq_len=64", "steps=2", "warmup=1",
@@ -81,6 +85,8 @@ def test_bench_train_fills_vocab_size_from_the_tokenizer(results):
 @pytest.mark.parametrize("case", sorted(_bad_cases(Path("/unused"))))
 def test_bad_bench_input_is_one_error_line_and_exit_2(results, case):
     assert_one_error_line(*results[2][case])
+    if case.startswith("bench_checkpoint-") and case.endswith("-not-empty"):
+        assert (results[0] / "used" / "ckpt" / "mine.txt").is_file()  # refused before anything was removed
 
 
 def test_every_bench_train_variant_is_a_config_the_trainer_takes():

@@ -4,6 +4,7 @@ would; every loader refuses it with one line naming the file, and the payload's 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import pickle
@@ -16,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from apps.gla.model import GLAForCausalLM
 from apps.gla.train import TrainArgs
-from lingua_zeco.args import dump_config, parse_args
+from lingua_zeco.args import ConfigError, dump_config, parse_args
 from lingua_zeco.checkpoint import MARKER, CheckpointArgs, CheckpointManager, UntrustedCheckpointError, load_file
 from lingua_zeco.checkpoint.integrity import checksums
 from lingua_zeco.checkpoint.step_folder import dcp_state
@@ -186,3 +187,109 @@ def test_a_marker_naming_a_path_outside_its_folder_is_torn(tmp_path, caplog):
     (folder / MARKER).write_text(json.dumps(marker))
     assert mgr.complete_checkpoints() == []
     assert "ignoring torn checkpoint" in caplog.text
+
+
+def _rewrite_metadata(folder: Path, change) -> None:
+    with open(folder / ".metadata", "rb") as f:
+        meta = pickle.load(f)  # our own, written by the fixture
+    change(meta)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _shards_at(path: str):
+    def change(meta):
+        for info in meta.storage_data.values():
+            info.relative_path = path
+    return change
+
+
+@pytest.mark.parametrize("case", ["absolute shard path", "../ shard path", "/dev/zero", "linked shard",
+                                  "piped rank file", "persistent id", "tensor entry"])
+def test_resume_reads_nothing_outside_the_folder_and_refuses_rather_than_falls_back(tmp_path, case):
+    """What .metadata names is read from inside the folder only, and only from regular files; a folder whose
+    files were changed that way (or whose pickles hold what no writer puts there) is refused, not taken for a
+    damaged one: falling back to the step before would hide it, and a new save of that step would delete it."""
+    mgr, folder, model, opt = _saved(tmp_path)
+    older = Path(mgr.save(1, model, opt, extra={"step": 1}, per_rank={}))  # what a fallback would resume from
+    outside = tmp_path / "outside.distcp"
+    shutil.copy(folder / "__0_0.distcp", outside)
+    marker = tmp_path / "ran"
+    if case == "absolute shard path":
+        _rewrite_metadata(folder, _shards_at(str(outside)))
+    elif case == "../ shard path":
+        _rewrite_metadata(folder, _shards_at("../../../outside.distcp"))
+    elif case == "/dev/zero":
+        _rewrite_metadata(folder, _shards_at("/dev/zero"))
+    elif case == "linked shard":
+        (folder / "__0_0.distcp").unlink()
+        (folder / "__0_0.distcp").symlink_to(outside)
+    elif case == "piped rank file":
+        pass  # made after the re-hash, below
+    elif case == "persistent id":  # a reference to state outside the pickle
+        (folder / ".metadata").write_bytes(b"\x80\x04X\x01\x00\x00\x00aQ.")
+    else:  # a tensor entry's bytes replaced by a pickle of the payload (DCP reads tensors weights-only)
+        payload = io.BytesIO()
+        torch.save({"x": Payload(marker)}, payload)
+        offset = (folder / "__0_0.distcp").stat().st_size
+        with open(folder / "__0_0.distcp", "ab") as f:
+            f.write(payload.getvalue())
+
+        def change(meta):
+            index = next(i for i in meta.storage_data if i.fqn == "model.0.weight")
+            meta.storage_data[index].offset, meta.storage_data[index].length = offset, len(payload.getvalue())
+        _rewrite_metadata(folder, change)
+    _rehash(folder)
+    if case == "piped rank file":  # a reader would wait for a writer forever
+        (folder / "rank0.pt").unlink()
+        os.mkfifo(folder / "rank0.pt")
+    with pytest.raises(UntrustedCheckpointError) as e:
+        mgr.maybe_resume(*_model_and_opt())
+    assert "\n" not in str(e.value) and str(folder) in str(e.value), e.value
+    assert not marker.exists() and older.exists()
+    with pytest.raises(ConfigError):  # the weights alone (eval, generate, export, init_ckpt_path) refuse it too
+        mgr.load_model_only(str(folder), _model_and_opt()[0])
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["tokenizer", "weights", "metadata"])
+def test_an_export_reads_no_link_out_of_its_folder(tmp_path, name):
+    from apps.gla.export_hf import META, WEIGHTS, export, load_export
+
+    folder = Path(export(GLAForCausalLM(TINY_1), str(tmp_path / "export"), dtype="fp32"))
+    outside = tmp_path / "outside"
+    outside.write_text("SECRET")
+    file = {"tokenizer": "tokenizer.model", "weights": WEIGHTS, "metadata": META}[name]
+    if name == "tokenizer":
+        meta = json.loads((folder / META).read_text())
+        meta["tokenizer"] = {"name": "sp", "file": file}
+        (folder / META).write_text(json.dumps(meta))
+    else:
+        shutil.copy(folder / file, outside)  # a valid file: only where it lies is wrong
+        (folder / file).unlink()
+    (folder / file).symlink_to(outside)
+    with pytest.raises((ConfigError, FileNotFoundError), match="not a file of th") as e:
+        load_export(str(folder))
+    assert "SECRET" not in str(e.value)
+
+
+def test_an_export_of_impossible_size_is_one_line(tmp_path):
+    from apps.gla.export_hf import META, export
+
+    folder = Path(export(GLAForCausalLM(TINY_1), str(tmp_path / "export"), dtype="fp32"))
+    meta = json.loads((folder / META).read_text())
+    meta["model"].update(dim=1 << 20, vocab_size=1 << 24, n_heads=1)  # 2^44 weights in the embedding alone
+    (folder / META).write_text(json.dumps(meta))
+    (code, err), = run_cases([("apps.gla.generate", [f"export={folder}", "max_tokens=1"])])
+    assert_one_error_line(code, err, "describes a model that cannot be built here")
+
+
+@pytest.mark.parametrize("line", ["base: /etc/hostname", "name: ${oc.env:HOME}"])
+def test_a_run_folders_config_reads_no_other_file_nor_the_environment(tmp_path, line):
+    run = tmp_path / "run"
+    saved_run(run, TINY_1)
+    config = run / "config.yaml"
+    config.write_text(f"{line}\n" + "\n".join(l for l in config.read_text().splitlines() if not l.startswith("name:")))
+    (code, err), = run_cases([("apps.gla.eval", [f"dump_dir={run}", "eval.steps=1"])])
+    assert_one_error_line(code, err, f"{config}: its key {line.split(':')[0]} reads")
+    assert os.environ["HOME"] not in err.replace(str(tmp_path), "")

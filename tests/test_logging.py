@@ -104,3 +104,12 @@ def test_step_timer_averages_steps_and_leaves_paused_time_out():
     _time.sleep(0.03)
     t.step()
     assert t.last_n == 2 and 0.025 < t.window() < 0.2 and t.last_n == 1  # a fresh window
+
+
+def test_duration_text_past_a_day_and_for_any_number_of_steps():
+    from lingua_zeco.metrics import duration_text
+
+    assert duration_text(3725.9) == "01:02:05"
+    assert duration_text(30 * 3600) == "1d 06:00:00"  # %H of time.gmtime would say 06:00:00
+    assert duration_text(0.5 * 1e20) == "never"  # steps=1e20: time.gmtime overflows
+    assert duration_text(float("nan")) == "?" and duration_text(-3) == "00:00:00"

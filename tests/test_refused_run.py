@@ -47,7 +47,11 @@ def test_refused_runs_leave_the_tree_as_it_was(tmp_path):
         "no-data": ([*TINY, f"dump_dir={fresh}", f"data.root_dir={tmp_path}/no_data"], "no_data"),
         "ckpt-path-elsewhere": ([*TINY, f"dump_dir={fresh}", f"checkpoint.path={tmp_path}/ckpts/a",
                                  f"data.root_dir={tmp_path}/no_data"], "no_data"),
+        "no-init-checkpoint": ([*TINY, f"dump_dir={fresh}", f"checkpoint.init_ckpt_path={tmp_path}/no_ckpt"],
+                               "no_ckpt"),  # found after the run id is recorded
         "existing-dim-0": ([*TINY, f"dump_dir={kept}", "model.dim=0"], "model.dim=0"),
+        "existing-no-init-checkpoint": ([*TINY, f"dump_dir={kept}", f"checkpoint.init_ckpt_path={tmp_path}/no_ckpt"],
+                                        "no_ckpt"),
         "existing-too-large": ([*TINY, f"dump_dir={kept}", "model.n_layers=100000", "model.dim=4096"],
                                "GiB per rank"),
         "existing-no-data": ([*TINY, f"dump_dir={kept}", f"data.root_dir={tmp_path}/no_data",

@@ -44,7 +44,7 @@ from apps.gla.model import GLAForCausalLM
 from apps.gla.retrieval_eval import RetrievalArgs, check_keys, default_segment, out_path, report, run_filler, run_tasks
 from apps.gla.train import TrainArgs
 from lingua_zeco import distributed, reliability
-from lingua_zeco.args import CONFIG_NAME, ConfigError, parse_args
+from lingua_zeco.args import CONFIG_NAME, ConfigError, check_self_contained, parse_args
 from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, Layout, UntrustedCheckpointError, load_file
 from lingua_zeco.evaluation import EvalArgs, evaluate, training_data_args, validation_data_args
 from lingua_zeco.metrics import append_records
@@ -73,6 +73,8 @@ def load_run_config(dump_dir: str, config: str = "") -> TrainArgs:
     path = config or os.path.join(dump_dir, CONFIG_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no run config at {path!r}: give dump_dir=<run folder> or config=<config.yaml>")
+    if not config:  # the run folder's, which may come from anyone; config= is the caller's own file
+        check_self_contained(path)
     return parse_args(TrainArgs, [f"config={path}"])
 
 

@@ -190,13 +190,14 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    meta_path, weights = os.path.join(folder, META), os.path.join(folder, WEIGHTS)
-    if not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{meta_path} not found: {folder!r} is not a folder written by apps.gla.export_hf")
+    meta_path, weights = in_folder(folder, META), in_folder(folder, WEIGHTS)  # None: a link out of the folder
+    if meta_path is None or not os.path.isfile(meta_path):
+        raise FileNotFoundError(f"{os.path.join(folder, META)} not found (or not a file of that folder): {folder!r} "
+                                f"is not a folder written by apps.gla.export_hf")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
-        model = GLAForCausalLM(build(GLAArgs, meta["model"]))
+        model_args = build(GLAArgs, meta["model"])
         t = meta["tokenizer"]
         tok_path = in_folder(folder, t["file"]) if t["file"] else None
     except (ValueError, KeyError, TypeError) as e:  # bad json, a missing or unknown key, a wrong type
@@ -204,8 +205,14 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
     if t["file"] and tok_path is None:  # export() writes a bare name: nothing outside the folder
         raise ConfigError(f"{meta_path} names tokenizer file {t['file']!r}, which is not a file of the export "
                           f"folder; {REEXPORT}")
-    if not os.path.isfile(weights):
-        raise FileNotFoundError(f"{weights} not found: {folder!r} is an incomplete export; {REEXPORT}")
+    if weights is None or not os.path.isfile(weights):
+        raise FileNotFoundError(f"{os.path.join(folder, WEIGHTS)} not found (or not a file of that folder): "
+                                f"{folder!r} is an incomplete export; {REEXPORT}")
+    try:
+        model = GLAForCausalLM(model_args)
+    except (RuntimeError, MemoryError) as e:  # sizes no machine holds: the metadata was edited
+        raise ConfigError(f"{meta_path} describes a model that cannot be built here ({one_line(e)}); "
+                          f"{REEXPORT}") from e
     try:
         state = from_fla(load_file(weights), fla_config(model.args))
         model.load_state_dict(state)  # strict; copies into the model's dtype

@@ -37,15 +37,22 @@ CLASSES = {"gla": "GLAConfig", "gated_deltanet": "GatedDeltaNetConfig"}  # fla's
 SWISH = ("swish", "silu")
 
 
+def _file(folder: str, name: str) -> str | None:
+    """folder/name when it is a file of the folder (in_folder: a link out of it or a pipe counts as absent)."""
+    path = in_folder(folder, name)
+    return path if path is not None and os.path.isfile(path) else None
+
+
 def is_hf_folder(path: str | None) -> bool:
     """A folder with config.json and no DCP metadata (a DCP step folder or checkpoints root has no config.json)."""
-    return bool(path) and os.path.isfile(os.path.join(path, CONFIG)) and not os.path.exists(
-        os.path.join(path, ".metadata"))
+    return bool(path) and _file(path, CONFIG) is not None and not os.path.exists(os.path.join(path, ".metadata"))
 
 
 def read_config(folder: str):
     """fla's config object of folder/config.json (its class's defaults for the keys the file leaves out)."""
     path = os.path.join(folder, CONFIG)
+    if _file(folder, CONFIG) is None:
+        raise ConfigError(f"{path} is missing, or not a file of that folder (a link out of it)")
     try:
         with open(path) as f:
             values = json.load(f)
@@ -138,8 +145,8 @@ def _tokenizer(args, folder: str, given: frozenset | None) -> TokenizerArgs:
     if (any(k == "data.tokenizer" or k.startswith("data.tokenizer.") for k in given) if given is not None
             else args.data.tokenizer != TokenizerArgs()):
         return args.data.tokenizer
-    meta = os.path.join(folder, META)
-    if os.path.isfile(meta):  # an export of ours: the tokenizer it names
+    meta = _file(folder, META)
+    if meta is not None:  # an export of ours: the tokenizer it names
         try:
             with open(meta) as f:
                 t = json.load(f)["tokenizer"]
@@ -152,9 +159,9 @@ def _tokenizer(args, folder: str, given: frozenset | None) -> TokenizerArgs:
                               f"set data.tokenizer")
         return TokenizerArgs(name=name, path=path)
     for name, file in TOKENIZER_FILES.items():
-        if os.path.isfile(os.path.join(folder, file)):
-            return TokenizerArgs(name=name, path=os.path.join(folder, file))
-    if os.path.isfile(os.path.join(folder, HF_TOKENIZER)):
+        if (path := _file(folder, file)) is not None:
+            return TokenizerArgs(name=name, path=path)
+    if _file(folder, HF_TOKENIZER) is not None:
         raise ConfigError(f"{folder} holds a Hugging Face {HF_TOKENIZER}, which lingua_zeco.tokenizer does not read; "
                           f"set data.tokenizer.name=sp or tiktoken and data.tokenizer.path to a file of the same "
                           f"vocabulary (or data.tokenizer.name=bytes)")
@@ -184,10 +191,10 @@ def resolve(args):
 
 
 def _weight_files(folder: str) -> list[str]:
-    if os.path.isfile(os.path.join(folder, WEIGHTS)):
-        return [os.path.join(folder, WEIGHTS)]
-    index = os.path.join(folder, WEIGHTS_INDEX)
-    if not os.path.isfile(index):
+    if (weights := _file(folder, WEIGHTS)) is not None:
+        return [weights]
+    index = _file(folder, WEIGHTS_INDEX)
+    if index is None:
         raise ConfigError(f"{folder} has {CONFIG} but no {WEIGHTS} (nor {WEIGHTS_INDEX}); only safetensors are "
                           f"read: save the model with save_pretrained(..., safe_serialization=True)")
     try:

@@ -7,15 +7,19 @@ accuracy on the answers, all of which sit on the last rank while every key-value
 
 Writes <out>/{gla,hybrid}/ (the two runs) and <out>/recall_hybrid.json (the settings, from the start;
 the results, at the end), and prints one line per model. A rerun on the same out= resumes the runs
-(finished ones train nothing and are reported again); with other settings (any key but out and last)
-it stops with one line naming them, since the runs there answer another question: give another out=.
+(finished ones train nothing and are reported again); with other settings (any key but out and last, or
+a trainer config that the config file, edited since, now makes another) it stops with one line naming
+them, since the runs there answer another question: give another out=.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import socket
+import sys
+import tempfile
 from dataclasses import dataclass, field
 
 
@@ -47,6 +51,36 @@ def _settings(saved: dict) -> dict:
     return {k: v for k, v in saved.items() if k not in SUMMARY_ONLY}
 
 
+def _argv(args: RecallHybridArgs, name: str) -> list[str]:
+    """The trainer's command line of run `name` (one of RUNS)."""
+    hybrid = [f"model.softmax_layers=[{','.join(map(str, args.softmax_layers))}]"] if name == "hybrid" else []
+    return [f"config={args.config}", f"dump_dir={os.path.join(args.out, name)}",
+            f"distributed.sp_size={args.sp_size}", f"distributed.softmax_sp={args.softmax_sp}",
+            *([f"steps={args.steps}"] if args.steps else []), *hybrid, *args.overrides]
+
+
+def trainer_configs(args: RecallHybridArgs) -> dict:
+    """Each run's trainer config as the config file and the overrides make it now, flattened, without its
+    dump_dir (under out=): a config file edited in place changes the runs as much as a changed key. Bad
+    trainer keys stop here, before anything is spawned."""
+    from apps.gla.train import TrainArgs, validated
+    from lingua_zeco.args import parse_args
+    from lingua_zeco.reliability import flatten_config
+
+    out = {}
+    for name in RUNS:
+        cfg = dataclasses.asdict(validated(parse_args(TrainArgs, _argv(args, name))))
+        cfg = flatten_config(json.loads(json.dumps(cfg, default=str)))  # as JSON holds it (tuples as lists)
+        cfg.pop("dump_dir")
+        out[name] = cfg
+    return out
+
+
+def _differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    keys = sorted(set(saved) | set(now))
+    return [f"{prefix}{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
+
+
 def check_out(args: RecallHybridArgs) -> None:
     """Refuse an out= folder whose runs were trained with other settings (they would be reported under
     these), or whose settings were not recorded; a folder of the same settings is resumed."""
@@ -61,30 +95,41 @@ def check_out(args: RecallHybridArgs) -> None:
         return
     try:
         with open(path) as f:
-            saved = _settings(json.load(f)["args"])
+            summary = json.load(f)
+        saved, saved_trainer = _settings(summary["args"]), summary.get("trainer") or {}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path}: cannot read the settings of the runs in out={args.out} ({e}); give "
                           f"another out=") from e
     now = json.loads(json.dumps(_settings(dataclasses.asdict(args))))  # as JSON holds them (tuples as lists)
-    changed = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in sorted(set(saved) | set(now))
-               if saved.get(k) != now.get(k)]
+    changed = _differences(saved, now)
+    if not changed:  # the config file's keys, as that file now makes them
+        configs = trainer_configs(args)
+        changed = [d for n in RUNS for d in _differences(saved_trainer.get(n, {}), configs[n], f"{n}: ")] \
+            if saved_trainer else ["the runs' trainer configs, which it does not record"]
     if changed:
-        raise ConfigError(f"out={args.out} holds runs of other settings ({'; '.join(changed)}); give another out= "
-                          f"for these (or remove {', '.join(runs + [path])} to retrain there)")
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise ConfigError(f"out={args.out} holds runs of other settings ({'; '.join(changed[:3])}{more}); give "
+                          f"another out= for these (or remove {', '.join(runs + [path])} to retrain there)")
 
 
-def _train_on_rank(rank: int, world: int, port: int, argv: list[str]) -> None:
+def _train_on_rank(rank: int, world: int, port: int, argv: list[str], error_file: str) -> None:
     import torch
     import torch.distributed as dist
 
     from apps.gla.train import TrainArgs, train
-    from lingua_zeco.args import parse_args
+    from lingua_zeco.args import ConfigError, parse_args
+    from lingua_zeco.reliability import EXIT_BAD_INPUT
 
     torch.set_num_threads(1)  # the ranks share the cores
     # gloo made here, before the trainer (which uses a group it finds as it is): CPU ranks on any machine
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         train(parse_args(TrainArgs, argv))
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input, as clean_exit's: the parent says it
+        if rank == 0:
+            with open(error_file, "w") as f:
+                f.write(str(e))
+        sys.exit(EXIT_BAD_INPUT)
     finally:
         dist.destroy_process_group()
 
@@ -98,24 +143,35 @@ def _free_port() -> int:
 def run(args: RecallHybridArgs) -> dict:
     import torch.multiprocessing as mp
 
+    from lingua_zeco.args import ConfigError
     from lingua_zeco.metrics import read_metrics
+    from lingua_zeco.reliability import EXIT_BAD_INPUT
 
     args.check()
+    settings = {"args": dataclasses.asdict(args), "trainer": trainer_configs(args)}  # bad trainer keys stop here
     check_out(args)  # before anything is trained or written
     summary = os.path.join(args.out, SUMMARY)
+    made = [p for p in (args.out, summary) if not os.path.exists(p)]
     if not os.path.isfile(summary):  # the settings first: a run cut short is still known by them
         os.makedirs(args.out, exist_ok=True)
         with open(summary, "w") as f:
-            json.dump({"args": dataclasses.asdict(args)}, f, indent=1)
-    hybrid = f"model.softmax_layers=[{','.join(map(str, args.softmax_layers))}]"
+            json.dump(settings, f, indent=1)
     result = {}
-    for name, extra in zip(RUNS, ([], [hybrid]), strict=True):
+    for name in RUNS:
         dump = os.path.join(args.out, name)
-        argv = [f"config={args.config}", f"dump_dir={dump}", f"distributed.sp_size={args.sp_size}",
-                f"distributed.softmax_sp={args.softmax_sp}", *([f"steps={args.steps}"] if args.steps else []),
-                *extra, *args.overrides]
-        # a failing rank's traceback is raised here
-        mp.spawn(_train_on_rank, args=(args.sp_size, _free_port(), argv), nprocs=args.sp_size)
+        with tempfile.TemporaryDirectory() as tmp:
+            error_file = os.path.join(tmp, "error")
+            try:  # a failing rank's traceback is raised here
+                mp.spawn(_train_on_rank, args=(args.sp_size, _free_port(), _argv(args, name), error_file),
+                         nprocs=args.sp_size)
+            except mp.ProcessExitedException as e:
+                if e.exit_code != EXIT_BAD_INPUT or not os.path.isfile(error_file):
+                    raise
+                if not any(os.path.exists(os.path.join(args.out, n)) for n in RUNS):  # refused before any run
+                    for path in reversed(made):
+                        (os.remove if path == summary else os.rmdir)(path)
+                with open(error_file) as f:
+                    raise ConfigError(f.read()) from e
         rows = [r for r in read_metrics(os.path.join(dump, "metrics.jsonl")) if "recall_acc" in r]
         if not rows:
             raise RuntimeError(f"{dump}: no recall_acc logged (is data.synthetic=mqar and logging.freq <= steps?)")
@@ -125,13 +181,14 @@ def run(args: RecallHybridArgs) -> dict:
         print(f"{name:7s} recall {result[name]['recall_acc']:.3f} (last {len(tail)} logged steps to "
               f"{tail[-1]['step']}), loss {tail[-1]['loss']:.3f}", flush=True)
     with open(summary, "w") as f:
-        json.dump({"args": dataclasses.asdict(args), **result}, f, indent=1)
+        json.dump({**settings, **result}, f, indent=1)
     return result
 
 
 def main(argv: list[str] | None = None) -> dict:
     from lingua_zeco.args import parse_args
 
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # not after a rank's error line
     return run(parse_args(RecallHybridArgs, argv))
 
 

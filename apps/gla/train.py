@@ -34,7 +34,7 @@ from lingua_zeco.checkpoint import CheckpointArgs, CheckpointManager, ModelMisma
 from lingua_zeco.checkpoint import resume_layout, run_dir
 from lingua_zeco.data import DataArgs, build_data_loader
 from lingua_zeco.metrics import (
-    LoggingArgs, MetricLogger, MetricsWriteError, StepTimer, memory_stats, peak_flops, throughput,
+    LoggingArgs, MetricLogger, MetricsWriteError, StepTimer, duration_text, memory_stats, peak_flops, throughput,
 )
 from lingua_zeco.optim import OptimArgs, build_optimizer, hyperparameters, reapply
 from lingua_zeco.profiling import GCArgs, ProfilerArgs, collecting, maybe_profile
@@ -104,7 +104,7 @@ def _model_changed(args: TrainArgs, dump_dir: str, ckpt_path: str, e: ModelMisma
 
 def train(args: TrainArgs) -> dict:
     """Run (or resume) training; returns {'losses': {step: loss}, 'step': last step} on every rank."""
-    args = _validated(args)  # bad values stop here: before the process group and before any file is made
+    args = validated(args)  # bad values stop here: before the process group and before any file is made
     env = distributed.setup(args.distributed, args.model.gla_options())
     folders, started = run_dir.RunFolders(env.is_master), False
     try:
@@ -137,7 +137,7 @@ def with_vocab_size(args: TrainArgs) -> TrainArgs:
     return args
 
 
-def _validated(args: TrainArgs) -> TrainArgs:
+def validated(args: TrainArgs) -> TrainArgs:
     """The config with the tokenizer's vocabulary size filled in, and checked (no process group needed)."""
     args = with_vocab_size(hf_import.resolve(args))  # init from a Hugging Face folder: the model keys from it
     check_sections(args)  # each section's check(), beside its fields: one ConfigError
@@ -149,7 +149,7 @@ class Trainer:
     `train()` runs the steps left."""
 
     def __init__(self, args: TrainArgs, env: distributed.DistEnv):
-        """args: as `train` passes them, through _validated."""
+        """args: as `train` passes them, through validated."""
         reliability.check_same_config(to_dict(args))  # every rank runs the same config, or all stop here
         given, (args, fsdp_choice) = args, choose_fsdp(args, env.dims.world, env.device)  # config.yaml keeps auto
         dump_dir, self.args, self.env = _dump_dir(args), args, env
@@ -255,7 +255,7 @@ class Trainer:
             stall = f" ckpt stall {record['ckpt_stall_s']:.1f}s" if record["ckpt_stall_s"] >= 0.05 else ""
             logger.info("step %d/%d loss %.4f lr %.2e gnorm %.3f %.0f tok/s/gpu%s%s eta %s",
                         step, args.steps, loss, record["lr"], record["grad_norm"],
-                        record["tok_per_s_per_gpu"], mfu, stall, time.strftime("%H:%M:%S", time.gmtime(eta)))
+                        record["tok_per_s_per_gpu"], mfu, stall, duration_text(eta))
 
     def summary(self) -> str:
         """The closing line: how far the run got, its last losses, throughput and time, and where its files are."""

@@ -23,13 +23,13 @@ One module per job, every name re-exported here (`from lingua_zeco.args import X
 config: defaults, files, overrides, checks, the dump), keys.py (what a dataclass declares, and --help).
 """
 from lingua_zeco.args.config import (BASE_KEY, CONFIG_DIR, CONFIG_NAME, ConfigError, at_least, build, check_keys,
-                                     check_sections, drop_retired, dump_config, given_keys, load_config, one_line,
-                                     parse_args,
-                                     resolve_config_path, split_cli, to_dict)
+                                     check_sections, check_self_contained, drop_retired, dump_config, given_keys,
+                                     load_config, one_line, parse_args, resolve_config_path, split_cli, to_dict)
 from lingua_zeco.args.keys import HELP_FLAGS, RAW_TEXT, exit_with_help, field_comments, help_text, raw_text
 
 __all__ = [
     "BASE_KEY", "CONFIG_DIR", "CONFIG_NAME", "ConfigError", "HELP_FLAGS", "RAW_TEXT", "at_least", "build",
-    "check_keys", "check_sections", "drop_retired", "dump_config", "exit_with_help", "field_comments", "given_keys",
-    "help_text", "load_config", "one_line", "parse_args", "raw_text", "resolve_config_path", "split_cli", "to_dict",
+    "check_keys", "check_sections", "check_self_contained", "drop_retired", "dump_config", "exit_with_help",
+    "field_comments", "given_keys", "help_text", "load_config", "one_line", "parse_args", "raw_text",
+    "resolve_config_path", "split_cli", "to_dict",
 ]

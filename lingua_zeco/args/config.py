@@ -258,6 +258,26 @@ def _base_path(name: str, including: Path) -> Path:
                       f"fix the base: line, or copy the base file beside it")
 
 
+def check_self_contained(path: str | os.PathLike) -> None:
+    """A config file dump_config wrote (a run's config.yaml) is resolved and stands alone: a `base:` key or an
+    interpolation (`${...}`: another key, the environment) in it was put there by someone else. A run folder
+    may come from anyone, so reading its config must not open other files nor print the environment: one
+    ConfigError naming the file and the key."""
+    def references(value, key: str):
+        if isinstance(value, dict):
+            return next((r for k, v in value.items() if (r := references(v, f"{key}{k}."))), None)
+        if isinstance(value, list):
+            return next((r for i, v in enumerate(value) if (r := references(v, f"{key}{i}."))), None)
+        return key[:-1] if isinstance(value, str) and "${" in value else None
+
+    loaded = OmegaConf.to_container(_load_yaml(Path(path)), resolve=False)
+    found = BASE_KEY if BASE_KEY in loaded else references(loaded, "")
+    if found:
+        raise ConfigError(f"{path}: its key {found} reads {'another file' if found == BASE_KEY else 'other values'}, "
+                          f"which a run's config.yaml never does (it is written resolved); refused: use the run's "
+                          f"own config.yaml, or give config=<a config file of yours>")
+
+
 def _load_yaml(path: Path) -> DictConfig:
     """A config file as a mapping, or one error naming the file (and the line, for a YAML error)."""
     try:

@@ -21,6 +21,7 @@ import json
 import os
 import re
 import socket
+import stat
 
 import torch
 
@@ -98,11 +99,27 @@ def marker_files(marker: dict) -> dict[str, dict] | None:
 
 def in_folder(folder: str, name) -> str | None:
     """folder/name for a bare file name read from an artifact (a marker, an export's metadata, an index of
-    shards); None for anything that could point elsewhere ("../x", "a/b", "/etc/x", "", ".")."""
+    shards); None for anything that could point elsewhere ("../x", "a/b", "/etc/x", "", "."), and for an entry
+    of the folder that leads out of it (a link to elsewhere) or is no regular file (a pipe or a device would
+    block its reader). A name that does not exist yet passes: the caller says what is missing."""
     if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name \
             or (os.altsep and os.altsep in name):
         return None
-    return os.path.join(folder, name)
+    path = os.path.join(folder, name)
+    if folder and os.path.lexists(path):
+        real, root = os.path.realpath(path), os.path.realpath(folder)
+        if os.path.dirname(real) != root or not os.path.isfile(real):
+            return None
+    return path
+
+
+def regular_file(path: str) -> bool:
+    """A regular file, not a link: a checkpoint's writer makes nothing else, and reading a pipe or a device
+    named like one of its files could block forever or never end."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def verify(folder: str, files: dict[str, dict], rank: int, world: int) -> list[str]:
@@ -114,6 +131,9 @@ def verify(folder: str, files: dict[str, dict], rank: int, world: int) -> list[s
             size = os.path.getsize(path)
         except OSError:
             problems.append(f"{name} missing")
+            continue
+        if not regular_file(path):
+            problems.append(f"{name} is not a regular file (a link, a pipe or a device)")
             continue
         if size != want["size"]:
             problems.append(f"{name} has {size} bytes, {want['size']} written")

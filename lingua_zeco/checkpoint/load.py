@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -18,7 +19,7 @@ from lingua_zeco.reliability import gather_all, rank_world
 
 from . import integrity
 from .step_folder import MARKER, complete_checkpoints, dcp_load, dcp_state, read_marker, saved_shapes
-from .untrusted import UntrustedCheckpointError, load_file, read_metadata
+from .untrusted import UntrustedCheckpointError, check_regular, load_file, read_metadata, weights_only_refusal
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +50,14 @@ def agree(err: BaseException | None, kind: type = CheckpointLoadError) -> BaseEx
     return None
 
 
-def raise_untrusted(e: BaseException) -> None:
+def raise_untrusted(e: BaseException, path: str) -> None:
     """A refused pickle inside a DCP failure, raised as itself: a tampered folder, not a damaged one (no
-    fallback, and its one line rather than DCP's traceback dump)."""
+    fallback, and its one line rather than DCP's traceback dump). DCP reads tensor entries weights-only
+    itself: its refusal (an UnpicklingError) is one too. Checksums ran first, so damage is not what it is."""
     if (untrusted := integrity.cause_of(e, UntrustedCheckpointError)) is not None:
         raise untrusted from e
+    if (refused := integrity.cause_of(e, pickle.UnpicklingError)) is not None:
+        raise weights_only_refusal(f"{path} (a tensor entry)", refused) from e
 
 
 def check_tensors(path: str, state: dict) -> None:
@@ -84,6 +88,7 @@ def load_checkpoint(path: str, model, optimizer, source_rank=None) -> tuple[dict
         if "files" not in marker:
             raise CheckpointLoadError(f"{path}: its {MARKER} marker is missing, unreadable or without its "
                                       f"file list")
+        check_regular(path, marker["files"])  # a link or a pipe is no damage: refused, not fallen back from
         problems = integrity.verify(path, marker["files"], rank, world)
         if problems:
             raise CheckpointLoadError(f"{path}: {'; '.join(problems)} (against the checksums in its {MARKER})")
@@ -103,7 +108,7 @@ def load_checkpoint(path: str, model, optimizer, source_rank=None) -> tuple[dict
     try:
         dcp_load(state, path)
     except (Exception, CheckpointException) as e:  # DCP raised it on every rank
-        raise_untrusted(e)
+        raise_untrusted(e, path)
         raise
     bad = integrity.nonfinite(state)  # e.g. a checkpoint written before checksums or the save-time check
     err = CheckpointLoadError(f"{path}: non-finite values in {', '.join(bad[:4])}") if bad else None
@@ -143,7 +148,7 @@ def load_weights(path: str, model) -> str:
         set_model_state_dict(model, state["model"])
     except (Exception, CheckpointException) as e:  # noqa: BLE001 - agreed, then raised on every rank
         integrity.reraise_interrupt(e)
-        raise_untrusted(e)
+        raise_untrusted(e, path)
         err = e
     if (err := agree(err, kind=ConfigError)) is not None:
         raise ConfigError(f"init checkpoint {path} cannot be loaded into this model "

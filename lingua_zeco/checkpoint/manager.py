@@ -27,11 +27,11 @@ from lingua_zeco.reliability import NonFiniteError, StorageError, gather_all, ra
 from . import integrity
 from .async_save import AsyncWriter
 from .load import agree, load_checkpoint, load_weights
+from .run_dir import RUN_ID
 from .step_folder import MARKER, complete_checkpoints, dcp_state, read_marker, remove_checkpoint, run_dcp, step_name
 
 log = logging.getLogger(__name__)
 
-RUN_ID = ".run_id"  # in dump_dir: {"run_id": ...}, made at the run's first save; markers record it
 
 
 @dataclass

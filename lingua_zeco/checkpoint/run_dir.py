@@ -30,6 +30,8 @@ from lingua_zeco.reliability import flatten_config, gather_all, rank_world
 
 from .integrity import probe_writable
 
+RUN_ID = ".run_id"  # in dump_dir: {"run_id": ...}, made when a run starts; checkpoint markers record it
+
 LOCK_NAME = ".lock"
 
 log = logging.getLogger(__name__)
@@ -123,8 +125,9 @@ def _missing(path: str) -> list[str]:
 
 class RunFolders:
     """The locks of a run's folders (dump_dir, checkpoint folder), and what taking them created. A run
-    refused at start (`release(refused=True)`) removes exactly that: its lock files and the folders it
-    made, when nothing else was put in them; a folder or lock file that was there before stays."""
+    refused at start (`release(refused=True)`) removes exactly that: its lock files, the run id a start
+    records in a folder that had none, and the folders it made when nothing else was put in them; a folder
+    or file that was there before stays."""
 
     def __init__(self, is_master: bool):
         self.is_master, self.locks, self.created = is_master, [], []
@@ -134,6 +137,8 @@ class RunFolders:
         new = _missing(os.path.join(folder, LOCK_NAME)) if self.is_master else []
         self.created += [p for p in new if p not in self.created]
         self.locks.append(lock_dump_dir(folder, self.is_master, key))
+        if self.is_master and not os.path.lexists(run_id := os.path.abspath(os.path.join(folder, RUN_ID))):
+            self.created.append(run_id)  # the checkpoint manager records it before it loads anything
 
     def release(self, refused: bool = False) -> None:
         for lock in reversed(self.locks):
@@ -143,7 +148,7 @@ class RunFolders:
         if refused:
             for path in reversed(self.created):  # innermost first; a folder someone wrote into stays
                 with contextlib.suppress(OSError):
-                    os.rmdir(path)
+                    (os.remove if os.path.basename(path) == RUN_ID else os.rmdir)(path)
         self.created = []
 
 

@@ -10,7 +10,9 @@ package reads goes through an unpickler that constructs only the types its write
   `MetadataUnpickler`, which admits the metadata dataclasses, torch.Size, dtypes, layouts and paths only.
 * DCP's tensor shards are already read weights-only by DCP.
 
-Anything else raises UntrustedCheckpointError, one line naming the file and the type refused.
+Anything else raises UntrustedCheckpointError, one line naming the file and the type refused; so does a file
+that is no regular file (a link, a pipe, a device) and a shard path in `.metadata` that is not a bare name of
+the folder: nothing outside the checkpoint's folder is read.
 """
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
 
 from lingua_zeco.args import ConfigError
+
+from .integrity import in_folder, regular_file
 
 _META = "torch.distributed.checkpoint.metadata"
 # (module, name) pairs DCP's metadata pickle names (as torch 2.13 writes it; TensorProperties and its memory
@@ -51,13 +55,28 @@ def _refusal(path: str, what: str) -> UntrustedCheckpointError:
                                     f"or an HF export (safetensors and JSON)")
 
 
+def check_regular(folder: str, names) -> None:
+    """Every existing entry `names` of `folder` is a regular file (integrity.regular_file), else refused."""
+    for name in sorted(names):
+        path = os.path.join(folder, name)
+        if os.path.lexists(path) and not regular_file(path):
+            raise _refusal(path, "no regular file but a link, a pipe or a device")
+
+
 def load_file(path: str):
     """One of our own checkpoint files (extra.pt, rank{r}.pt), weights-only: tensors and plain values."""
+    check_regular(os.path.dirname(path), [os.path.basename(path)])
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # torch names the global it refused in a page of advice
-        found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
-        raise _refusal(path, found.group(1) if found else "an object other than tensors and plain values") from e
+    except pickle.UnpicklingError as e:
+        raise weights_only_refusal(path, e) from e
+
+
+def weights_only_refusal(where: str, e: pickle.UnpicklingError) -> UntrustedCheckpointError:
+    """torch's weights-only unpickler refused something in `where`: the one line naming it (torch names the
+    global it refused inside a page of advice)."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(e))
+    return _refusal(where, found.group(1) if found else "an object other than tensors and plain values")
 
 
 def _weights_only_bytes(value: io.BytesIO, where: str) -> io.BytesIO:
@@ -84,15 +103,25 @@ class MetadataUnpickler(pickle.Unpickler):
             raise _refusal(self.path, f"{module}.{name}")
         return super().find_class(module, name)
 
+    def persistent_load(self, pid):  # DCP's metadata has no persistent ids; a reference to outside state
+        raise _refusal(self.path, "a persistent id")
+
 
 class SafeReader(FileSystemReader):
     """DCP's FileSystemReader with its metadata read by MetadataUnpickler instead of `pickle.load`."""
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")  # per-rank metadata files (DCP without collectives); the trainer writes one
-        path = os.path.join(str(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
+        folder = str(self.path)
+        path = os.path.join(folder, ".metadata" if rank is None else f"__{rank}.metadata")
+        check_regular(folder, [os.path.basename(path)])
         with open(path, "rb") as f:
             metadata = MetadataUnpickler(f, path).load()
+        shards = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
+        for name in sorted(shards, key=str):  # DCP opens folder/name: an absolute name or "../" leads elsewhere
+            if in_folder(folder, name) is None:
+                raise _refusal(path, f"the shard path {name!r}, which is not a file of its folder")
+        check_regular(folder, shards)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

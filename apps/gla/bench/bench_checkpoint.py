@@ -56,6 +56,14 @@ def check_args(a: BenchCheckpointArgs, device) -> None:
         unknown = [v for v in value if v not in choices]
         if unknown:
             raise ConfigError(f"{key}={unknown[0]}: unknown; choose from {', '.join(choices)}")
+    root = checkpoint_root(a)
+    if os.path.isdir(root) and os.listdir(root):  # its saves and retention would mix with what is there
+        raise ConfigError(f"{root} is not empty: the benchmark writes its checkpoints there and removes them "
+                          f"afterwards; give {'another path=' if a.path else 'another out='} or empty it")
+
+
+def checkpoint_root(a: BenchCheckpointArgs) -> str:
+    return a.path or os.path.join(a.out, "ckpt")
 
 
 def _state_bytes(model, optimizer) -> int:
@@ -126,7 +134,7 @@ def bench_model(name: str, a: BenchCheckpointArgs, root: str) -> list[dict]:
 
 
 def measure(a: BenchCheckpointArgs, device) -> tuple[str, dict, str]:
-    root = a.path or os.path.join(a.out, "ckpt")
+    root = checkpoint_root(a)
     rows = [r for name in a.models for r in bench_model(name, a, root)]
     table = [dict(r, blocked_s=" / ".join(f"{x:.3f}" for x in r["blocked_s"]),
                   complete_s=" / ".join(f"{x:.2f}" for x in r["complete_s"])) for r in rows]
