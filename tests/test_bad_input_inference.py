@@ -32,6 +32,8 @@ def _bad_cases(tmp: Path) -> dict[str, tuple[str, list[str], str]]:
         "generate-top_p-negative": (GEN, [*gen, "top_p=-0.5"], "top_p=-0.5"),
         "generate-top_p-above-1": (GEN, [*gen, "top_p=1.5"], "top_p=1.5"),
         "generate-temperature-negative": (GEN, [*gen, "temperature=-1"], "temperature=-1"),
+        "generate-temperature-inf": (GEN, [*gen, "temperature=inf"], "temperature=inf"),
+        "generate-seed-past-64-bits": (GEN, [*gen, "seed=100000000000000000000000"], "seed="),
         "generate-max_tokens-negative": (GEN, [*gen, "max_tokens=-1"], "max_tokens=-1"),
         "generate-top_k-negative": (GEN, [*gen, "top_k=-3"], "top_k=-3"),
         "generate-device-bogus": (GEN, [*gen, "device=bogus"], "device='bogus'"),

@@ -107,15 +107,14 @@ def test_no_loadable_checkpoint_leaves_it_in_place(results, tmp_path_factory, so
 
 
 def test_sigint_before_the_loop_is_a_clean_stop(tmp_path):
-    """Ctrl-C while the trainer reads its init checkpoint (a FIFO holds it there): one line, exit 0, no
-    traceback, and no run record written (nothing half-made to trip a rerun)."""
-    init = tmp_path / "init"
-    init.mkdir()
-    fifo = init / ".metadata"
+    """Ctrl-C while the trainer sets up its checkpoints (a FIFO as the run folder's run id holds it there; a
+    checkpoint's own files are refused when they are no regular files): one line, exit 0, no traceback, and no
+    run record written (nothing half-made to trip a rerun)."""
+    (tmp_path / "run").mkdir()
+    fifo = tmp_path / "run" / ".run_id"
     os.mkfifo(fifo)
-    p = subprocess.Popen([sys.executable, "-m", TRAIN, *TINY, f"dump_dir={tmp_path}/run", "steps=2",
-                          f"checkpoint.init_ckpt_path={init}"], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen([sys.executable, "-m", TRAIN, *TINY, f"dump_dir={tmp_path}/run", "steps=2"], cwd=ROOT,
+                         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     t0, fd = time.time(), None
     try:
         while fd is None:  # opening the write end succeeds once the trainer has opened the read end

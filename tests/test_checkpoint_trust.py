@@ -9,6 +9,8 @@ import json
 import os
 import pickle
 import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -293,3 +295,17 @@ def test_a_run_folders_config_reads_no_other_file_nor_the_environment(tmp_path, 
     (code, err), = run_cases([("apps.gla.eval", [f"dump_dir={run}", "eval.steps=1"])])
     assert_one_error_line(code, err, f"{config}: its key {line.split(':')[0]} reads")
     assert os.environ["HOME"] not in err.replace(str(tmp_path), "")
+
+
+def test_a_piped_marker_is_torn_not_waited_on(tmp_path):
+    """A COMPLETE marker that is a pipe: the folder counts as torn at once (a reader would wait for a writer)."""
+    mgr, folder, _, _ = _saved(tmp_path)
+    (folder / MARKER).unlink()
+    os.mkfifo(folder / MARKER)
+    unblock = threading.Timer(5, lambda: (folder / MARKER).write_text("{}"))  # ends a wait, if there is one
+    unblock.start()
+    t0 = time.monotonic()
+    try:
+        assert mgr.complete_checkpoints() == [] and time.monotonic() - t0 < 4
+    finally:
+        unblock.cancel()

@@ -17,6 +17,7 @@ as filler, SP).
 from __future__ import annotations
 
 import logging
+import math
 import sys
 from dataclasses import dataclass
 
@@ -98,8 +99,10 @@ def check_sampling(args: GenerateArgs) -> None:
     silently ignored (negative temperature or top_k, top_p > 1), refused before the model is loaded."""
     if args.max_tokens < 0:
         raise ConfigError(f"max_tokens={args.max_tokens}: give the number of new tokens, >= 0")
-    if not args.temperature >= 0:  # written so that nan fails too
-        raise ConfigError(f"temperature={args.temperature}: give a value >= 0 (0 = greedy)")
+    if not 0 <= args.temperature < math.inf:  # written so that nan fails too; inf would sample uniformly
+        raise ConfigError(f"temperature={args.temperature}: give a finite value >= 0 (0 = greedy)")
+    if not -2**63 <= args.seed < 2**64:  # torch.Generator's range: past it, an overflow that names no key
+        raise ConfigError(f"seed={args.seed}: give a 64-bit integer")
     if args.top_k < 0:
         raise ConfigError(f"top_k={args.top_k}: give a value >= 0 (0 = off)")
     if not 0 < args.top_p <= 1:

@@ -61,6 +61,8 @@ def dcp_load(state: dict, path: str) -> None:
 def read_marker(path: str) -> dict:
     """The folder's COMPLETE marker, {} when missing or unreadable; one without a valid file list has
     its "files" removed (see `integrity.marker_files`), so it never passes for a verified checkpoint."""
+    if not integrity.regular_file(os.path.join(path, MARKER)):  # missing, or a pipe that would block the read
+        return {}
     try:
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
