@@ -163,7 +163,7 @@ def test_init_ckpt_path_loads_weights_only(tmp_path):
     mgr = _mgr(tmp_path / "b", init_ckpt_path=str(tmp_path / "a" / "checkpoints"))
     assert mgr.maybe_resume(dst, _opt(dst)) is None  # nothing to resume: fresh start from init weights
     assert _same_params(src, dst)
-    with pytest.raises(FileNotFoundError, match="init checkpoint"):
+    with pytest.raises(FileNotFoundError, match="neither a DCP folder"):
         mgr.load_model_only(str(tmp_path / "nothing"), dst)
 
 

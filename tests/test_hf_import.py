@@ -181,6 +181,12 @@ def test_the_folder_s_tokenizer_is_used_unless_one_is_set(tmp_path):
     (folder / export_hf.META).write_text(json.dumps(meta))
     with pytest.raises(ConfigError, match="not a file of that folder"):
         hf_import.resolve(_args(tmp_path, folder))
+    (folder / export_hf.META).unlink()
+    (folder / "tokenizer.json").unlink()
+    (tmp_path / "elsewhere.model").write_text("")
+    (folder / "tokenizer.model").symlink_to(tmp_path / "elsewhere.model")  # neither read nor taken for absent
+    with pytest.raises(ConfigError, match="tokenizer.model is a link out of its folder"):
+        hf_import.resolve(_args(tmp_path, folder))
 
 
 def test_shards_load_and_weights_that_do_not_fit_or_stray_shards_are_refused(tmp_path):

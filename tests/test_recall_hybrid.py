@@ -46,5 +46,5 @@ def test_bad_trainer_keys_are_one_line_and_leave_nothing(tmp_path):
              for name, bad in (("dim", "model.dim=0"), ("init", f"checkpoint.init_ckpt_path={tmp_path}/nothing"))]
     (code, err), (code2, err2) = run_cases(cases)
     assert_one_error_line(code, err, "model.dim=0 must be >= 1")
-    assert_one_error_line(code2, err2, f"init checkpoint '{tmp_path}/nothing'")
+    assert_one_error_line(code2, err2, f"checkpoint '{tmp_path}/nothing'")
     assert list(tmp_path.iterdir()) == []

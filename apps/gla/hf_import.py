@@ -38,9 +38,16 @@ SWISH = ("swish", "silu")
 
 
 def _file(folder: str, name: str) -> str | None:
-    """folder/name when it is a file of the folder (in_folder: a link out of it or a pipe counts as absent)."""
-    path = in_folder(folder, name)
-    return path if path is not None and os.path.isfile(path) else None
+    """folder/name when it is a file of the folder, None when there is no such entry; an entry that leads out
+    of the folder (a link elsewhere) or is no file (a pipe) is refused, not taken for absent: a folder whose
+    tokenizer is a link would otherwise train on another tokenizer without a word."""
+    path = os.path.join(folder, name)
+    if not os.path.lexists(path):
+        return None
+    if in_folder(folder, name) is None or not os.path.isfile(path):
+        raise ConfigError(f"{path} is a link out of its folder or no regular file: refused (nothing outside a "
+                          f"checkpoint's folder is read); copy the file itself into the folder")
+    return path
 
 
 def is_hf_folder(path: str | None) -> bool:
@@ -52,7 +59,7 @@ def read_config(folder: str):
     """fla's config object of folder/config.json (its class's defaults for the keys the file leaves out)."""
     path = os.path.join(folder, CONFIG)
     if _file(folder, CONFIG) is None:
-        raise ConfigError(f"{path} is missing, or not a file of that folder (a link out of it)")
+        raise ConfigError(f"{path} is missing")
     try:
         with open(path) as f:
             values = json.load(f)

@@ -127,18 +127,18 @@ def load_weights(path: str, model) -> str:
     if not os.path.exists(os.path.join(path, ".metadata")):
         done = complete_checkpoints(path)
         if not done:
-            raise FileNotFoundError(f"init checkpoint {path!r}: neither a DCP folder (.metadata) nor a folder of "
+            raise FileNotFoundError(f"checkpoint {path!r}: neither a DCP folder (.metadata) nor a folder of "
                                     f"complete step_* checkpoints (nor, for the trainer, a Hugging Face folder: "
                                     f"config.json and model.safetensors)")
         path = done[-1][1]
     files = read_marker(path).get("files")
     if files is None and os.path.exists(os.path.join(path, MARKER)):  # no marker at all: another tool's DCP folder
-        raise CheckpointLoadError(f"init checkpoint {path}: its {MARKER} marker is empty, unreadable or without "
+        raise CheckpointLoadError(f"checkpoint {path}: its {MARKER} marker is empty, unreadable or without "
                                   f"its file list: the folder is torn")
     problems = sum(gather_all(integrity.verify(path, files, *rank_world()) if files else []), [])
-    hint = "repair it, or point checkpoint.init_ckpt_path at another checkpoint of this model"
+    hint = "repair it, or load another checkpoint of this model"  # the trainer's init_ckpt_path, eval's ckpt=
     if problems:
-        raise ConfigError(f"init checkpoint {path}: {'; '.join(problems)} (against the checksums in its "
+        raise ConfigError(f"checkpoint {path}: {'; '.join(problems)} (against the checksums in its "
                           f"{MARKER}); {hint}")
     err = None
     try:  # DCP's failures are tracebacks of every rank: one line naming the folder instead
@@ -151,7 +151,7 @@ def load_weights(path: str, model) -> str:
         raise_untrusted(e, path)
         err = e
     if (err := agree(err, kind=ConfigError)) is not None:
-        raise ConfigError(f"init checkpoint {path} cannot be loaded into this model "
+        raise ConfigError(f"checkpoint {path} cannot be loaded into this model "
                           f"({integrity.root_cause(err)}); {hint}") from err
     log.info("initialized model weights from %s", path)
     return path

@@ -49,10 +49,10 @@ class UntrustedCheckpointError(ConfigError):
     not damage: falling back to an older checkpoint of a tampered folder would hide it."""
 
 
-def _refusal(path: str, what: str) -> UntrustedCheckpointError:
+def _refusal(path: str, what: str, why: str = "unpickling it could run code") -> UntrustedCheckpointError:
     return UntrustedCheckpointError(f"{path} holds {what}, which a checkpoint never holds: refused without "
-                                    f"loading it (unpickling it could run code); use checkpoints you wrote, "
-                                    f"or an HF export (safetensors and JSON)")
+                                    f"loading it ({why}); use checkpoints you wrote, or an HF export "
+                                    f"(safetensors and JSON)")
 
 
 def check_regular(folder: str, names) -> None:
@@ -60,7 +60,9 @@ def check_regular(folder: str, names) -> None:
     for name in sorted(names):
         path = os.path.join(folder, name)
         if os.path.lexists(path) and not regular_file(path):
-            raise _refusal(path, "no regular file but a link, a pipe or a device")
+            raise UntrustedCheckpointError(f"{path} is a link, a pipe or a device, which a checkpoint never holds: "
+                                           f"refused without reading it (nothing outside the folder is read, and "
+                                           f"a pipe would block the reader); copy the file itself into the folder")
 
 
 def load_file(path: str):
@@ -120,7 +122,8 @@ class SafeReader(FileSystemReader):
         shards = {getattr(info, "relative_path", None) for info in (metadata.storage_data or {}).values()}
         for name in sorted(shards, key=str):  # DCP opens folder/name: an absolute name or "../" leads elsewhere
             if in_folder(folder, name) is None:
-                raise _refusal(path, f"the shard path {name!r}, which is not a file of its folder")
+                raise _refusal(path, f"the shard path {name!r}, which is not a file of its folder",
+                               "nothing outside the folder is read")
         check_regular(folder, shards)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
