@@ -82,9 +82,10 @@ def _differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
     return [f"{prefix}{k}: saved {saved.get(k)!r}, now {now.get(k)!r}" for k in keys if saved.get(k) != now.get(k)]
 
 
-def check_out(args: RecallHybridArgs) -> None:
+def check_out(args: RecallHybridArgs, configs: dict | None = None) -> None:
     """Refuse an out= folder whose runs were trained with other settings (they would be reported under
-    these), or whose settings were not recorded; a folder of the same settings is resumed."""
+    these), or whose settings were not recorded; a folder of the same settings is resumed. `configs`:
+    trainer_configs(args), when the caller has them."""
     from lingua_zeco.args import ConfigError
 
     path = os.path.join(args.out, SUMMARY)
@@ -104,7 +105,7 @@ def check_out(args: RecallHybridArgs) -> None:
     now = json.loads(json.dumps(_settings(dataclasses.asdict(args))))  # as JSON holds them (tuples as lists)
     changed = _differences(saved, now)
     if not changed:  # the config file's keys, as that file now makes them
-        configs = trainer_configs(args)
+        configs = configs or trainer_configs(args)
         changed = [d for n in RUNS for d in _differences(saved_trainer.get(n, {}), configs[n], f"{n}: ")] \
             if saved_trainer else ["the runs' trainer configs, which it does not record"]
     if changed:
@@ -158,7 +159,7 @@ def run(args: RecallHybridArgs) -> dict:
 
     args.check()
     settings = {"args": dataclasses.asdict(args), "trainer": trainer_configs(args)}  # bad trainer keys stop here
-    check_out(args)  # before anything is trained or written
+    check_out(args, settings["trainer"])  # before anything is trained or written
     summary = os.path.join(args.out, SUMMARY)
     made = [p for p in (args.out, summary) if not os.path.exists(p)]
     if not os.path.isfile(summary):  # the settings first: a run cut short is still known by them
