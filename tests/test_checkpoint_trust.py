@@ -270,7 +270,7 @@ def test_an_export_reads_no_link_out_of_its_folder(tmp_path, name):
         shutil.copy(folder / file, outside)  # a valid file: only where it lies is wrong
         (folder / file).unlink()
     (folder / file).symlink_to(outside)
-    with pytest.raises((ConfigError, FileNotFoundError), match="not a file of th") as e:
+    with pytest.raises(ConfigError, match="not a file of the export folder|is a link out of its folder") as e:
         load_export(str(folder))
     assert "SECRET" not in str(e.value)
 

@@ -42,7 +42,7 @@ from apps.gla.attention_softmax import softmax_layer_set
 from apps.gla.hf_format import FLA_FIXED, META, TOKENIZER_FILES, WEIGHTS, fla_models, from_fla, to_fla
 from apps.gla.model import GLAArgs, GLAForCausalLM
 from lingua_zeco.args import ConfigError, build, one_line, parse_args
-from lingua_zeco.checkpoint import in_folder
+from lingua_zeco.checkpoint import folder_file, in_folder
 from lingua_zeco.distributed import DTYPES
 from lingua_zeco.reliability import clean_exit
 from lingua_zeco.tokenizer import TokenizerArgs, build_tokenizer
@@ -190,10 +190,10 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    meta_path, weights = in_folder(folder, META), in_folder(folder, WEIGHTS)  # None: a link out of the folder
-    if meta_path is None or not os.path.isfile(meta_path):
-        raise FileNotFoundError(f"{os.path.join(folder, META)} not found (or not a file of that folder): {folder!r} "
-                                f"is not a folder written by apps.gla.export_hf")
+    meta_path, weights = folder_file(folder, META), folder_file(folder, WEIGHTS)  # a link out: refused
+    if meta_path is None:
+        raise FileNotFoundError(f"{os.path.join(folder, META)} not found: {folder!r} is not a folder written by "
+                                f"apps.gla.export_hf")
     try:
         with open(meta_path) as f:
             meta = json.load(f)
@@ -205,9 +205,9 @@ def load_export(folder: str, device: str | torch.device = "cpu"):
     if t["file"] and tok_path is None:  # export() writes a bare name: nothing outside the folder
         raise ConfigError(f"{meta_path} names tokenizer file {t['file']!r}, which is not a file of the export "
                           f"folder; {REEXPORT}")
-    if weights is None or not os.path.isfile(weights):
-        raise FileNotFoundError(f"{os.path.join(folder, WEIGHTS)} not found (or not a file of that folder): "
-                                f"{folder!r} is an incomplete export; {REEXPORT}")
+    if weights is None:
+        raise FileNotFoundError(f"{os.path.join(folder, WEIGHTS)} not found: {folder!r} is an incomplete export; "
+                                f"{REEXPORT}")
     try:
         model = GLAForCausalLM(model_args)
     except (RuntimeError, MemoryError) as e:  # sizes no machine holds: the metadata was edited

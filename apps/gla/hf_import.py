@@ -28,7 +28,7 @@ from apps.gla.hf_format import (CONFIG, FLA_FIXED, HF_TOKENIZER, META, TOKENIZER
                                 fla_models, from_fla)
 from apps.gla.layers import GLAArgs
 from lingua_zeco.args import ConfigError, given_keys, one_line
-from lingua_zeco.checkpoint import in_folder
+from lingua_zeco.checkpoint import folder_file, in_folder
 from lingua_zeco.reliability import gather_all, rank_world
 from lingua_zeco.tokenizer import TokenizerArgs
 
@@ -37,28 +37,15 @@ CLASSES = {"gla": "GLAConfig", "gated_deltanet": "GatedDeltaNetConfig"}  # fla's
 SWISH = ("swish", "silu")
 
 
-def _file(folder: str, name: str) -> str | None:
-    """folder/name when it is a file of the folder, None when there is no such entry; an entry that leads out
-    of the folder (a link elsewhere) or is no file (a pipe) is refused, not taken for absent: a folder whose
-    tokenizer is a link would otherwise train on another tokenizer without a word."""
-    path = os.path.join(folder, name)
-    if not os.path.lexists(path):
-        return None
-    if in_folder(folder, name) is None or not os.path.isfile(path):
-        raise ConfigError(f"{path} is a link out of its folder or no regular file: refused (nothing outside a "
-                          f"checkpoint's folder is read); copy the file itself into the folder")
-    return path
-
-
 def is_hf_folder(path: str | None) -> bool:
     """A folder with config.json and no DCP metadata (a DCP step folder or checkpoints root has no config.json)."""
-    return bool(path) and _file(path, CONFIG) is not None and not os.path.exists(os.path.join(path, ".metadata"))
+    return bool(path) and folder_file(path, CONFIG) is not None and not os.path.exists(os.path.join(path, ".metadata"))
 
 
 def read_config(folder: str):
     """fla's config object of folder/config.json (its class's defaults for the keys the file leaves out)."""
     path = os.path.join(folder, CONFIG)
-    if _file(folder, CONFIG) is None:
+    if folder_file(folder, CONFIG) is None:
         raise ConfigError(f"{path} is missing")
     try:
         with open(path) as f:
@@ -152,7 +139,7 @@ def _tokenizer(args, folder: str, given: frozenset | None) -> TokenizerArgs:
     if (any(k == "data.tokenizer" or k.startswith("data.tokenizer.") for k in given) if given is not None
             else args.data.tokenizer != TokenizerArgs()):
         return args.data.tokenizer
-    meta = _file(folder, META)
+    meta = folder_file(folder, META)
     if meta is not None:  # an export of ours: the tokenizer it names
         try:
             with open(meta) as f:
@@ -166,9 +153,9 @@ def _tokenizer(args, folder: str, given: frozenset | None) -> TokenizerArgs:
                               f"set data.tokenizer")
         return TokenizerArgs(name=name, path=path)
     for name, file in TOKENIZER_FILES.items():
-        if (path := _file(folder, file)) is not None:
+        if (path := folder_file(folder, file)) is not None:
             return TokenizerArgs(name=name, path=path)
-    if _file(folder, HF_TOKENIZER) is not None:
+    if folder_file(folder, HF_TOKENIZER) is not None:
         raise ConfigError(f"{folder} holds a Hugging Face {HF_TOKENIZER}, which lingua_zeco.tokenizer does not read; "
                           f"set data.tokenizer.name=sp or tiktoken and data.tokenizer.path to a file of the same "
                           f"vocabulary (or data.tokenizer.name=bytes)")
@@ -198,9 +185,9 @@ def resolve(args):
 
 
 def _weight_files(folder: str) -> list[str]:
-    if (weights := _file(folder, WEIGHTS)) is not None:
+    if (weights := folder_file(folder, WEIGHTS)) is not None:
         return [weights]
-    index = _file(folder, WEIGHTS_INDEX)
+    index = folder_file(folder, WEIGHTS_INDEX)
     if index is None:
         raise ConfigError(f"{folder} has {CONFIG} but no {WEIGHTS} (nor {WEIGHTS_INDEX}); only safetensors are "
                           f"read: save the model with save_pretrained(..., safe_serialization=True)")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from . import resume_layout, run_dir
 from .async_save import WRITE_DELAY_ENV
-from .integrity import in_folder, sha256
+from .integrity import folder_file, in_folder, sha256
 from .load import CheckpointLoadError, ModelMismatchError
 from .manager import CheckpointArgs, CheckpointManager, SaveEvery, checkpoint_dir
 from .resume_layout import Layout
@@ -26,6 +26,7 @@ from .untrusted import UntrustedCheckpointError, load_file
 
 __all__ = [
     "MARKER", "WRITE_DELAY_ENV", "CheckpointArgs", "CheckpointLoadError", "CheckpointManager", "Layout",
-    "ModelMismatchError", "SaveEvery", "UntrustedCheckpointError", "checkpoint_dir", "in_folder", "load_file",
+    "ModelMismatchError", "SaveEvery", "UntrustedCheckpointError", "checkpoint_dir", "folder_file", "in_folder",
+    "load_file",
     "resume_layout", "run_dir", "sha256",
 ]

@@ -25,6 +25,8 @@ import stat
 
 import torch
 
+from lingua_zeco.args import ConfigError
+
 _CHUNK = 8 << 20
 _OWN = re.compile(r"^(?:__(\d+)_\d+\.distcp|rank(\d+)\.pt)$")  # files named after the rank that wrote them
 STORAGE_ERRNOS = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded",
@@ -110,6 +112,20 @@ def in_folder(folder: str, name) -> str | None:
         real, root = os.path.realpath(path), os.path.realpath(folder)
         if os.path.dirname(real) != root or not os.path.isfile(real):
             return None
+    return path
+
+
+def folder_file(folder: str, name: str) -> str | None:
+    """folder/name for a fixed file name of an artifact (config.json, model.safetensors, a tokenizer file) when
+    it is a file of the folder; None when there is no such entry. An entry that leads out of the folder (a link
+    elsewhere) or is no file (a pipe) is refused with a ConfigError, not taken for absent: a folder whose
+    tokenizer is a link would otherwise run on another tokenizer without a word."""
+    path = os.path.join(folder, name)
+    if not os.path.lexists(path):
+        return None
+    if in_folder(folder, name) is None or not os.path.isfile(path):
+        raise ConfigError(f"{path} is a link out of its folder or no regular file: refused (nothing outside an "
+                          f"artifact's folder is read); copy the file itself into the folder")
     return path
 
 
