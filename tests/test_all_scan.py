@@ -289,21 +289,25 @@ def _one_node_worker(rank, world):
             in_one_node(low, AllScanArgs(node_size=2))]
 
 
-def test_auto_never_picks_the_unproven_symm_transport_and_symm_warns(monkeypatch):
-    """Even where symm could run (CUDA tensors, one node), auto takes nccl while AUTO_PICKS_SYMM is off; symm
-    asked by name runs, with one warning that it is experimental."""
+def test_auto_takes_symm_in_one_node_only_and_symm_by_name_does_not_warn(monkeypatch):
+    """Where symmetric memory can run (CUDA tensors), auto tries symm first, with nccl behind it, on a group known
+    to sit in one node, and nccl alone across nodes or where symm cannot run; symm by name is one link, silently."""
     import importlib
+    import warnings
 
-    from lingua_zeco.comm.scan import P2PLink
     mod = importlib.import_module("lingua_zeco.comm.all_scan")  # the module: the package exports its function
 
-    monkeypatch.setattr(mod, "symm_unavailable", lambda x: None)  # as on a GPU with symmetric memory
-    monkeypatch.setattr(mod, "in_one_node", lambda group, args: True)
-    links = mod._links(AllScanArgs(transport="auto"), torch.zeros(4), None, 0, 2, False)
-    assert [type(link) for link in links] == [P2PLink]
-    monkeypatch.setattr(mod, "AUTO_PICKS_SYMM", True)  # the rule once the transport is proven
-    assert [type(link).__name__ for link in mod._links(AllScanArgs(transport="auto"), torch.zeros(4), None, 0, 2,
-                                                      False)] == ["SymmLink", "P2PLink"]
-    with pytest.warns(UserWarning, match="transport=symm is experimental") as seen:
+    def links(transport, one_node, unavailable=None):
+        monkeypatch.setattr(mod, "symm_unavailable", lambda x: unavailable)
+        monkeypatch.setattr(mod, "in_one_node", lambda group, args: one_node)
+        return [type(link).__name__ for link in mod._links(AllScanArgs(transport=transport), torch.zeros(4), None,
+                                                           0, 2, False)]
+
+    assert links("auto", True) == ["SymmLink", "P2PLink"]
+    assert links("auto", False) == ["P2PLink"]
+    assert links("auto", True, "tensors on cpu") == ["P2PLink"]
+    assert links("symm", False) == ["SymmLink"]
+    assert links("nccl", True) == ["P2PLink"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         AllScanArgs(transport="symm").check()
-    assert len(seen) == 1

@@ -36,15 +36,6 @@ from .symm import SymmLink, SymmSetupError, symm_unavailable
 
 ALGORITHMS = ("chain", "tree", "hier", "auto")
 TRANSPORTS = ("nccl", "symm", "auto")
-# Whether transport=auto may take symm. Not while the symm transport is unproven: its one-GPU loopback test hit
-# an illegal memory access among 14 concurrent test processes (2026-12-04, one H200), found in the setup's
-# failure flags and fixed (comm.symm.agreed_setup, 2026-12-05); the symm tests then passed 20 runs in a row under
-# that load, and the whole GPU suite has yet to pass in one run. It stays selectable by name, with a warning
-# (AllScanArgs.check); auto means nccl until then.
-AUTO_PICKS_SYMM = False
-SYMM_EXPERIMENTAL = ("all_scan.transport=symm is experimental: its one-GPU test hit an illegal memory access "
-                     "(2026-12-04, fixed 2026-12-05); the whole GPU suite has yet to pass with the fix; "
-                     "all_scan.transport=nccl is the proven transport")
 OVERLAP = ("auto", "on", "off")
 
 
@@ -66,8 +57,8 @@ class AllScanArgs:
     beta_inter_Bps: float = 50e9
     # what carries a hop (chain and tree): nccl = torch.distributed point-to-point (NCCL on GPUs, gloo on
     # CPUs); symm = one-sided writes into the next rank's symmetric memory (CUDA, one node: comm/symm.py);
-    # auto = symm where the group is known to sit in one node (node_size / LOCAL_WORLD_SIZE), else nccl; for
-    # now always nccl (AUTO_PICKS_SYMM), and symm by name warns that it is experimental.
+    # auto = symm where the group is known to sit in one node (node_size / LOCAL_WORLD_SIZE), else nccl
+    # (docs/sp.md, "Transports": what symm guarantees and what it was proven on).
     # hier always runs on nccl. symm_timeout_s bounds every wait on a peer (then the waiting kernel traps).
     transport: str = "nccl"
     symm_timeout_s: float = 600.0
@@ -85,8 +76,6 @@ class AllScanArgs:
                                       ("overlap", self.overlap, OVERLAP)):
             if value not in choices:
                 raise ValueError(f"all_scan.{field}={value!r}; choose one of {', '.join(choices)}")
-        if self.transport == "symm":
-            warnings.warn(SYMM_EXPERIMENTAL, stacklevel=2)
         if self.n_blocks < 0 or self.symm_timeout_s <= 0:
             raise ValueError(f"all_scan.n_blocks must be >= 0 (0 = by the model) and all_scan.symm_timeout_s > 0; got "
                              f"{self.n_blocks} and {self.symm_timeout_s}")
@@ -246,8 +235,7 @@ def _links(args: AllScanArgs, x, group, rank: int, P: int, reverse: bool):
     why = symm_unavailable(x)
     if why and args.transport == "symm":
         raise ValueError(f"all_scan(transport='symm'): {why}; use all_scan.transport=nccl (or auto)")
-    if args.transport == "auto" and (not AUTO_PICKS_SYMM or why or not in_one_node(group, args)
-                                     or group_key(group) in _NO_SYMM):
+    if args.transport == "auto" and (why or not in_one_node(group, args) or group_key(group) in _NO_SYMM):
         return [nccl]
     symm = SymmLink(group, rank, P, reverse, args.symm_timeout_s, fused=args.symm_fused)
     return [symm] if args.transport == "symm" else [symm, nccl]
