@@ -9,9 +9,10 @@
 #   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
 #   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
 #   profile       the 16K step of ours with its kernel time by category and the GPU's idle gaps          ≈ 3
-#   extension     GLA-1B from a Hugging Face folder (docs/long_context.md, section 8): passkey at 128K, 1M  ≈ 9
-#                 and 4M tokens (tokens/s, peak memory); 64K training in segments of 16K from the folder
-#                 and from scratch (tok/s side by side)
+#   passkey       GLA-1B's passkey evaluation (docs/long_context.md, section 7) at 128K, 1M and 4M tokens   ≈ 4
+#                 in segments of 16K: tokens/s and peak memory by length
+#   extension     GLA-1B from a Hugging Face folder (docs/long_context.md, section 8): 64K training in       ≈ 5
+#                 segments of 16K from an exported folder and from scratch (tok/s side by side)
 #   symm          the symmetric-memory All-Scan's loopback under load: what the GPU shares between        ≤ 5
 #                 processes (compute mode, MPS, Xid lines), 14 concurrent stress processes, then 12 with 2
 #                 processes trapping on purpose beside them
@@ -30,7 +31,7 @@
 # in $OUT/autotune.tgz; fold those into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when every part's commands
 # exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
-PARTS="tests step operator long_context profile extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
+PARTS="tests step operator long_context profile passkey extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -118,16 +119,28 @@ part_profile() {
         profile=ours
 }
 
-part_extension() {  # random GLA-1B weights: the path is what is measured, not the model
+# a GLA-1B run folder with one step of random weights in TMP/base (the passkey and extension parts measure the
+# paths, not a model); not compiled: the step is not what is measured
+gla_1b_base() {
+    run "$HERE" "$2/base.log" 240 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
+        dump_dir="$1/base" steps=1 data.seq_len=4096 model.compile=none
+}
+
+part_passkey() {
+    local tmp=/tmp/passkey out="$OUT/passkey"
+    gla_1b_base $tmp "$out"
+    run "$HERE" "$out/passkey.log" 300 "rror|Traceback|accuracy|random" python3 -m apps.gla.eval \
+        dump_dir=$tmp/base task=passkey lengths=128K,1M,4M trials=1 segment=16384 out="$out/passkey.jsonl"
+    rm -rf "$tmp"
+}
+
+part_extension() {
     local tmp=/tmp/extension out="$OUT/extension" long=(data.seq_len=65536 model.segment_len=16384 steps=8
                                                            logging.freq=1)
-    run "$HERE" "$out/base.log" 240 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
-        dump_dir=$tmp/base steps=1 data.seq_len=4096
+    gla_1b_base $tmp "$out"
     run "$HERE" "$out/export.log" 120 "rror|Traceback" python3 -m apps.gla.export_hf dump_dir=$tmp/base \
         out="$out/hf" dtype=bf16
-    run "$HERE" "$out/passkey.log" 240 "rror|Traceback|accuracy|random" python3 -m apps.gla.eval dump_dir=$tmp/base \
-        task=passkey lengths=128K,1M,4M trials=1 segment=16384 out="$out/passkey.jsonl"
-    run "$HERE" "$out/from_hf.log" 150 "rror|Traceback|tok/s|Hugging" python3 -m apps.gla.train \
+    run "$HERE" "$out/from_hf.log" 200 "rror|Traceback|tok/s|Hugging" python3 -m apps.gla.train \
         config=gla_1b_zeco.yaml dump_dir=$tmp/from_hf checkpoint.init_ckpt_path="$out/hf" "${long[@]}"
     run "$HERE" "$out/scratch.log" 150 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
         dump_dir=$tmp/scratch "${long[@]}"
