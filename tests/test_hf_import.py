@@ -209,6 +209,35 @@ def test_shards_load_and_weights_that_do_not_fit_or_stray_shards_are_refused(tmp
         hf_import.load_hf(str(tmp_path / "hf"), model)
 
 
+def _hub_snapshot(folder, cache):
+    """`folder` laid out as the Hugging Face hub cache keeps a download: the files in blobs/, the snapshot links."""
+    repo = cache / "models--org--gla"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot = repo / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    for i, f in enumerate(sorted(folder.iterdir())):
+        f.rename(repo / "blobs" / f"{i:040x}")
+        (snapshot / f.name).symlink_to(f"../../blobs/{i:040x}")
+    return snapshot
+
+
+def test_a_hub_cache_snapshot_is_read_in_place_and_links_elsewhere_are_not(tmp_path):
+    _fla_folder(tmp_path / "hf")
+    want = _loaded(tmp_path / "hf").state_dict()
+    snapshot = _hub_snapshot(tmp_path / "hf", tmp_path / "cache")
+    assert hf_import.is_hf_folder(str(snapshot))
+    got = _loaded(snapshot).state_dict()
+    assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    (tmp_path / "cache" / "models--org--gla" / "elsewhere").write_text("")  # in the repo, not among its blobs
+    (snapshot / "tokenizer.model").symlink_to("../../elsewhere")
+    with pytest.raises(ConfigError, match="tokenizer.model is a link out of its folder"):
+        hf_import.resolve(_args(tmp_path, snapshot))
+    plain = tmp_path / "not_hub" / "snapshots" / "0123abcd"  # the same layout outside a models--* folder
+    (tmp_path / "cache" / "models--org--gla").rename(tmp_path / "not_hub")
+    with pytest.raises(ConfigError, match="config.json is a link out of its folder"):
+        hf_import.resolve(_args(tmp_path, plain))
+
+
 def test_a_disagreeing_key_or_an_unreadable_tokenizer_is_one_error_line(tmp_path):
     _fla_folder(tmp_path / "fla")
     (_config_only(tmp_path / "tok") / "tokenizer.json").write_text("{}")

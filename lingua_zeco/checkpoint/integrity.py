@@ -110,9 +110,20 @@ def in_folder(folder: str, name) -> str | None:
     path = os.path.join(folder, name)
     if folder and os.path.lexists(path):
         real, root = os.path.realpath(path), os.path.realpath(folder)
-        if os.path.dirname(real) != root or not os.path.isfile(real):
+        if os.path.dirname(real) not in (root, hub_blobs(root)) or not os.path.isfile(real):
             return None
     return path
+
+
+def hub_blobs(root: str) -> str | None:
+    """The blobs folder of a Hugging Face hub cache entry when `root` is one of its snapshots
+    (models--<org>--<name>/snapshots/<revision>, whose files are links to models--<org>--<name>/blobs/<hash>):
+    the same downloaded repository, so a snapshot is read in place, as `snapshot_download` leaves it."""
+    snapshots = os.path.dirname(root)
+    repo = os.path.dirname(snapshots)
+    if os.path.basename(snapshots) != "snapshots" or not os.path.basename(repo).startswith("models--"):
+        return None
+    return os.path.join(repo, "blobs")
 
 
 def folder_file(folder: str, name: str) -> str | None:
