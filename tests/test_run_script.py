@@ -110,6 +110,18 @@ def test_every_part_runs_its_commands_into_its_own_folder(sandbox, part):
         assert {c.split()[0] for c in calls} == {str(tmp / "base"), str(tmp / "repo")}
 
 
+def test_passkey_and_extension_in_one_call_make_one_base_run_and_a_failed_one_is_not_reused(sandbox):
+    tmp, env = sandbox
+    proc = _run(tmp / "repo", "passkey", "extension", env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp / "calls.txt").read_text().splitlines()
+    assert sum("steps=1 " in c for c in calls) == 1 and len(calls) == 5, calls  # base, eval, export, 2 trainings
+    (tmp / "calls.txt").unlink()
+    (tmp / "bin/python3").write_text('#!/bin/sh\nprintf "%s\\n" "$*" >> "$CALLS"; exit 1\n')
+    proc = _run(tmp / "repo", "passkey", "extension", env=env)
+    assert proc.returncode == 1 and sum("steps=1 " in c for c in (tmp / "calls.txt").read_text().splitlines()) == 2
+
+
 def test_symm_runs_the_stress_processes_at_once_and_counts_the_failed(sandbox):
     """14 scan processes, then 12 beside 2 trapping ones; each with its log and exit code. A scan process that
     fails is counted and fails the part."""

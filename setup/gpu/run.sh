@@ -12,7 +12,8 @@
 #   passkey       GLA-1B's passkey evaluation (docs/long_context.md, section 7) at 128K, 1M and 4M tokens   ≈ 4
 #                 in segments of 16K: tokens/s and peak memory by length
 #   extension     GLA-1B from a Hugging Face folder (docs/long_context.md, section 8): 64K training in       ≈ 5
-#                 segments of 16K from an exported folder and from scratch (tok/s side by side)
+#                 segments of 16K from an exported folder and from scratch (tok/s side by side); with
+#                 passkey in one call (≈ 8) both start from one random GLA-1B run
 #   symm          the symmetric-memory All-Scan's loopback under load: what the GPU shares between        ≤ 5
 #                 processes (compute mode, MPS, Xid lines), 14 concurrent stress processes, then 12 with 2
 #                 processes trapping on purpose beside them
@@ -72,6 +73,7 @@ run() {
     if [ "$rc" -ne 0 ]; then
         FAILED+=("$log: exit $rc$([ "$rc" -eq 124 ] && echo ", cut by its ${limit} s limit")")
     fi
+    return "$rc"
 }
 
 # bench_train in DIR: DIR OUT_DIR LIMIT_S key=value... (stem= among them names the log)
@@ -119,26 +121,28 @@ part_profile() {
         profile=ours
 }
 
-# a GLA-1B run folder with one step of random weights in TMP/base (the passkey and extension parts measure the
-# paths, not a model); not compiled: the step is not what is measured
+# a GLA-1B run folder with one step of random weights, /tmp/gla_1b_base.<pid> (the passkey and extension parts measure
+# the paths, not a model; made once a call, so both parts in one call share it); not compiled: the step is not
+# what is measured. gla_1b_base LOG_DIR (where its log goes)
+GLA_1B_BASE=/tmp/gla_1b_base.$$
 gla_1b_base() {
-    run "$HERE" "$2/base.log" 240 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
-        dump_dir="$1/base" steps=1 data.seq_len=4096 model.compile=none
+    [ -f "$GLA_1B_BASE.done" ] && return
+    run "$HERE" "$1/base.log" 240 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
+        dump_dir="$GLA_1B_BASE" steps=1 data.seq_len=4096 model.compile=none && touch "$GLA_1B_BASE.done"
 }
 
 part_passkey() {
-    local tmp=/tmp/passkey out="$OUT/passkey"
-    gla_1b_base $tmp "$out"
+    local out="$OUT/passkey"
+    gla_1b_base "$out"
     run "$HERE" "$out/passkey.log" 300 "rror|Traceback|accuracy|random" python3 -m apps.gla.eval \
-        dump_dir=$tmp/base task=passkey lengths=128K,1M,4M trials=1 segment=16384 out="$out/passkey.jsonl"
-    rm -rf "$tmp"
+        dump_dir=$GLA_1B_BASE task=passkey lengths=128K,1M,4M trials=1 segment=16384 out="$out/passkey.jsonl"
 }
 
 part_extension() {
     local tmp=/tmp/extension out="$OUT/extension" long=(data.seq_len=65536 model.segment_len=16384 steps=8
                                                            logging.freq=1)
-    gla_1b_base $tmp "$out"
-    run "$HERE" "$out/export.log" 120 "rror|Traceback" python3 -m apps.gla.export_hf dump_dir=$tmp/base \
+    gla_1b_base "$out"
+    run "$HERE" "$out/export.log" 120 "rror|Traceback" python3 -m apps.gla.export_hf dump_dir=$GLA_1B_BASE \
         out="$out/hf" dtype=bf16
     run "$HERE" "$out/from_hf.log" 200 "rror|Traceback|tok/s|Hugging" python3 -m apps.gla.train \
         config=gla_1b_zeco.yaml dump_dir=$tmp/from_hf checkpoint.init_ckpt_path="$out/hf" "${long[@]}"
@@ -241,6 +245,7 @@ for part in "$@"; do
     [ -d "$OUT/$part" ] && tar czf "$OUT/$part.tgz" -C "$OUT" "$part" && rm -rf "${OUT:?}/$part"
 done
 (cd "$TRITON_CACHE_DIR" && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
+rm -rf "$GLA_1B_BASE" "$GLA_1B_BASE.done"
 if [ ${#FAILED[@]} -gt 0 ]; then
     printf 'not ok: %s\n' "${FAILED[@]}"
     exit 1
