@@ -124,11 +124,11 @@ part_profile() {
 # a GLA-1B run folder with one step of random weights, /tmp/gla_1b_base.<pid> (the passkey and extension parts measure
 # the paths, not a model; made once a call, so both parts in one call share it); not compiled: the step is not
 # what is measured. gla_1b_base LOG_DIR (where its log goes)
-GLA_1B_BASE=/tmp/gla_1b_base.$$
+GLA_1B_BASE=/tmp/gla_1b_base.$$ GLA_1B_BASE_MADE=
 gla_1b_base() {
-    [ -f "$GLA_1B_BASE.done" ] && return
+    [ -n "$GLA_1B_BASE_MADE" ] && return
     run "$HERE" "$1/base.log" 240 "rror|Traceback|tok/s" python3 -m apps.gla.train config=gla_1b_zeco.yaml \
-        dump_dir="$GLA_1B_BASE" steps=1 data.seq_len=4096 model.compile=none && touch "$GLA_1B_BASE.done"
+        dump_dir="$GLA_1B_BASE" steps=1 data.seq_len=4096 model.compile=none && GLA_1B_BASE_MADE=1
 }
 
 part_passkey() {
@@ -245,7 +245,7 @@ for part in "$@"; do
     [ -d "$OUT/$part" ] && tar czf "$OUT/$part.tgz" -C "$OUT" "$part" && rm -rf "${OUT:?}/$part"
 done
 (cd "$TRITON_CACHE_DIR" && find . -name '*autotune*.json' | tar czf "$OUT/autotune.tgz" -T -)
-rm -rf "$GLA_1B_BASE" "$GLA_1B_BASE.done"
+rm -rf "$GLA_1B_BASE"
 if [ ${#FAILED[@]} -gt 0 ]; then
     printf 'not ok: %s\n' "${FAILED[@]}"
     exit 1
