@@ -135,9 +135,12 @@ def chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, dq, dk, scale, cu_seqlens=None, ch
     return dq2, dk2, dg
 
 
-def chunk_gla_bwd_dqkg_to(qkvg, h, dh, do, dqk, *, scale, dtypes, layout):
+def dqkg(qkvg, h, dh, do, scale, dtypes, layout):
+    """kernels/gla_chunk.py's dqkg: dA, the intra-chunk parts of dq, dk, then the inter-chunk stage."""
     q, k, v, g = qkvg
-    out = chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, *dqk, scale, layout.cu_seqlens, layout.BT)
+    dA = chunk_gla_bwd_dA(v, do, scale, layout.cu_seqlens, layout.BT)
+    out = chunk_gla_bwd_dqkg(q, k, v, h, g, do, dh, *dqk_intra(q, k, g, dA, layout), scale, layout.cu_seqlens,
+                             layout.BT)
     return tuple(x.to(d) for x, d in zip(out, dtypes, strict=True))
 
 
@@ -160,8 +163,7 @@ STAGES = SimpleNamespace(gate_cumsum=gate_cumsum, chunk_fwd_h_packed=chunk_fwd_h
                          chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh,
                          chunk_gla_fwd_intra_gk=chunk_gla_fwd_intra_gk, chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
                          chunk_bwd_dh_packed=chunk_bwd_dh_packed, chunk_gla_bwd_dA=chunk_gla_bwd_dA,
-                         chunk_gla_bwd_dv=chunk_gla_bwd_dv, chunk_gla_bwd_dqkg=chunk_gla_bwd_dqkg,
-                         chunk_gla_bwd_dqkg_to=chunk_gla_bwd_dqkg_to)
+                         chunk_gla_bwd_dv=chunk_gla_bwd_dv, chunk_gla_bwd_dqkg=chunk_gla_bwd_dqkg)
 
 
 def in_float64(stage):
@@ -183,9 +185,9 @@ STAGES_FLOAT64 = SimpleNamespace(**{name: in_float64(stage) for name, stage in v
 
 def use_cpu_stages(monkeypatch, module, exact: bool = False):
     """Run `module`'s own code (kernels/gla_chunk.py, sp/fused_zeco.py, sp/fused_packed.py) over the stages above:
-    its `fla` and our intra-chunk stages (fwd_A, dqk_intra) replaced. exact: every stage on float64 copies of its
+    its `fla` and our own stages (fwd_A, dqkg) replaced. exact: every stage on float64 copies of its
     inputs (STAGES_FLOAT64)."""
     wrap = in_float64 if exact else (lambda stage: stage)
     monkeypatch.setattr(module, "fla", STAGES_FLOAT64 if exact else STAGES)
     monkeypatch.setattr(module, "fwd_A", wrap(fwd_A))
-    monkeypatch.setattr(module, "dqk_intra", wrap(dqk_intra))
+    monkeypatch.setattr(module, "dqkg", wrap(dqkg))

@@ -26,7 +26,7 @@ BOUNDS = (0, 100, 230, 250, 400, 480)
 @pytest.fixture()
 def cpu_stages(monkeypatch):
     monkeypatch.setattr(fp, "fla", fla_stages_cpu.STAGES)
-    monkeypatch.setattr(fp, "dqk_intra", fla_stages_cpu.dqk_intra)
+    monkeypatch.setattr(fp, "dqkg", fla_stages_cpu.dqkg)
     monkeypatch.setattr(fp, "fwd_A", fla_stages_cpu.fwd_A)
 
 

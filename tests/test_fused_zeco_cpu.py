@@ -28,7 +28,7 @@ def fwd_h_calls(monkeypatch):
         return fla_stages_cpu.chunk_fwd_h(**kw)
     stages = fla_stages_cpu.STAGES
     monkeypatch.setattr(fz, "fla", type(stages)(**{**vars(stages), "chunk_fwd_h": fwd_h}))
-    monkeypatch.setattr(fz, "dqk_intra", fla_stages_cpu.dqk_intra)
+    monkeypatch.setattr(fz, "dqkg", fla_stages_cpu.dqkg)
     monkeypatch.setattr(fz, "fwd_A", fla_stages_cpu.fwd_A)
     return calls
 

@@ -1,8 +1,9 @@
-"""Our intra-chunk dq/dk stage (lingua_zeco/kernels/gla_bwd_intra.py) on CPU: its torch oracle against
-autograd through the intra-chunk scores it differentiates, and the Triton kernel itself under Triton's
-CPU interpreter against that oracle in float64 (every chunk size fla picks, every key block, a partial
-last chunk, each of its paths: whole chunks, and 16-token sub-chunks through their own reference gate or with
-exact decays, reached by steep gates or a smaller SPAN); a changed gate is caught. On the GPU, against fla's
+"""Our intra-chunk dq/dk (lingua_zeco/kernels/gla_bwd_intra.py) on CPU: its torch oracle against autograd
+through the intra-chunk scores it differentiates, and the backward's fused kernel that computes it
+(kernels/gla_bwd_dqkg.py, launched with zero states and state gradients, so that its dq and dk are the intra-chunk
+parts alone) under Triton's CPU interpreter against that oracle in float64 (every chunk size fla picks, every key
+block, a partial last chunk, each path: whole chunks, and 16-token sub-chunks through their own reference gate or
+with exact decays, reached by steep gates or a smaller SPAN); a changed gate is caught. On the GPU, against fla's
 stage: tests/test_gpu_intra.py."""
 import pytest
 import torch
@@ -68,9 +69,24 @@ def paths(g_cs, BT, BK, SPAN, docs):
 _INTERPRETED = _PATHS + r"""
 import sys, torch, triton
 import torch.nn.functional as F
-from lingua_zeco.kernels import gla_bwd_intra as gi
+sys.path.insert(0, "tests")
+from fla_stages_cpu import chunk_gla_bwd_dA
+from lingua_zeco.kernels import gla_bwd_dqkg as fk, gla_bwd_intra as gi
+
+
+# (dq, dk) of the fused kernel with h = dh = 0 (the intra-chunk parts), dA made inside from do, v (scale 1)
+def intra_dqk(q, k, g_cs, v, do, BT, BK, SPAN, cu=None, ci=None, NT=None):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = NT or triton.cdiv(T, BT)
+    zero = torch.zeros(B, NT, H, K, V)
+    dq, dk, dg, dq_s, dk_s = (torch.empty(B, T, H, K) for _ in range(5))
+    fk._dqkg_kernel.fn[(triton.cdiv(K, BK) * NT, B * H)](
+        q, k, v, g_cs, zero, zero, do, dq, dk, dg, torch.empty(B, T, H, BT), dq_s, dk_s, cu, ci, 1.0, T, H=H, K=K,
+        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=32, IS_VARLEN=cu is not None, SPAN=SPAN)
+    return dq, dk
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
-B, T, H, K = 2, 150, 2, 64
+B, T, H, K, V = 2, 150, 2, 64, 32
 gen = torch.Generator().manual_seed(0)
 q, k = torch.randn(B, T, H, K, generator=gen).half(), torch.randn(B, T, H, K, generator=gen).half()
 g = F.logsigmoid(torch.randn(B, T, H, K, generator=gen) + 2)
@@ -89,16 +105,14 @@ cases = {"exact": [(64, 32, 1, 64.0, "whole"), (32, 64, 1, 64.0, "whole"), (16, 
 worst, caught = 0.0, float("inf")
 for BT, BK, mult, SPAN, path in cases:
     g_cs = chunk_local_cumsum_torch(g * mult, BT)
-    dA = torch.randn(B, T, H, BT, generator=gen)  # upper triangle non-zero: the kernel must ignore it
-    ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT)
+    v, do = torch.randn(B, T, H, V, generator=gen).half(), torch.randn(B, T, H, V, generator=gen).half()
+    dA = chunk_gla_bwd_dA(v.double(), do.double(), 1.0, None, BT)
+    ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA, BT)
     if sys.argv[1] == "broken" and mult == 1:
         g_cs[:, 70] += 0.5
     taken = paths(g_cs, BT, BK, SPAN, [(0, T)])
     assert taken[path] > 0, (BT, BK, mult, SPAN, path, taken)
-    dq, dk = torch.empty(B, T, H, K), torch.empty(B, T, H, K)
-    grid = (triton.cdiv(K, BK) * triton.cdiv(T, BT), B * H)
-    gi._dqk_intra_kernel.fn[grid](q, k, g_cs, dA, dq, dk, None, None, T, H=H, K=K, BT=BT, BC=min(16, BT), BK=BK,
-                                  SPAN=SPAN)
+    dq, dk = intra_dqk(q, k, g_cs, v, do, BT, BK, SPAN)
     errs = [((a.double() - r).abs().max() / r.abs().max()).nan_to_num(float("inf")).item()
             for a, r in zip((dq, dk), ref)]
     print(BT, BK, mult, SPAN, taken, errs, file=sys.stderr)
@@ -120,7 +134,22 @@ def test_triton_kernel_under_the_interpreter(variant):
 _PACKED = _PATHS + r"""
 import sys, torch, triton
 import torch.nn.functional as F
-from lingua_zeco.kernels import gla_bwd_intra as gi
+sys.path.insert(0, "tests")
+from fla_stages_cpu import chunk_gla_bwd_dA
+from lingua_zeco.kernels import gla_bwd_dqkg as fk, gla_bwd_intra as gi
+
+
+# (dq, dk) of the fused kernel with h = dh = 0 (the intra-chunk parts), dA made inside from do, v (scale 1)
+def intra_dqk(q, k, g_cs, v, do, BT, BK, SPAN, cu=None, ci=None, NT=None):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    NT = NT or triton.cdiv(T, BT)
+    zero = torch.zeros(B, NT, H, K, V)
+    dq, dk, dg, dq_s, dk_s = (torch.empty(B, T, H, K) for _ in range(5))
+    fk._dqkg_kernel.fn[(triton.cdiv(K, BK) * NT, B * H)](
+        q, k, v, g_cs, zero, zero, do, dq, dk, dg, torch.empty(B, T, H, BT), dq_s, dk_s, cu, ci, 1.0, T, H=H, K=K,
+        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=32, IS_VARLEN=cu is not None, SPAN=SPAN)
+    return dq, dk
 from lingua_zeco.kernels.common import varlen_chunk_tables
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 # packed documents: a zero-length one, a one-token one, one shorter than a sub-chunk, one exactly a
@@ -131,8 +160,9 @@ gen = torch.Generator().manual_seed(1)
 q, k = torch.randn(1, T, H, K, generator=gen).half(), torch.randn(1, T, H, K, generator=gen).half()
 g = F.logsigmoid(torch.randn(1, T, H, K, generator=gen) + 2)
 g_cs = torch.cat([chunk_local_cumsum_torch(g[:, a:b], BT) for a, b in zip(bounds, bounds[1:]) if b > a], 1)
-dA = torch.randn(1, T, H, BT, generator=gen)
-ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA.double(), BT, cu_seqlens=bounds)
+v, do = torch.randn(1, T, H, 32, generator=gen).half(), torch.randn(1, T, H, 32, generator=gen).half()
+dA = chunk_gla_bwd_dA(v.double(), do.double(), 1.0, torch.tensor(bounds), BT)
+ref = gi.chunk_gla_bwd_dqk_intra_torch(q.double(), k.double(), g_cs.double(), dA, BT, cu_seqlens=bounds)
 if sys.argv[1] == "broken":  # the documents read as one dense sequence: chunks cross document boundaries
     bounds = [0, T]
 docs = [(a, b) for a, b in zip(bounds, bounds[1:]) if b > a]  # as the kernel reads them
@@ -142,9 +172,7 @@ errs = []
 for SPAN, path in ((64.0, "whole"), (6.0, "sub"), (0.0, "exact")):  # each path of the kernel (_PATHS)
     taken = paths(g_cs, BT, BK, SPAN, docs)
     assert taken[path] > 0, (SPAN, path, taken)
-    dq, dk = torch.empty(1, T, H, K), torch.empty(1, T, H, K)
-    gi._dqk_intra_kernel.fn[(triton.cdiv(K, BK) * NT, H)](q, k, g_cs, dA, dq, dk, cu, ci, T, H=H, K=K, BT=BT, BC=16,
-                                                          BK=BK, IS_VARLEN=True, SPAN=SPAN)
+    dq, dk = intra_dqk(q, k, g_cs, v, do, BT, BK, SPAN, cu, ci, NT)
     errs += [((a.double() - r).abs().max() / r.abs().max()).item() for a, r in zip((dq, dk), ref)]
 print(errs, file=sys.stderr)
 print(max(errs) if sys.argv[1] == "exact" else min(errs))

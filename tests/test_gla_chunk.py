@@ -38,70 +38,28 @@ def _recording_stages(monkeypatch, B, T, H, K, V, BT):
     stage("chunk_gla_fwd_o_gk", lambda **kw: z(B, T, H, V))
     stage("chunk_bwd_dh", lambda **kw: (z(B, NT, H, K, V), None if kw["h0"] is None else z(B, H, K, V)))
     stage("chunk_gla_bwd_dv", lambda **kw: z(B, T, H, V))
-    stage("chunk_gla_bwd_dA", lambda **kw: z(B, T, H, BT))
-    stage("chunk_gla_bwd_dqkg_to", lambda *a, **kw: tuple(z(B, T, H, K, dtype=d) for d in kw["dtypes"]))
-    seen_intra = []
+    seen_dqkg = []
 
-    def intra(q, k, g_cs, dA, BT, **kw):
-        seen_intra.append(all(t.is_contiguous() for t in (q, k, g_cs, dA)))
-        return z(B, T, H, K), z(B, T, H, K)
-    monkeypatch.setattr(gla_chunk, "chunk_gla_bwd_dqk_intra", intra)
+    def dqkg(qkvg, h, dh, do, *, dtypes, **kw):
+        seen_dqkg.append(all(t.is_contiguous() for t in (*qkvg, h, dh, do)))
+        return tuple(z(B, T, H, K, dtype=d) for d in dtypes)
+    monkeypatch.setattr(gla_chunk, "chunk_gla_bwd_dqkg", dqkg)
     monkeypatch.setattr(gla_chunk, "chunk_gla_fwd_A", lambda q, k, g_cs, scale, BT, **kw: z(B, T, H, BT))
-    return seen, seen_intra
+    return seen, seen_dqkg
 
 
 def test_every_stage_receives_contiguous_tensors(monkeypatch):
     """(Before the fix this failed: chunk_fwd_h got the transposed h0, chunk_bwd_dh both.)"""
     B, T, H, K, V = 2, 40, 2, 8, 8
-    seen, seen_intra = _recording_stages(monkeypatch, B, T, H, K, V, fla_chunk_size(T))
+    seen, seen_dqkg = _recording_stages(monkeypatch, B, T, H, K, V, fla_chunk_size(T))
     q, k, g = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(3))
     v = torch.randn(B, T, H, V, requires_grad=True)
     h0 = torch.randn(B, H, V, K).transpose(-1, -2).requires_grad_()  # a non-contiguous [B, H, K, V] view
     o, ht = staged(q, k, v, g, initial_state=h0, output_final_state=True)
     (o.sum() + ht.sum()).backward()  # ht.sum(): its gradient is ones expanded, stride 0
     names = {name for name, _ in seen}
-    assert {"chunk_fwd_h", "chunk_bwd_dh", "chunk_gla_bwd_dqkg_to"} <= names and seen_intra == [True]
+    assert {"chunk_fwd_h", "chunk_bwd_dh", "chunk_gla_bwd_dv"} <= names and seen_dqkg == [True]
     assert [name for name, ok in seen if not ok] == []
-
-
-def test_dqkg_launcher_passes_every_argument_of_flas_kernel(monkeypatch):
-    """fla_stages.chunk_gla_bwd_dqkg_to launches fla's chunk_gla_bwd_kernel_inter itself (to store the gradients
-    in their own dtypes): every argument of the kernel is given except those fla's autotuner and heuristics
-    set, into buffers of the asked dtypes, over fla's grid; a renamed argument in a new fla fails here."""
-    from lingua_zeco.kernels import fla_stages
-
-    kernel = fla_stages.chunk_gla_bwd_kernel_inter
-    calls = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda **kw: calls.append((grid, kw))
-    monkeypatch.setattr(fla_stages, "chunk_gla_bwd_kernel_inter", Recorder())
-    B, T, H, K, V, BT = 2, 100, 3, 64, 32, 64
-    z = torch.zeros
-    args = dict(q=z(B, T, H, K, dtype=torch.bfloat16), k=z(B, T, H, K, dtype=torch.bfloat16),
-                v=z(B, T, H, V, dtype=torch.bfloat16), h=z(B, 2, H, K, V), g=z(B, T, H, K), do=z(B, T, H, V),
-                dh=z(B, 2, H, K, V), dq=z(B, T, H, K), dk=z(B, T, H, K))
-    qkvg = (args["q"], args["k"], args["v"], args["g"])
-    out = fla_stages.chunk_gla_bwd_dqkg_to(qkvg, args["h"], args["dh"], args["do"], (args["dq"], args["dk"]),
-                                           scale=0.5, dtypes=(torch.bfloat16, torch.float16, torch.float),
-                                           layout=ChunkLayout(BT))
-    (grid, kw), = calls
-    tuned = {"BK", "BV", "IS_VARLEN"}  # fla's autotune configs and heuristics
-    assert set(kw) | tuned == set(kernel.arg_names) and not set(kw) & tuned
-    assert [t.dtype for t in out] == [torch.bfloat16, torch.float16, torch.float]
-    assert kw["dq2"] is out[0] and kw["dk2"] is out[1] and kw["dg"] is out[2] and kw["dq"] is args["dq"]
-    assert all(kw[name] is args[name] for name in ("q", "k", "v", "g", "h", "dh", "do", "dk"))
-    assert grid({"BK": 32}) == (2 * 2, B * H) and kw["BT"] == BT and kw["scale"] == 0.5
-    assert kw["cu_seqlens"] is None and kw["chunk_indices"] is None
-    # packed documents: the boundaries and fla's chunk table reach the kernel, and the grid has one row per chunk
-    packed = ChunkLayout(BT, torch.tensor([0, 30, T]), torch.tensor([[0, 0], [1, 0], [1, 1]]),
-                         torch.tensor([0, 1, 3]), 3)
-    fla_stages.chunk_gla_bwd_dqkg_to(qkvg, args["h"], args["dh"], args["do"], (args["dq"], args["dk"]), scale=0.5,
-                                     dtypes=(torch.float,) * 3, layout=packed)
-    grid, kw = calls[-1]
-    assert kw["cu_seqlens"] is packed.cu_seqlens and kw["chunk_indices"] is packed.chunk_indices
-    assert grid({"BK": 64}) == (3, B * H)
 
 
 def _cpu_staged(monkeypatch, calls):
@@ -114,7 +72,7 @@ def _cpu_staged(monkeypatch, calls):
         calls.append(kw["states_in_fp32"])
         return fla_stages_cpu.chunk_fwd_h(**kw)
     monkeypatch.setattr(gla_chunk, "fla", type(stages)(**{**vars(stages), "chunk_fwd_h": fwd_h}))
-    monkeypatch.setattr(gla_chunk, "dqk_intra", fla_stages_cpu.dqk_intra)
+    monkeypatch.setattr(gla_chunk, "dqkg", fla_stages_cpu.dqkg)
     monkeypatch.setattr(gla_chunk, "fwd_A", fla_stages_cpu.fwd_A)
 
 

@@ -11,9 +11,8 @@ pytest.importorskip("triton.backends.nvidia")
 
 def _cases():
     from lingua_zeco.comm import symm_hop
-    from lingua_zeco.kernels import gla_bwd_intra, gla_fwd_intra, zeco_stages
+    from lingua_zeco.kernels import gla_bwd_dqkg, gla_fwd_intra, zeco_stages
     i32, f32 = "i32", "fp32"
-    intra = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "dA": "*fp32", "dq": "*fp32", "dk": "*fp32", "T": i32}
     prefix = {"g_cs": "*fp32", "gx": "*fp32", "b_end": "*fp32", "T": i32, "NT": i32}
     fwd_o = {"q": "*bf16", "v": "*bf16", "g": "*fp32", "A": "*fp32", "h": "*bf16", "s_in": "*bf16",
              "gx": "*fp32", "o": "*bf16", "scale": f32, "T": i32}
@@ -24,14 +23,16 @@ def _cases():
     hop = {"x_ptr": "*fp32", "a_ptr": "*fp32", "y_ptr": "*fp32", "recv_ptr": "*fp32", "send_ptr": "*fp32",
            "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32,
            "max_spins": i32}
-    # one kernel holds both paths (whole chunks, sub-chunks): each compile covers both
-    cases = {f"dqk_intra_BT{BT}_BK{BK}": (gla_bwd_intra._dqk_intra_kernel, intra,
-                                          dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,
-                                               chunk_indices=None, IS_VARLEN=False))
-             for BT, BK in ((64, 32), (64, 64), (16, 64))}
-    cases["dqk_intra_varlen"] = (gla_bwd_intra._dqk_intra_kernel,
-                                 intra | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
-                                 dict(H=16, K=128, BT=64, BC=16, BK=64, SPAN=64.0, IS_VARLEN=True))
+    dqkg = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "h": "*bf16", "dh": "*fp32", "do": "*bf16",
+            "dq": "*bf16", "dk": "*bf16", "dg": "*bf16", "dA_s": "*fp32", "dq_s": "*fp32", "dk_s": "*fp32",
+            "scale": f32, "T": i32}
+    # one kernel holds every path (whole chunks, sub-chunks): each compile covers them all
+    cases = {f"dqkg_BK{BK}_BV{BV}": (gla_bwd_dqkg._dqkg_kernel, dqkg,
+                                      dict(H=16, K=128, V=128, BT=64, BC=16, BK=BK, BV=BV, SPAN=64.0, cu_seqlens=None,
+                                           chunk_indices=None, IS_VARLEN=False))
+              for BK, BV in ((32, 32), (64, 64))}
+    cases["dqkg_varlen"] = (gla_bwd_dqkg._dqkg_kernel, dqkg | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
+                            dict(H=16, K=128, V=128, BT=64, BC=16, BK=64, BV=64, SPAN=64.0, IS_VARLEN=True))
     fwd_A = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "A": "*fp32", "scale": f32, "T": i32}
     cases |= {f"fwd_A_BT{BT}_BK{BK}": (gla_fwd_intra._fwd_A_kernel, fwd_A,
                                        dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,

@@ -24,13 +24,13 @@ from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
 from fla.ops.common.chunk_h import chunk_bwd_dh
 # dA = scale · do vᵀ inside each chunk, causal (the gradient of the intra-chunk scores, scale included)
 from fla.ops.gla.chunk import chunk_gla_bwd_dA
-# the intra-chunk parts of dq, dk, from dA (fla's; ours, gla_bwd_intra.py, replaces it: the reference of benchmarks)
+# the intra-chunk parts of dq, dk, from dA
 from fla.ops.gla.chunk import chunk_gla_bwd_dqk_intra
 # dv = Aᵀ do (intra) + (k ⊙ 2^(g_cs_end − g_cs)) dh_n (inter)
 from fla.ops.gla.chunk import chunk_gla_bwd_dv
-# the inter-chunk parts of dq, dk (from h, dh) added to the intra ones, and dg (fp32; chunk_gla_bwd_dqkg_to below
-# stores them in the gradients' own dtypes instead)
-from fla.ops.gla.chunk import chunk_gla_bwd_dqkg, chunk_gla_bwd_kernel_inter
+# the inter-chunk parts of dq, dk (from h, dh) added to the intra ones, and dg (fp32)
+# (dA, the intra and the inter stage: our one kernel replaces the three, gla_bwd_dqkg.py; fla's stay its reference)
+from fla.ops.gla.chunk import chunk_gla_bwd_dqkg
 from fla.ops.utils.constant import RCP_LN2
 from fla.ops.utils.cumsum import chunk_local_cumsum
 # ---- the kernels behind chunk_fwd_h / chunk_bwd_dh, launched directly for packed documents
@@ -79,25 +79,6 @@ def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout: ChunkLayout, h0=None):
     return dh, dh0
 
 
-def chunk_gla_bwd_dqkg_to(qkvg, h, dh, do, dqk, *, scale, dtypes, layout: ChunkLayout):
-    """= (x.to(d) for x, d in zip(chunk_gla_bwd_dqkg(q, k, v, h, g_cs, do, dh, dq, dk, scale, ...), dtypes)) with
-    (q, k, v, g_cs) = qkvg and the intra-chunk parts (dq, dk) = dqk, without the three casts: fla's kernel already
-    rounds each output to its buffer's dtype as it stores it, so buffers in the dtypes the caller returns (dq's,
-    dk's and the raw gate's: 16 bits in training) hold the same values up to rounding (Triton lowers the fp32
-    arithmetic differently per output dtype: a few values land on the other 16-bit neighbour) while the fp32
-    buffers, and the three cast kernels that read them back, are not needed."""
-    q, k, v, g = qkvg
-    dq, dk = dqk
-    B, T, H, K, V = *k.shape, v.shape[-1]
-    NT = triton.cdiv(T, layout.BT) if not layout.packed else layout.n_chunks
-    dq2, dk2 = torch.empty_like(dq, dtype=dtypes[0]), torch.empty_like(dk, dtype=dtypes[1])
-    dg = torch.empty_like(g, dtype=dtypes[2])
-    chunk_gla_bwd_kernel_inter[lambda meta: (triton.cdiv(K, meta["BK"]) * NT, B * H)](
-        q=q, k=k, v=v, g=g, h=h, do=do, dh=dh, dq=dq, dk=dk, dq2=dq2, dk2=dk2, dg=dg, cu_seqlens=layout.cu_seqlens,
-        chunk_indices=layout.chunk_indices, scale=scale, T=T, H=H, K=K, V=V, BT=layout.BT, STATE_V_FIRST=False)
-    return dq2, dk2, dg
-
-
 __all__ = ["chunk_bwd_dh", "chunk_bwd_dh_packed", "chunk_fwd_h", "chunk_fwd_h_packed", "chunk_gla_bwd_dA",
-           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dqkg_to", "chunk_gla_bwd_dv",
+           "chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqkg", "chunk_gla_bwd_dv",
            "chunk_gla_fwd_intra_gk", "chunk_gla_fwd_o_gk", "gate_cumsum"]

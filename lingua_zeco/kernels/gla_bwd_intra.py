@@ -1,28 +1,21 @@
-"""The intra-chunk part of GLA's dq and dk: a Triton kernel that replaces fla's
-`chunk_gla_bwd_dqk_intra` (its `chunk_gla_bwd_kernel_intra`, fla.ops.gla.chunk), beside its torch oracle.
+"""The intra-chunk part of GLA's dq and dk, as the backward's fused kernel computes it (gla_bwd_dqkg.py, which
+replaces fla's `chunk_gla_bwd_dqk_intra` with it), beside its torch oracle.
 
 Inside a chunk of BT tokens, with fla's chunk-local base-2 gate cumsum g and dA[t, j] = ∂L/∂A_tj
 (scale included; fla's `chunk_gla_bwd_dA`):
     dq_t = Σ_{j≤t} dA_tj · k_j ⊙ 2^(g_t − g_j)          dk_j = Σ_{t≥j} dA_tj · q_t ⊙ 2^(g_t − g_j)
-Why a kernel of our own: fla's is the slowest stage of chunk_gla's backward on H200 (its share of the
-fwd+bwd: docs/results/README.md, "One H200: the GLA operator"). It runs one program per
-16-token sub-chunk and walks the diagonal block token by token, once for dq and again for dk, each
-step a strided row load and a [16, BK] exp2. Here one program takes a whole chunk for BK keys, and
-each 16-token block s is a few tensor-core products through one reference gate, the gate g_r at s's
-middle token: 2^(g_t − g_j) = 2^(g_t − g_r)·2^(g_r − g_j).
-Off the diagonal block one factor is ≤ 1 (g falls along the chunk) and the other within s's own span;
-inside it both are within 2^±span. Where the gates fall so steeply that the span passes 2^±SPAN (64:
-far from fp32's 2^±126), the block takes an exact path instead (exact decays on the diagonal block as
-one [BC, BC, BK] tile for dq and dk, references at the block's edges off it), so no input overflows.
-Products run in fp32 (fla's choice for this stage; its comment: bf16 here loses precision): 3×TF32 on
-the diagonal block, which holds the largest terms, TF32 off it as fla's off-diagonal products.
-Whole chunks first: one reference gate for the whole chunk (its middle token) where the chunk's gates stay
-within 2^±SPAN of it, as they do at GLA-1B's gate normalizer: dq and dk are then two [BT, BT] x [BT, BK]
-products in 3×TF32 (each input tile read and each exp2 taken once, instead of once per sub-chunk pair); only
-chunks with steeper gates take the sub-chunk path above.
-Packed documents (B = 1) come as fla's varlen stages take them, with its chunk table: a program's chunk
-is (document, chunk in document), and it reads that document's rows as one sequence of its own length.
-It is faster than fla's stage on H200: docs/results/README.md, "History".
+fla's kernel runs one program per 16-token sub-chunk and walks the diagonal block token by token, once for dq
+and again for dk. Ours takes a whole chunk for BK keys through one reference gate, its middle token's g_r:
+2^(g_t − g_j) = 2^(g_t − g_r)·2^(g_r − g_j), two [BT, BT] x [BT, BK] products in 3×TF32 (fla's choice of fp32
+for this stage; its comment: bf16 here loses precision), where the chunk's gates stay within 2^±SPAN (64: far
+from fp32's 2^±126) of g_r, as they do at GLA-1B's gate normalizer. A steeper chunk goes by 16-token sub-chunks
+(`dqk_sub_chunks` here): each block s a few tensor-core products through the gate at s's middle token (off the
+diagonal block one factor is ≤ 1, as g falls along the chunk, and the other within s's own span; 3×TF32 on the
+diagonal block, which holds the largest terms, TF32 off it as fla's off-diagonal products), or where even that
+would pass 2^±SPAN exact decays on the diagonal block as one [BC, BC, BK] tile, with references at the block's
+edges off it, so that no input overflows.
+Packed documents (B = 1) come as fla's varlen stages take them, with its chunk table: a program's chunk is
+(document, chunk in document), and it reads that document's rows as one sequence of its own length.
 """
 from __future__ import annotations
 
@@ -56,7 +49,7 @@ def chunk_gla_bwd_dqk_intra_torch(q, k, g_cs, dA, BT: int, cu_seqlens=None):
 
 
 if triton is not None:
-    from .triton_chunks import chunk_origin, load_rows
+    from .triton_chunks import load_rows
 
     @triton.jit
     def _dA_block(dA, t_rows, c0, T, bos, i_h, o_c, H: tl.constexpr, BT: tl.constexpr, CAUSAL: tl.constexpr):
@@ -66,7 +59,7 @@ if triton is not None:
         return tl.load(dA + rows[:, None] * BT + (c0 + o_c)[None, :], mask=m, other=0.)
 
     @triton.jit
-    def _sub_chunks(q, k, g, dA, dq, dk, bos, i_h, o_k, m_k, t0, T, H: tl.constexpr, K: tl.constexpr,
+    def dqk_sub_chunks(q, k, g, dA, dq, dk, bos, i_h, o_k, m_k, t0, T, H: tl.constexpr, K: tl.constexpr,
                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, SPAN: tl.constexpr):
         """One chunk (rows t0 ..., keys o_k) in 16-token sub-chunks, each through its own reference gate, or
         exact where even that would leave 2^±SPAN."""
@@ -130,70 +123,5 @@ if triton is not None:
             tl.store(dq + rows_s[:, None] * K + o_k[None, :], b_dq, mask=m_sk)
             tl.store(dk + rows_s[:, None] * K + o_k[None, :], b_dk, mask=m_sk)
 
-    @triton.autotune(
-        configs=[triton.Config({"BK": bk}, num_warps=w, num_stages=s)
-                 for bk in (32, 64) for w in (2, 4, 8) for s in (1, 2)],
-        key=["BT", "K", "IS_VARLEN"], cache_results=True)
-    @triton.jit(do_not_specialize=["T"])
-    def _dqk_intra_kernel(q, k, g, dA, dq, dk, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
-                          BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr = False,
-                          SPAN: tl.constexpr = 64.0):
-        NK: tl.constexpr = (K + BK - 1) // BK
-        i_kn, i_bh = tl.program_id(0), tl.program_id(1)  # chunks on axis 0: no 65535 limit on T
-        i_k, i_n = i_kn % NK, i_kn // NK
-        i_b, i_h = (i_bh // H).to(tl.int64), i_bh % H
-        i_n, bos, T = chunk_origin(i_n, i_b, T, cu_seqlens, chunk_indices, IS_VARLEN)  # T: the document's if packed
-        o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < K
-        t0 = i_n * BT
-        # the whole chunk through one reference gate (its middle token), when the gates allow
-        o_t = tl.arange(0, BT)
-        t_c = t0 + o_t
-        g_c, m_ck = load_rows(g, t_c, bos, i_h, o_k, m_k, T, H, K)
-        mid = tl.minimum(BT // 2, T - 1 - t0)
-        g_r = tl.sum(tl.where(o_t[:, None] == mid, g_c, 0.), axis=0)
-        span = tl.max(tl.max(tl.where(m_ck, tl.abs(g_c - g_r[None, :]), 0.), axis=1), axis=0)
-        if span <= SPAN:  # two [BT, BT] x [BT, BK] products, 3xTF32: the diagonal's largest terms are in them
-            q_c, _ = load_rows(q, t_c, bos, i_h, o_k, m_k, T, H, K)
-            k_c, _ = load_rows(k, t_c, bos, i_h, o_k, m_k, T, H, K)
-            kg_c = tl.where(m_ck, k_c * tl.exp2(g_r[None, :] - g_c), 0.)
-            qg_c = tl.where(m_ck, q_c * tl.exp2(g_c - g_r[None, :]), 0.)
-            dA_c = _dA_block(dA, t_c, 0, T, bos, i_h, o_t, H, BT, True)
-            b_dq = tl.dot(dA_c, kg_c, input_precision="tf32x3") * tl.exp2(
-                tl.where(m_ck, g_c - g_r[None, :], 0.))
-            b_dk = tl.dot(tl.trans(dA_c), qg_c, input_precision="tf32x3") * tl.exp2(
-                tl.where(m_ck, g_r[None, :] - g_c, 0.))
-            rows_c = (bos + t_c) * H + i_h
-            tl.store(dq + rows_c[:, None] * K + o_k[None, :], b_dq, mask=m_ck)
-            tl.store(dk + rows_c[:, None] * K + o_k[None, :], b_dk, mask=m_ck)
-        else:
-            _sub_chunks(q, k, g, dA, dq, dk, bos, i_h, o_k, m_k, t0, T, H, K, BT, BC, BK, SPAN)
 
-
-def chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, chunk_size: int, cu_seqlens=None, chunk_indices=None):
-    """= fla's chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=chunk_size, cu_seqlens=cu_seqlens,
-    chunk_indices=chunk_indices): (dq, dk) [B, T, H, K] in fp32. Packed documents (B = 1) need fla's
-    chunk table [NT, 2] (document, chunk in document) as well as the boundaries: it sizes the grid,
-    so nothing is read back from the GPU. A chunk whose gates stay within 2^±SPAN of its middle token's runs as
-    two [BT, BT] products through that one reference, a steeper one by 16-token sub-chunks (module doc)."""
-    B, T, H, K = q.shape
-    if g_cs.dtype != torch.float or dA.dtype != torch.float:
-        raise TypeError(f"dqk_intra: g_cs and dA must be fp32 (fla's stages give them so), "
-                        f"got {g_cs.dtype}, {dA.dtype}")
-    if (cu_seqlens is None) != (chunk_indices is None) or (cu_seqlens is not None and B != 1):
-        raise ValueError("dqk_intra: packed documents need cu_seqlens and chunk_indices together, with B = 1; "
-                         f"got B = {B}, cu_seqlens {'set' if cu_seqlens is not None else 'None'}, "
-                         f"chunk_indices {'set' if chunk_indices is not None else 'None'}")
-    NT = triton.cdiv(T, chunk_size) if chunk_indices is None else chunk_indices.shape[0]
-    dq = torch.empty_like(q, dtype=torch.float)
-    dk = torch.empty_like(k, dtype=torch.float)
-
-    def grid(meta):
-        return (triton.cdiv(K, meta["BK"]) * NT, B * H)
-
-    _dqk_intra_kernel[grid](q, k, g_cs, dA, dq, dk, cu_seqlens, chunk_indices, T, H=H, K=K, BT=chunk_size,
-                            BC=min(16, chunk_size), IS_VARLEN=cu_seqlens is not None)
-    return dq, dk
-
-
-__all__ = ["chunk_gla_bwd_dqk_intra", "chunk_gla_bwd_dqk_intra_torch"]
+__all__ = ["chunk_gla_bwd_dqk_intra_torch", "dqk_sub_chunks"]

@@ -1,6 +1,7 @@
 """The single-device GLA operator on CUDA: fla's chunk_gla rebuilt from fla's stages (kernels/fla_stages.py)
 with our intra-chunk stages, which take whole chunks where the gates allow: the forward's intra-chunk
-attention A (gla_fwd_intra.py) and the backward's intra-chunk dq/dk (gla_bwd_intra.py).
+attention A (gla_fwd_intra.py) and the backward's dq, dk, dg in one kernel (gla_bwd_dqkg.py: fla's dA and
+inter-chunk stages fused with our intra-chunk dq/dk, gla_bwd_intra.py).
 Every other stage and the precisions are fla's (ChunkGLAFunction): the gate cumsum kept when g is fp32,
 recomputed from 16-bit gates. `save_h` keeps the forward's chunk states h (in k's dtype: 16 bits in training)
 for the backward instead of recomputing them in fp32: one state pass fewer per call for
@@ -17,14 +18,14 @@ import torch
 
 from . import fla_stages as fla
 from .common import ChunkLayout
-from .gla_bwd_intra import chunk_gla_bwd_dqk_intra
+from .gla_bwd_dqkg import chunk_gla_bwd_dqkg
 from .gla_fwd_intra import chunk_gla_fwd_A
 
 
-def dqk_intra(q, k, g_cs, dA, layout: ChunkLayout):
-    """The intra-chunk parts of (dq, dk), fp32 (gla_bwd_intra.py)."""
-    return chunk_gla_bwd_dqk_intra(q, k, g_cs, dA, layout.BT, cu_seqlens=layout.cu_seqlens,
-                                   chunk_indices=layout.chunk_indices)
+def dqkg(qkvg, h, dh, do, scale: float, dtypes, layout: ChunkLayout):
+    """(dq, dk, dg) in `dtypes` from qkvg = (q, k, v, g_cs), the states h, their gradients dh and do, in one
+    kernel (gla_bwd_dqkg.py)."""
+    return chunk_gla_bwd_dqkg(qkvg, h, dh, do, scale=scale, dtypes=dtypes, layout=layout)
 
 
 def fwd_A(q, k, g_cs, scale: float, layout: ChunkLayout):
@@ -71,11 +72,8 @@ def staged_bwd(qkvg, saved, do, dht, scale: float, layout: ChunkLayout):
     else:
         dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0)
     dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, **layout.varlen)
-    dA = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **layout.varlen)
-    dqk = dqk_intra(q, k, g_cs, dA, layout)
     g_dtype = (g if g is not None else g_cs).dtype  # g is None when its fp32 cumsum was kept instead
-    dq, dk, dg = fla.chunk_gla_bwd_dqkg_to((q, k, v, g_cs), h, dh, do, dqk, scale=scale,
-                                           dtypes=(q.dtype, k.dtype, g_dtype), layout=layout)
+    dq, dk, dg = dqkg((q, k, v, g_cs), h, dh, do, scale, (q.dtype, k.dtype, g_dtype), layout)
     return dq, dk, dv.to(v), dg, dh0
 
 
@@ -99,4 +97,4 @@ class ChunkGLA(torch.autograd.Function):
         return dq, dk, dv, dg, None, dh0, None, None, None
 
 
-__all__ = ["ChunkGLA", "dqk_intra", "fwd_A", "staged_bwd", "staged_fwd"]
+__all__ = ["ChunkGLA", "dqkg", "fwd_A", "staged_bwd", "staged_fwd"]

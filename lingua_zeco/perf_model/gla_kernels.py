@@ -59,6 +59,10 @@ def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: in
         # dq += do h^T, dk += v dh^T; reads h and dh in fp32 and the intra parts of dq, dk; writes dq, dk, dg
         "chunk_gla_bwd_kernel_inter": (2 * e * NK + e * NV + 4 * NS + 4 * NK + e * NV + 4 * NS + 2 * 4 * NK
                                        + 2 * e * NK + 4 * NK, 2 * state),
+        # ours: dA, the intra-chunk dq, dk and the inter stage in one (gla_bwd_dqkg.py): reads q, k, g, v, do, the
+        # kept 16-bit h and fp32 dh; writes dq, dk, dg in the inputs' dtype
+        "_dqkg_kernel": (2 * e * NK + 4 * NK + 2 * e * NV + e * NS + 4 * NS + 3 * e * NK,
+                         2 * state + scores_v + 2 * scores_k),
     }
     return {name: KernelCost(float(b), float(f)) for name, (b, f) in costs.items()}
 

@@ -11,8 +11,8 @@ as in the dense layout and the dense ZeCO stages apply to it unchanged (prefix v
 Forward:  g_cs, h (zero initial states), S_last → scan starts; A and fla's output stage for the whole
           slice meanwhile; after the wait the prefix's outputs are redone with S_in folded in.
 Backward: D from the prefix → reverse scan starts; h recomputed with S_in as the first segment's
-          initial state, dA, intra dq/dk meanwhile; then fla's dh with G as
-          the last segment's final-state gradient, dv, dq/dk/dg — fla's varlen backward from (S_in, G).
+          initial state meanwhile; then fla's dh with G as the last segment's final-state gradient, dv,
+          and dq/dk/dg in one kernel (gla_bwd_dqkg.py) — fla's varlen backward from (S_in, G).
 A slice inside one document (no boundary in it) takes the dense FusedZeCOGLA instead.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from lingua_zeco.kernels import chunk_layout
 from lingua_zeco.kernels import fla_stages as fla
-from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
+from lingua_zeco.kernels.gla_chunk import dqkg, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -74,13 +74,10 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
             h0_NHKV[0] = S_in_BHKV[0]
         h_BNHKV, _ = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, h0_NHKV, layout=layout, output_final_state=False,
                                             states_in_fp32=True)
-        dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, **layout.varlen)
-        dqk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, layout)
         G_BHKV = work.wait()
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]
         dh_BNHKV, _ = fla.chunk_bwd_dh_packed(q, do, dht_NHKV, g_cs_BTHK, scale=scale, layout=layout)
         dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, **layout.varlen)
-        dq, dk, dg = fla.chunk_gla_bwd_dqkg_to((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, dqk, scale=scale,
-                                               dtypes=(q.dtype, k.dtype, g.dtype), layout=layout)
+        dq, dk, dg = dqkg((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, scale, (q.dtype, k.dtype, g.dtype), layout)
         return dq, dk, dv.to(v), dg, None, None, None

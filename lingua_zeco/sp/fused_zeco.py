@@ -12,9 +12,10 @@ Backward: fla's backward with initial_state = S_in and final-state gradient G fr
 G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
   1. g_cs (fla); D = scale·Σ_t (q_t ⊙ b_t)ᵀ do_t (one read of q, g_cs, do)         zeco_stages
   2. reverse All-Scan of (D, b_end) → G starts                        ┐
-  3. h recomputed from S_in (unless kept); dA; intra-chunk dq, dk      ┘ overlapped  fla; dq, dk ours
-  4. dh with the final-state gradient G, then dv, and dq, dk, dg       (dg includes the decays of
-     S_in and G: h carries S_in, dh carries G)                                    fla
+  3. h recomputed from S_in (unless kept)                             ┘ overlapped  fla
+  4. dh with the final-state gradient G, then dv                                 fla
+  5. dq, dk, dg in one kernel: dA, the intra-chunk and the inter-chunk parts     ours (gla_bwd_dqkg.py)
+     (dg includes the decays of S_in and G: h carries S_in, dh carries G)
 The extra work against plain fla chunk_gla is the D pass, the chunk gate sums and the fold inside
 the output stage: no pass rewrites the chunk states h or dh. fla's stages come through
 lingua_zeco/kernels/fla_stages.py, ours from lingua_zeco/kernels/zeco_stages.py.
@@ -32,7 +33,7 @@ import torch.distributed as dist
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import ChunkLayout
 from lingua_zeco.kernels import fla_stages as fla
-from lingua_zeco.kernels.gla_chunk import dqk_intra, fwd_A
+from lingua_zeco.kernels.gla_chunk import dqkg, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -75,14 +76,11 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn):
     else:
         h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
                                      states_in_fp32=True)
-    dA_BTHC = fla.chunk_gla_bwd_dA(v=v, do=do, scale=scale, chunk_size=BT)
-    dqk = dqk_intra(q, k, g_cs_BTHK, dA_BTHC, layout)
     G_BHKV = work.wait()
     dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
                                    chunk_size=BT, states_in_fp32=True)
     dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
-    dq, dk, dg = fla.chunk_gla_bwd_dqkg_to((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, dqk, scale=scale,
-                                           dtypes=(q.dtype, k.dtype, g.dtype), layout=layout)
+    dq, dk, dg = dqkg((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, scale, (q.dtype, k.dtype, g.dtype), layout)
     return dq, dk, dv.to(v), dg
 
 

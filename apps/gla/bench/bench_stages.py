@@ -1,8 +1,9 @@
 """The stages of our own alone, each beside fla's stage it replaces where there is one: time and effective
 bandwidth of `zeco_dS_in` (the backward's local ∂L/∂S_in, memory-bound: it reads q, the gates and dO once) at
 several `runs` (programs per call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw
-16-bit gates; the backward's intra-chunk dq/dk, ours (`intra_ours`, kernels/gla_bwd_intra.py) and fla's
-(`intra_fla`), with the largest difference between them; the forward's intra-chunk attention A, ours
+16-bit gates; the backward's dq, dk, dg, ours in one kernel (`dqkg_ours`, kernels/gla_bwd_dqkg.py) and fla's three
+stages it replaces (`dqkg_fla`: dA, intra-chunk dq/dk, inter-chunk with dg), with the largest relative difference
+between them; the forward's intra-chunk attention A, ours
 (`fwdA_ours`, kernels/gla_fwd_intra.py) and fla's (`fwdA_fla`); ZeCO's output stage (`fwdO`) as the fused
 operator runs it with the library's save_h (writing the true states back when it keeps them).
 
@@ -44,8 +45,8 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     # fla and Triton: imported on the GPU only; fla's own intra stages straight from fla (the reference)
     from lingua_zeco.kernels.fla_stages import chunk_gla_bwd_dqk_intra, chunk_gla_fwd_intra_gk
 
-    from lingua_zeco.kernels import GLAOptions, fla_stages, zeco_stages
-    from lingua_zeco.kernels.gla_bwd_intra import chunk_gla_bwd_dqk_intra as ours_dqk_intra
+    from lingua_zeco.kernels import ChunkLayout, GLAOptions, fla_stages, zeco_stages
+    from lingua_zeco.kernels.gla_bwd_dqkg import chunk_gla_bwd_dqkg
     from lingua_zeco.kernels.gla_fwd_intra import chunk_gla_fwd_A
     q, k, v, g, do = (t.detach() for t in inputs)
     BT = zeco_stages.fla_chunk_size(T)
@@ -55,21 +56,31 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     fns = {f"dS_in_runs{r}": (lambda r=r: dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
     fns |= {f"dS_in_raw_runs{r}": (lambda r=r: dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
             for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
-    dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, chunk_size=BT)
-    intra = {"ours": lambda: ours_dqk_intra(q, k, g_cs, dA, BT),
-             "fla": lambda: chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT)}
-    fns |= {f"intra_{name}": fn for name, fn in intra.items()}
+    # the backward's dq, dk, dg from the kept 16-bit states and fp32 state gradients, as the operator's backward
+    h, _ = fla_stages.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=False, chunk_size=BT)
+    dh, _ = fla_stages.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT,
+                                    states_in_fp32=True)
+
+    def dqkg_fla():
+        dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, chunk_size=BT)
+        dq, dk = chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT)
+        return fla_stages.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=0.1,
+                                             chunk_size=BT)
+    dqkg = {"ours": lambda: chunk_gla_bwd_dqkg((q, k, v, g_cs), h, dh, do, scale=0.1,
+                                               dtypes=(q.dtype, k.dtype, g.dtype), layout=ChunkLayout(BT)),
+            "fla": dqkg_fla}
+    ours, theirs = dqkg["ours"](), dqkg["fla"]()  # before the timed replays, in which fwdO rewrites h
+    dqkg_diff = max(((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
+    fns |= {f"dqkg_{name}": fn for name, fn in dqkg.items()}
     fns |= {"fwdA_ours": lambda: chunk_gla_fwd_A(q, k, g_cs, 0.1, BT),
             "fwdA_fla": lambda: chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=0.1, chunk_size=BT)}
     # ZeCO's output stage, S_in in bf16 as fused_zeco passes it; storing the true states, each replay folds S_in
     # into h again: the values drift, the traffic does not
-    h, _ = fla_stages.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=False, chunk_size=BT)
     A, S_in, store_h = chunk_gla_fwd_A(q, k, g_cs, 0.1, BT), 0.01 * h[:, -1].clone(), GLAOptions().save_h
     fns["fwdO"] = lambda: zeco_stages.zeco_fwd_o(q, v, g_cs, A, h, (S_in, Gx), 0.1, store_h=store_h)
     timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, fwdO_store_h=store_h, best_config=zeco_stages.dS_in_best_config())
-    ours, theirs = intra["ours"](), intra["fla"]()
-    row["intra_max_rel_diff"] = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
+    row["dqkg_max_rel_diff"] = dqkg_diff
     for name, us in timed_us.items():
         row[f"{name}_us"] = round(us, 2)
         if name.startswith("dS_in"):

@@ -143,7 +143,7 @@ def build_fla(a: BenchTrainArgs, device):
 # ------------------------------------------------------------------------------------ profiling
 CATEGORIES = [  # first match wins; lower-case substrings of kernel names
     ("gla (fla chunk kernels + ZeCO stages)", ("chunk_", "_fwd_o_kernel", "_ds_in_kernel", "_decay_prefix", "gla",
-                                               "fwd_h", "bwd_dh", "cumsum", "_dqk_intra_kernel", "_fwd_a_kernel")),
+                                               "fwd_h", "bwd_dh", "cumsum", "_dqkg_kernel", "_fwd_a_kernel")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "_scaled_mm")),
     # Inductor's generated kernels (model.compile=blocks): norms, gates, SwiGLU, residuals, float8 casts fused
     ("inductor fused kernels", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),
