@@ -66,7 +66,7 @@ def paths(g_cs, BT, BK, SPAN, docs):
     return n
 """
 
-_INTERPRETED = _PATHS + r"""
+_LAUNCH = r"""
 import sys, torch, triton
 import torch.nn.functional as F
 sys.path.insert(0, "tests")
@@ -85,6 +85,9 @@ def intra_dqk(q, k, g_cs, v, do, BT, BK, SPAN, cu=None, ci=None, NT=None):
         q, k, v, g_cs, zero, zero, do, dq, dk, dg, torch.empty(B, T, H, BT), dq_s, dk_s, cu, ci, 1.0, T, H=H, K=K,
         V=V, BT=BT, BC=min(16, BT), BK=BK, BV=32, IS_VARLEN=cu is not None, SPAN=SPAN)
     return dq, dk
+"""
+
+_INTERPRETED = _PATHS + _LAUNCH + r"""
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 B, T, H, K, V = 2, 150, 2, 64, 32
 gen = torch.Generator().manual_seed(0)
@@ -131,25 +134,7 @@ def test_triton_kernel_under_the_interpreter(variant):
         assert worst > 1e-2, worst
 
 
-_PACKED = _PATHS + r"""
-import sys, torch, triton
-import torch.nn.functional as F
-sys.path.insert(0, "tests")
-from fla_stages_cpu import chunk_gla_bwd_dA
-from lingua_zeco.kernels import gla_bwd_dqkg as fk, gla_bwd_intra as gi
-
-
-# (dq, dk) of the fused kernel with h = dh = 0 (the intra-chunk parts), dA made inside from do, v (scale 1)
-def intra_dqk(q, k, g_cs, v, do, BT, BK, SPAN, cu=None, ci=None, NT=None):
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    NT = NT or triton.cdiv(T, BT)
-    zero = torch.zeros(B, NT, H, K, V)
-    dq, dk, dg, dq_s, dk_s = (torch.empty(B, T, H, K) for _ in range(5))
-    fk._dqkg_kernel.fn[(triton.cdiv(K, BK) * NT, B * H)](
-        q, k, v, g_cs, zero, zero, do, dq, dk, dg, torch.empty(B, T, H, BT), dq_s, dk_s, cu, ci, 1.0, T, H=H, K=K,
-        V=V, BT=BT, BC=min(16, BT), BK=BK, BV=32, IS_VARLEN=cu is not None, SPAN=SPAN)
-    return dq, dk
+_PACKED = _PATHS + _LAUNCH + r"""
 from lingua_zeco.kernels.common import varlen_chunk_tables
 from lingua_zeco.kernels.zeco_stages import chunk_local_cumsum_torch
 # packed documents: a zero-length one, a one-token one, one shorter than a sub-chunk, one exactly a
