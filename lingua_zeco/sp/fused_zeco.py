@@ -13,7 +13,7 @@ G is not known at the start, so D = ∂L/∂S_in of this slice comes first:
   1. g_cs (fla); D = scale·Σ_t (q_t ⊙ b_t)ᵀ do_t (one read of q, g_cs, do)         zeco_stages
   2. reverse All-Scan of (D, b_end) → G starts                        ┐
   3. h recomputed from S_in (unless kept: then only the gate cumsum  ┘ overlapped  fla
-     overlaps the scan; dA and the intra-chunk parts moved into step 5's kernel)
+     runs beside the scan, as dA and the intra-chunk parts are in step 5's kernel)
   4. dh with the final-state gradient G, then dv                                 fla
   5. dq, dk, dg in one kernel: dA, the intra-chunk and the inter-chunk parts     ours (gla_bwd_dqkg.py)
      (dg includes the decays of S_in and G: h carries S_in, dh carries G)
