@@ -54,7 +54,6 @@ def gla_kernel_costs(B: int, T: int, H: int, K: int, V: int, BT: int = 64, e: in
         "chunk_bwd_kernel_dh": (e * NK + e * NV + 4 * NK + 4 * NS, state),
         "chunk_gla_bwd_kernel_dA": (2 * e * NV + 4 * NA, scores_v),
         "chunk_gla_bwd_kernel_dv": (e * NK + 4 * NK + 4 * NA + e * NV + 4 * NS + e * NV, scores_v + state),
-        "_dqk_intra_kernel": (2 * e * NK + 4 * NK + 4 * NA + 2 * 4 * NK, 2 * scores_k),
         "chunk_gla_bwd_kernel_intra": (2 * e * NK + 4 * NK + 4 * NA + 2 * 4 * NK, 2 * scores_k),
         # dq += do h^T, dk += v dh^T; reads h and dh in fp32 and the intra parts of dq, dk; writes dq, dk, dg
         "chunk_gla_bwd_kernel_inter": (2 * e * NK + e * NV + 4 * NS + 4 * NK + e * NV + 4 * NS + 2 * 4 * NK
