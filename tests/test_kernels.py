@@ -64,6 +64,22 @@ def test_backend_choice():
 
 
 
+def test_backend_choice_inside_a_compiled_block():
+    # compiled blocks ask for the backend on every trace: the answer is a constant there, Dynamo neither traces
+    # fla's import nor warns about a cached function (it did, once per compile, on the GPU)
+    import warnings
+
+    def block(x):
+        return x + (1.0 if pick_backend(torch.device("cuda")) == "fla" else 2.0)
+
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(block, backend="eager", fullgraph=True)(torch.zeros(2))
+    assert torch.equal(out, block(torch.zeros(2)))
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_operator_options_are_checked_and_reach_the_kernel():
     """A misspelt backend must not fall through to a default; the options' backend is the one that runs."""
     with pytest.raises(ValueError, match="GLA backend must be one of"):

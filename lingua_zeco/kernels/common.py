@@ -38,13 +38,19 @@ class ChunkLayout:
         return dict(cu_seqlens=self.cu_seqlens, chunk_size=self.BT, chunk_indices=self.chunk_indices)
 
 
-@functools.lru_cache(maxsize=1)
+_FLA_AVAILABLE: list[bool] = []  # the answer, once known
+
+
+# a constant to torch.compile: compiled blocks do not trace the import (nor Dynamo a functools cache)
+@torch.compiler.assume_constant_result
 def fla_available() -> bool:
-    try:
-        import fla.ops.gla  # noqa: F401
-    except Exception:  # ImportError, or Triton refusing this platform
-        return False
-    return torch.cuda.is_available()
+    if not _FLA_AVAILABLE:
+        try:
+            import fla.ops.gla  # noqa: F401
+            _FLA_AVAILABLE.append(torch.cuda.is_available())
+        except Exception:  # ImportError, or Triton refusing this platform
+            _FLA_AVAILABLE.append(False)
+    return _FLA_AVAILABLE[0]
 
 
 def pick_backend(device: torch.device, backend: str | None = None) -> str:
