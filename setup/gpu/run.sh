@@ -9,6 +9,8 @@
 #   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
 #   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
 #   profile       the 16K step of ours with its kernel time by category and the GPU's idle gaps          ≈ 3
+#   float8_fsdp   the 16K step with FSDP forced on the one GPU, bf16 and float8 (its float8 all-gather),  ≈ 4
+#                 each profiled: where float8 under FSDP loses what it gains on the plain module
 #   passkey       GLA-1B's passkey evaluation (docs/long_context.md, section 7) at 128K, 1M and 4M tokens   ≈ 4
 #                 in segments of 16K: tokens/s and peak memory by length
 #   extension     GLA-1B from a Hugging Face folder (docs/long_context.md, section 8): 64K training in       ≈ 5
@@ -20,7 +22,8 @@
 #   memcheck      compute-sanitizer memcheck of 3 stress rounds at P = 2, 3, 5 and of the symm GPU tests   ≈ 4
 #   symm_loop     the symm GPU tests 20 times in a row (SYMM_ROUNDS=N for another count), each run in 14   ≈ 7
 #                 processes as the suite runs them; one log per run and the count of runs that passed
-#   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)    ≈ 6
+#   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)  ≈ 6-9
+#                 (8.5 on an H100 of a fresh machine)
 #   parity_float8 second half: the same with float8 against the first half's output, given as         ≈ 6
 #                 PARITY_REF=<parity_bf16.json, carried>; both curves in parity_float8.png
 #   compare       step (16K) and operator on BASE_DIR, another checkout, and on this tree back to back   ≈ 8
@@ -32,7 +35,7 @@
 # in $OUT/autotune.tgz; fold those into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when every part's commands
 # exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
-PARTS="tests step operator long_context profile passkey extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
+PARTS="tests step operator long_context profile float8_fsdp passkey extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -119,6 +122,11 @@ part_long_context() {  # three steps of ≈ 96 s: the first (compiles), one warm
 part_profile() {
     train "$HERE" "$OUT/profile" 420 stem=train_16384_profile seq_len=16384 warmup=3 steps=8 variants=ours \
         profile=ours
+}
+
+part_float8_fsdp() {
+    train "$HERE" "$OUT/float8_fsdp" 420 stem=train_16384_fsdp seq_len=16384 warmup=3 steps=8 \
+        variants=ours_fsdp,ours_float8_fsdp profile=ours_fsdp,ours_float8_fsdp
 }
 
 # a GLA-1B run folder with one step of random weights, /tmp/gla_1b_base.<pid> (the passkey and extension parts measure
