@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from apps.gla.bench.common import bench_main, finish
 
@@ -54,3 +55,28 @@ def test_a_whole_run_is_not_marked_partial(tmp_path):
     path = bench_main(_Args, _measure_whole)([f"out={tmp_path}", "rows=2"])
     written = json.loads(open(path).read())
     assert "partial" not in written and [r["i"] for r in written["rows"]] == [0, 1]
+
+
+def test_a_variant_out_of_memory_gets_its_row_and_the_others_run(tmp_path, monkeypatch, capsys):
+    """bench_train: the first variant runs out of memory (as fla's model did at 32K on an 80 GB GPU); its row
+    says so, the next variant is measured in the memory it held, and the exit code is 1."""
+    import apps.gla.bench.bench_train as bench_train
+
+    real = bench_train.run_variant
+
+    def run_variant(name, a, device):
+        if name == "ours_float8":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 128.00 MiB")
+        return real(name, a, device)
+
+    monkeypatch.setattr(bench_train, "run_variant", run_variant)
+    argv = ["config=debug.yaml", "variants=ours_float8,ours", "seq_len=64", "steps=2", "warmup=1", f"out={tmp_path}",
+            "stem=oom"]
+    assert bench_train.cli(argv) == 1
+    rows = json.loads((tmp_path / "oom.json").read_text())["rows"]
+    assert rows[0] == dict(variant="ours_float8", seq_len=64, error="out of memory at seq_len=64", vs_fla=None)
+    assert rows[1]["variant"] == "ours" and rows[1]["tok_per_s"] > 0 and "error" not in rows[1]
+    assert "error: variant ours_float8 ran out of memory" in capsys.readouterr().out
+    assert "| out of memory at seq_len=64 |" in (tmp_path / "oom.md").read_text()
+    monkeypatch.setattr(bench_train, "run_variant", real)
+    assert bench_train.cli([*argv, "variants=ours", "stem=whole"]) == 0

@@ -14,11 +14,14 @@ tok/s and the peak memory. "ours*" variants call `apps.gla.train_step.train_step
 module as the trainer decides it, autocast, clipping, the non-finite guard, AdamW) on a model built by
 `apps.gla.train.build_model` from `config` plus `overrides` and the variant's own. "fla" is fla's
 `GLAForCausalLM` of the same shape (fp32 weights, bf16 autocast, fused AdamW, clipping): the reference every
-ours* row is set against (vs_fla).
+ours* row is set against (vs_fla). In one process, a variant that runs out of GPU memory gets a row saying so
+and the next one runs (the exit code is then 1).
 """
 from __future__ import annotations
 
 import gc
+import json
+import sys
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -261,22 +264,43 @@ def run_variant(name: str, a: BenchTrainArgs, device) -> dict:
     return row
 
 
+def run_or_record_oom(name: str, a: BenchTrainArgs, device) -> dict:
+    """run_variant's row; in one process a variant that runs out of GPU memory gets a row saying so and the next
+    variant runs in the memory it held (under torchrun the other ranks wait in a collective: it stops the run)."""
+    try:
+        return run_variant(name, a, device)
+    except torch.OutOfMemoryError:
+        if dist.get_world_size() > 1:
+            raise
+    # here, after the except block: its traceback, which holds the variant's model and activations, is gone
+    gc.collect()
+    reset_peak_memory(device)
+    error = f"out of memory at seq_len={a.seq_len}"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        error = f"out of GPU memory ({torch.cuda.get_device_properties(device).total_memory / 2**30:.0f} GiB) " \
+                f"at seq_len={a.seq_len}"
+    print(f"error: variant {name} ran {error}; the other variants run on", flush=True)
+    return dict(variant=name, seq_len=a.seq_len, error=error)
+
+
 def measure(a: BenchTrainArgs, device):
     """Yields the results after each variant (bench_main writes each: a run cut short keeps them)."""
     rows = []
     for name in a.variants:
-        rows.append(run_variant(name, a, device))
+        rows.append(run_or_record_oom(name, a, device))
         print({k: v for k, v in rows[-1].items() if not k.startswith("profile")}, flush=True)
         yield a.stem, dict(rows=rows), summary(rows)
 
 
 def summary(rows: list[dict]) -> str:
     """The rows (each with vs_fla when fla was measured) and their profiles as markdown."""
-    ref = next((r["tok_per_s"] for r in rows if r["variant"] == "fla"), None)
+    ref = next((r.get("tok_per_s") for r in rows if r["variant"] == "fla"), None)
     for r in rows:
-        r["vs_fla"] = r["tok_per_s"] / ref if ref else None
+        r["vs_fla"] = r["tok_per_s"] / ref if ref and "tok_per_s" in r else None
     md = markdown_table(rows, ["variant", "seq_len", "params_M", "step_ms", "p10_ms", "p90_ms", "tok_per_s",
-                               "vs_fla", "mfu", "peak_gib", "first_step_s"])
+                               "vs_fla", "mfu", "peak_gib", "first_step_s",
+                               *(["error"] if any("error" in r for r in rows) else [])])
     for r in rows:
         if "profile" in r:
             md += f"\nKernel time of one `{r['variant']}` step by category (ms):\n\n"
@@ -293,6 +317,15 @@ def summary(rows: list[dict]) -> str:
 main = bench_main(BenchTrainArgs, measure, check_args)
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """main, and the exit code: 1 when a variant ran out of memory (its row says so), else 0."""
     with reliability.clean_exit():  # bad input: one `error: ...` line, exit code 2
-        main()
+        path = main(argv)
+    if path is None:  # the other ranks: rank 0 writes and reports
+        return 0
+    with open(path) as f:
+        return 1 if any("error" in r for r in json.load(f)["rows"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
