@@ -63,7 +63,6 @@ def test_backend_choice():
         pick_backend(torch.device("cpu"), "cuda")
 
 
-
 def test_backend_choice_inside_a_compiled_block():
     # compiled blocks ask for the backend on every trace: the answer is a constant there, Dynamo neither traces
     # fla's import nor warns about a cached function (it did, once per compile, on the GPU)
