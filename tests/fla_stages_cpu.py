@@ -183,11 +183,17 @@ def in_float64(stage):
 STAGES_FLOAT64 = SimpleNamespace(**{name: in_float64(stage) for name, stage in vars(STAGES).items()})
 
 
+def dv(k, g_cs, A, do, dh, layout):
+    """kernels/gla_chunk.py's dv: fla's dv stage (gla_bwd_dv.py computes it in one kernel)."""
+    return chunk_gla_bwd_dv(k, g_cs, A, do, dh, layout.cu_seqlens, layout.BT)
+
+
 def use_cpu_stages(monkeypatch, module, exact: bool = False):
     """Run `module`'s own code (kernels/gla_chunk.py, sp/fused_zeco.py, sp/fused_packed.py) over the stages above:
-    its `fla` and our own stages (fwd_A, dqkg) replaced. exact: every stage on float64 copies of its
+    its `fla` and our own stages (fwd_A, dqkg, dv) replaced. exact: every stage on float64 copies of its
     inputs (STAGES_FLOAT64)."""
     wrap = in_float64 if exact else (lambda stage: stage)
     monkeypatch.setattr(module, "fla", STAGES_FLOAT64 if exact else STAGES)
     monkeypatch.setattr(module, "fwd_A", wrap(fwd_A))
     monkeypatch.setattr(module, "dqkg", wrap(dqkg))
+    monkeypatch.setattr(module, "dv", wrap(dv))

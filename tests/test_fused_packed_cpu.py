@@ -27,6 +27,7 @@ BOUNDS = (0, 100, 230, 250, 400, 480)
 def cpu_stages(monkeypatch):
     monkeypatch.setattr(fp, "fla", fla_stages_cpu.STAGES)
     monkeypatch.setattr(fp, "dqkg", fla_stages_cpu.dqkg)
+    monkeypatch.setattr(fp, "dv", fla_stages_cpu.dv)
     monkeypatch.setattr(fp, "fwd_A", fla_stages_cpu.fwd_A)
 
 

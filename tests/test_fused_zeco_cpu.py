@@ -29,6 +29,7 @@ def fwd_h_calls(monkeypatch):
     stages = fla_stages_cpu.STAGES
     monkeypatch.setattr(fz, "fla", type(stages)(**{**vars(stages), "chunk_fwd_h": fwd_h}))
     monkeypatch.setattr(fz, "dqkg", fla_stages_cpu.dqkg)
+    monkeypatch.setattr(fz, "dv", fla_stages_cpu.dv)
     monkeypatch.setattr(fz, "fwd_A", fla_stages_cpu.fwd_A)
     return calls
 

@@ -37,13 +37,17 @@ def _recording_stages(monkeypatch, B, T, H, K, V, BT):
     stage("chunk_gla_fwd_intra_gk", lambda **kw: z(B, T, H, BT))
     stage("chunk_gla_fwd_o_gk", lambda **kw: z(B, T, H, V))
     stage("chunk_bwd_dh", lambda **kw: (z(B, NT, H, K, V), None if kw["h0"] is None else z(B, H, K, V)))
-    stage("chunk_gla_bwd_dv", lambda **kw: z(B, T, H, V))
     seen_dqkg = []
 
     def dqkg(qkvg, h, dh, do, *, dtypes, **kw):
         seen_dqkg.append(all(t.is_contiguous() for t in (*qkvg, h, dh, do)))
         return tuple(z(B, T, H, K, dtype=d) for d in dtypes)
     monkeypatch.setattr(gla_chunk, "chunk_gla_bwd_dqkg", dqkg)
+
+    def dv(k, g_cs, A, do, dh, *, layout):
+        seen.append(("dv", all(t.is_contiguous() for t in (k, g_cs, A, do, dh))))
+        return z(B, T, H, V)
+    monkeypatch.setattr(gla_chunk, "chunk_gla_bwd_dv", dv)
     monkeypatch.setattr(gla_chunk, "chunk_gla_fwd_A", lambda q, k, g_cs, scale, BT, **kw: z(B, T, H, BT))
     return seen, seen_dqkg
 
@@ -58,7 +62,7 @@ def test_every_stage_receives_contiguous_tensors(monkeypatch):
     o, ht = staged(q, k, v, g, initial_state=h0, output_final_state=True)
     (o.sum() + ht.sum()).backward()  # ht.sum(): its gradient is ones expanded, stride 0
     names = {name for name, _ in seen}
-    assert {"chunk_fwd_h", "chunk_bwd_dh", "chunk_gla_bwd_dv"} <= names and seen_dqkg == [True]
+    assert {"chunk_fwd_h", "chunk_bwd_dh", "dv"} <= names and seen_dqkg == [True]
     assert [name for name, ok in seen if not ok] == []
 
 
@@ -73,6 +77,7 @@ def _cpu_staged(monkeypatch, calls):
         return fla_stages_cpu.chunk_fwd_h(**kw)
     monkeypatch.setattr(gla_chunk, "fla", type(stages)(**{**vars(stages), "chunk_fwd_h": fwd_h}))
     monkeypatch.setattr(gla_chunk, "dqkg", fla_stages_cpu.dqkg)
+    monkeypatch.setattr(gla_chunk, "dv", fla_stages_cpu.dv)
     monkeypatch.setattr(gla_chunk, "fwd_A", fla_stages_cpu.fwd_A)
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("triton.backends.nvidia")
 
 def _cases():
     from lingua_zeco.comm import symm_hop
-    from lingua_zeco.kernels import gla_bwd_dqkg, gla_fwd_intra, zeco_stages
+    from lingua_zeco.kernels import gla_bwd_dqkg, gla_bwd_dv, gla_fwd_intra, zeco_stages
     i32, f32 = "i32", "fp32"
     prefix = {"g_cs": "*fp32", "gx": "*fp32", "b_end": "*fp32", "T": i32, "NT": i32}
     fwd_o = {"q": "*bf16", "v": "*bf16", "g": "*fp32", "A": "*fp32", "h": "*bf16", "s_in": "*bf16",
@@ -33,6 +33,14 @@ def _cases():
               for BK, BV in ((32, 32), (64, 64))}
     cases["dqkg_varlen"] = (gla_bwd_dqkg._dqkg_kernel, dqkg | {"cu_seqlens": "*i64", "chunk_indices": "*i64"},
                             dict(H=16, K=128, V=128, BT=64, BC=16, BK=64, BV=64, SPAN=64.0, IS_VARLEN=True))
+    dv = {"k": "*bf16", "g": "*fp32", "A": "*fp32", "do": "*bf16", "dh": "*fp32", "dv": "*bf16", "T": i32}
+    cases |= {f"dv_BK{BK}_BV{BV}": (gla_bwd_dv._dv_kernel, dv, dict(H=16, K=128, V=128, BT=64, BK=BK, BV=BV,
+                                                                   cu_seqlens=None, chunk_indices=None,
+                                                                   IS_VARLEN=False))
+              for BK, BV in ((32, 64), (64, 128))}
+    dv_varlen = dv | {"dh": "*bf16", "cu_seqlens": "*i64", "chunk_indices": "*i64"}
+    cases["dv_varlen_dh16"] = (gla_bwd_dv._dv_kernel, dv_varlen,
+                               dict(H=16, K=128, V=128, BT=64, BK=64, BV=128, IS_VARLEN=True))
     fwd_A = {"q": "*bf16", "k": "*bf16", "g": "*fp32", "A": "*fp32", "scale": f32, "T": i32}
     cases |= {f"fwd_A_BT{BT}_BK{BK}": (gla_fwd_intra._fwd_A_kernel, fwd_A,
                                        dict(H=16, K=128, BT=BT, BC=16, BK=BK, SPAN=64.0, cu_seqlens=None,

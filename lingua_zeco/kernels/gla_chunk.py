@@ -1,7 +1,8 @@
 """The single-device GLA operator on CUDA: fla's chunk_gla rebuilt from fla's stages (kernels/fla_stages.py)
 with our intra-chunk stages, which take whole chunks where the gates allow: the forward's intra-chunk
-attention A (gla_fwd_intra.py) and the backward's dq, dk, dg in one kernel (gla_bwd_dqkg.py: fla's dA and
-inter-chunk stages fused with our intra-chunk dq/dk, gla_bwd_intra.py).
+attention A (gla_fwd_intra.py), the backward's dq, dk, dg in one kernel (gla_bwd_dqkg.py: fla's dA and
+inter-chunk stages fused with our intra-chunk dq/dk, gla_bwd_intra.py) and its dv (gla_bwd_dv.py: fla's stage
+reading each chunk's attention, keys and gates once).
 Every other stage and the precisions are fla's (ChunkGLAFunction): the gate cumsum kept when g is fp32,
 recomputed from 16-bit gates. `save_h` keeps the forward's chunk states h (in k's dtype: 16 bits in training)
 for the backward instead of recomputing them in fp32: one state pass fewer per call for
@@ -19,6 +20,7 @@ import torch
 from . import fla_stages as fla
 from .common import ChunkLayout
 from .gla_bwd_dqkg import chunk_gla_bwd_dqkg
+from .gla_bwd_dv import chunk_gla_bwd_dv
 from .gla_fwd_intra import chunk_gla_fwd_A
 
 
@@ -26,6 +28,12 @@ def dqkg(qkvg, h, dh, do, scale: float, dtypes, layout: ChunkLayout):
     """(dq, dk, dg) in `dtypes` from qkvg = (q, k, v, g_cs), the states h, their gradients dh and do, in one
     kernel (gla_bwd_dqkg.py)."""
     return chunk_gla_bwd_dqkg(qkvg, h, dh, do, scale=scale, dtypes=dtypes, layout=layout)
+
+
+def dv(k, g_cs, A, do, dh, layout: ChunkLayout):
+    """dv [B, T, H, V] in do's dtype from the forward's A, the gate cumsum g_cs and the state gradients dh
+    (gla_bwd_dv.py)."""
+    return chunk_gla_bwd_dv(k, g_cs, A, do, dh, layout=layout)
 
 
 def fwd_A(q, k, g_cs, scale: float, layout: ChunkLayout):
@@ -71,10 +79,10 @@ def staged_bwd(qkvg, saved, do, dht, scale: float, layout: ChunkLayout):
                                    states_in_fp32=True)
     else:
         dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0)
-    dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, **layout.varlen)
+    dv_ = dv(k, g_cs, A, do, dh, layout)
     g_dtype = (g if g is not None else g_cs).dtype  # g is None when its fp32 cumsum was kept instead
     dq, dk, dg = dqkg((q, k, v, g_cs), h, dh, do, scale, (q.dtype, k.dtype, g_dtype), layout)
-    return dq, dk, dv.to(v), dg, dh0
+    return dq, dk, dv_.to(v), dg, dh0
 
 
 class ChunkGLA(torch.autograd.Function):
@@ -97,4 +105,4 @@ class ChunkGLA(torch.autograd.Function):
         return dq, dk, dv, dg, None, dh0, None, None, None
 
 
-__all__ = ["ChunkGLA", "dqkg", "fwd_A", "staged_bwd", "staged_fwd"]
+__all__ = ["ChunkGLA", "dqkg", "dv", "fwd_A", "staged_bwd", "staged_fwd"]

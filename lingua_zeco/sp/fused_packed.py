@@ -21,7 +21,7 @@ import torch
 
 from lingua_zeco.kernels import chunk_layout
 from lingua_zeco.kernels import fla_stages as fla
-from lingua_zeco.kernels.gla_chunk import dqkg, fwd_A
+from lingua_zeco.kernels.gla_chunk import dqkg, dv, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -78,6 +78,6 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]
         dh_BNHKV, _ = fla.chunk_bwd_dh_packed(q, do, dht_NHKV, g_cs_BTHK, scale=scale, layout=layout)
-        dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, **layout.varlen)
+        dv_ = dv(k, g_cs_BTHK, A_BTHC, do, dh_BNHKV, layout)
         dq, dk, dg = dqkg((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, scale, (q.dtype, k.dtype, g.dtype), layout)
-        return dq, dk, dv.to(v), dg, None, None, None
+        return dq, dk, dv_.to(v), dg, None, None, None

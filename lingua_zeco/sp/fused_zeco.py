@@ -34,7 +34,7 @@ import torch.distributed as dist
 from lingua_zeco.comm import AllScanArgs, ScanWork, gather_scan
 from lingua_zeco.kernels import ChunkLayout
 from lingua_zeco.kernels import fla_stages as fla
-from lingua_zeco.kernels.gla_chunk import dqkg, fwd_A
+from lingua_zeco.kernels.gla_chunk import dqkg, dv, fwd_A
 from lingua_zeco.kernels.zeco_stages import (chunk_decay_prefix, dS_in_reads_raw_gates, fla_chunk_size, zeco_dS_in,
                                              zeco_fwd_o)
 
@@ -80,9 +80,9 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn):
     G_BHKV = work.wait()
     dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
                                    chunk_size=BT, states_in_fp32=True)
-    dv = fla.chunk_gla_bwd_dv(k=k, g=g_cs_BTHK, A=A_BTHC, do=do, dh=dh_BNHKV, chunk_size=BT)
+    dv_ = dv(k, g_cs_BTHK, A_BTHC, do, dh_BNHKV, layout)
     dq, dk, dg = dqkg((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, scale, (q.dtype, k.dtype, g.dtype), layout)
-    return dq, dk, dv.to(v), dg
+    return dq, dk, dv_.to(v), dg
 
 
 class FusedZeCOGLA(torch.autograd.Function):

@@ -7,6 +7,8 @@
 #   step          the GLA-1B training step, bench_train fla,ours,ours_float8 at 16K and at 32K tokens,   ≈ 6
 #                 and at 16K FSDP forced on the one GPU (ours_fsdp, ours_float8_fsdp) beside the default
 #   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
+#   stages        our kernels beside the fla stages they replace, bench_stages at 16K (dv, dq/dk/dg, the     ≈ 2
+#                 forward's A, the ZeCO stages; the state gradients in 16 bits)
 #   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
 #   profile       the 16K step of ours with its kernel time by category and the GPU's idle gaps          ≈ 3
 #   float8_fsdp   the 16K step with FSDP forced on the one GPU, bf16 and float8 (its float8 all-gather),  ≈ 4
@@ -35,7 +37,7 @@
 # in $OUT/autotune.tgz; fold those into setup/gpu/triton_autotune_h200.tgz). Exit code: 0 when every part's commands
 # exited 0, else 1 (the last lines say which did not); 2 for bad arguments.
 set -u
-PARTS="tests step operator long_context profile float8_fsdp passkey extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
+PARTS="tests step operator stages long_context profile float8_fsdp passkey extension symm memcheck symm_loop parity_bf16 parity_float8 compare"
 USAGE="usage: bash setup/gpu/run.sh PART... with PART one of: ${PARTS// /, }"
 
 # ---------------------------------------------------------------------------------------------- arguments
@@ -112,6 +114,11 @@ part_step() {
 
 part_operator() {
     operator_bench "$HERE" "$OUT/operator" 480
+}
+
+part_stages() {
+    run "$HERE" "$OUT/stages/bench_stages.log" 300 "^\{|rror|Traceback" python3 -m apps.gla.bench.bench_stages \
+        out="$OUT/stages" t_local=16384 per_config=false
 }
 
 part_long_context() {  # three steps of ≈ 96 s: the first (compiles), one warm-up, one timed

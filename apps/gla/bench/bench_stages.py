@@ -3,7 +3,9 @@ bandwidth of `zeco_dS_in` (the backward's local ∂L/∂S_in, memory-bound: it r
 several `runs` (programs per call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw
 16-bit gates; the backward's dq, dk, dg, ours in one kernel (`dqkg_ours`, kernels/gla_bwd_dqkg.py) and fla's three
 stages it replaces (`dqkg_fla`: dA, intra-chunk dq/dk, inter-chunk with dg), with the largest relative difference
-between them; the forward's intra-chunk attention A, ours
+between them; dv, ours (`dv_ours`, kernels/gla_bwd_dv.py) and fla's stage (`dv_fla`), with their largest relative
+difference; the state gradients dh kept in 16 bits instead of fp32 (`dh_fp32`, `dh_16`; `dv_ours_dh16`,
+`dqkg_ours_dh16`: the stages that read them); the forward's intra-chunk attention A, ours
 (`fwdA_ours`, kernels/gla_fwd_intra.py) and fla's (`fwdA_fla`); ZeCO's output stage (`fwdO`) as the fused
 operator runs it with the library's save_h (writing the true states back when it keeps them).
 
@@ -47,6 +49,7 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
 
     from lingua_zeco.kernels import ChunkLayout, GLAOptions, fla_stages, zeco_stages
     from lingua_zeco.kernels.gla_bwd_dqkg import chunk_gla_bwd_dqkg
+    from lingua_zeco.kernels.gla_bwd_dv import chunk_gla_bwd_dv, dv_best_config
     from lingua_zeco.kernels.gla_fwd_intra import chunk_gla_fwd_A
     q, k, v, g, do = (t.detach() for t in inputs)
     BT = zeco_stages.fla_chunk_size(T)
@@ -72,15 +75,35 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     ours, theirs = dqkg["ours"](), dqkg["fla"]()  # before the timed replays, in which fwdO rewrites h
     dqkg_diff = max(((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
     fns |= {f"dqkg_{name}": fn for name, fn in dqkg.items()}
+    # dv, and the state gradients in 16 bits (the state itself stays fp32 inside the dh kernel)
+    A = chunk_gla_fwd_A(q, k, g_cs, 0.1, BT)
+    dh16, _ = fla_stages.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT,
+                                      states_in_fp32=False)
+    dv = {"ours": lambda: chunk_gla_bwd_dv(k, g_cs, A, do, dh, layout=ChunkLayout(BT)),
+          "fla": lambda: fla_stages.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, chunk_size=BT)}
+    dv_diff = ((dv["ours"]().float() - dv["fla"]().float()).abs().max() / dv["fla"]().float().abs().max()).item()
+    fns |= {f"dv_{name}": fn for name, fn in dv.items()}
+    fns["dv_ours_dh16"] = lambda: chunk_gla_bwd_dv(k, g_cs, A, do, dh16, layout=ChunkLayout(BT))
+    fns["dqkg_ours_dh16"] = lambda: chunk_gla_bwd_dqkg((q, k, v, g_cs), h, dh16, do, scale=0.1,
+                                                       dtypes=(q.dtype, k.dtype, g.dtype), layout=ChunkLayout(BT))
+    ours16 = fns["dqkg_ours_dh16"]()
+    dqkg_dh16_diff = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                      for a, b in zip(ours16, ours)]
+    fns |= {f"dh_{name}": (lambda fp32=fp32: fla_stages.chunk_bwd_dh(
+        q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT, states_in_fp32=fp32))
+        for name, fp32 in (("fp32", True), ("16", False))}
     fns |= {"fwdA_ours": lambda: chunk_gla_fwd_A(q, k, g_cs, 0.1, BT),
             "fwdA_fla": lambda: chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=0.1, chunk_size=BT)}
     # ZeCO's output stage, S_in in bf16 as fused_zeco passes it; storing the true states, each replay folds S_in
     # into h again: the values drift, the traffic does not
-    A, S_in, store_h = chunk_gla_fwd_A(q, k, g_cs, 0.1, BT), 0.01 * h[:, -1].clone(), GLAOptions().save_h
+    S_in, store_h = 0.01 * h[:, -1].clone(), GLAOptions().save_h
     fns["fwdO"] = lambda: zeco_stages.zeco_fwd_o(q, v, g_cs, A, h, (S_in, Gx), 0.1, store_h=store_h)
     timed_us = _median_us(fns, q.device, args.warmup, args.iters)
     row = dict(T_local=T, BT=BT, fwdO_store_h=store_h, best_config=zeco_stages.dS_in_best_config())
     row["dqkg_max_rel_diff"] = dqkg_diff
+    row["dv_max_rel_diff"] = dv_diff
+    row["dv_best_config"] = dv_best_config()
+    row["dqkg_dh16_max_rel_diff"] = dqkg_dh16_diff
     for name, us in timed_us.items():
         row[f"{name}_us"] = round(us, 2)
         if name.startswith("dS_in"):
