@@ -72,7 +72,7 @@ def chunk_gla_fwd_o_gk(q, v, g, A, h, scale, cu_seqlens=None, chunk_size=64, chu
     return o
 
 
-def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout, h0=None):
+def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout, h0=None, states_in_fp32=False):
     k = q  # fla's kernel reads neither k nor v, only their sizes
     B, T, H, K, V = *q.shape, do.shape[-1]
     chunks = _chunks(T, layout.BT, layout.cu_seqlens)

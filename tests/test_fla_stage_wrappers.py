@@ -64,7 +64,7 @@ h_ref, _ = fla_stages_cpu.chunk_fwd_h_packed(k.double(), v.double(), g_cs.double
                                              output_final_state=True)
 errs["h"], errs["ht"] = rel(h, h_ref), rel(ht, ht_ref.detach())
 # the backward state pass from each document's final-state gradient
-dh, dh0 = fla_stages.chunk_bwd_dh_packed(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0)
+dh, dh0 = fla_stages.chunk_bwd_dh_packed(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0, states_in_fp32=True)
 dh0_ref, = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), leaves[4])
 dh_ref, _ = fla_stages_cpu.chunk_bwd_dh_packed(q.double(), do.double(), dht.double(), g_cs.double(), scale=scale,
                                                layout=layout, h0=h0.double())

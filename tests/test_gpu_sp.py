@@ -178,7 +178,7 @@ def test_packed_state_launchers_equal_fla_stages():
     for init in (None, h0):  # with initial states: their gradients dh0 too
         dh_ref, dh0_ref = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=init, dht=dht, scale=0.1, gk=g_cs,
                                            cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
-        dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, h0=init, scale=0.1, layout=layout)
+        dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, h0=init, scale=0.1, layout=layout, states_in_fp32=True)
         assert torch.equal(dh, dh_ref)
         if init is None:
             assert dh0 is None and dh0_ref is None

@@ -23,7 +23,7 @@ def _cases():
     hop = {"x_ptr": "*fp32", "a_ptr": "*fp32", "y_ptr": "*fp32", "recv_ptr": "*fp32", "send_ptr": "*fp32",
            "pad_ptr": "*i32", "next_pad_ptr": "*i32", "prev_pad_ptr": "*i32", "seq": i32, "R": i32,
            "max_spins": i32}
-    dqkg = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "h": "*bf16", "dh": "*fp32", "do": "*bf16",
+    dqkg = {"q": "*bf16", "k": "*bf16", "v": "*bf16", "g": "*fp32", "h": "*bf16", "dh": "*bf16", "do": "*bf16",
             "dq": "*bf16", "dk": "*bf16", "dg": "*bf16", "dA_s": "*fp32", "dq_s": "*fp32", "dk_s": "*fp32",
             "scale": f32, "T": i32}
     # one kernel holds every path (whole chunks, sub-chunks): each compile covers them all

@@ -64,13 +64,13 @@ def chunk_fwd_h_packed(k, v, gk, h0, *, layout: ChunkLayout, output_final_state:
     return h, ht
 
 
-def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout: ChunkLayout, h0=None):
+def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout: ChunkLayout, h0=None, states_in_fp32: bool = False):
     """= chunk_bwd_dh(q=q, k=q, v=do, do=do, h0=h0, dht=dht, scale=scale, gk=gk, cu_seqlens=layout.cu_seqlens,
-    chunk_size=layout.BT, states_in_fp32=True): (dh [B, NT, H, K, V] in fp32, dh0 [N, H, K, V] or None); the
-    kernel reads neither k nor v (only their sizes, which q and do have)."""
+    chunk_size=layout.BT, states_in_fp32=states_in_fp32): (dh [B, NT, H, K, V] in fp32 or q's dtype, dh0
+    [N, H, K, V] fp32 or None); the kernel reads neither k nor v (only their sizes, which q and do have)."""
     B, T, H, K, V = *q.shape, do.shape[-1]
     N = layout.cu_seqlens.numel() - 1
-    dh = q.new_empty(B, layout.n_chunks, H, K, V, dtype=torch.float)
+    dh = q.new_empty(B, layout.n_chunks, H, K, V, dtype=torch.float if states_in_fp32 else q.dtype)
     dh0 = None if h0 is None else torch.empty_like(h0, dtype=torch.float)
     chunk_bwd_kernel_dh[_state_grid(K, V, N, H)](
         q=q, g=None, g_gamma=None, gk=gk, gv=None, do=do, dh=dh, dht=dht, dh0=dh0, cu_seqlens=layout.cu_seqlens,

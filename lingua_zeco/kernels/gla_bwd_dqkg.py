@@ -70,7 +70,7 @@ if triton is not None:
             b_do = tl.load(do + rows[:, None] * V + o_v[None, :], mask=m_tv, other=0.)
             b_h = tl.load(h + p_hk + o_v[:, None], mask=m_vk, other=0.)
             b_dh = tl.load(dh + p_hk + o_v[:, None], mask=m_vk, other=0.)
-            b_dgk += tl.sum(b_h * b_dh, axis=0)
+            b_dgk += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=0)  # h, dh may be 16-bit
             b_dq = tl.dot(b_do, b_h.to(b_do.dtype), b_dq)
             b_dk = tl.dot(b_v, b_dh.to(b_v.dtype), b_dk)
             b_dA = tl.dot(b_do, tl.trans(b_v), b_dA)

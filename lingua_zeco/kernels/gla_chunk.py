@@ -9,6 +9,9 @@ for the backward instead of recomputing them in fp32: one state pass fewer per c
 2·B·T·H·K·V/BT bytes held from forward to backward. The backward reads h in two places: its dq product,
 which rounds h to 16 bits anyway (the same values), and dg's Σ h ⊙ dh, where h then carries the forward's
 16-bit rounding (a relative 2^-9 a term).
+The state gradients dh pass from their kernel (an fp32 recurrence) to dv and dq/dk/dg in k's dtype (16 bits in
+training), not fp32 as fla's chunk_gla keeps them: dv's and dk's products round dh to 16 bits anyway (the same
+values), and dg's Σ h ⊙ dh then carries that rounding (a relative 2^-9 a term, as h under save_h); dh0 stays fp32.
 Dense sequences, or packed documents (B = 1) with fla's chunk tables planned on the host (ChunkLayout), so
 that no stage reads the boundaries back from the GPU as fla's own varlen path does.
 Shapes as fla names them: q, k, g [B, T, H, K], v [B, T, H, V], h0 and ht [B or N documents, H, K, V].
@@ -76,7 +79,7 @@ def staged_bwd(qkvg, saved, do, dht, scale: float, layout: ChunkLayout):
         h, _ = _states(k, v, g_cs, h0, layout, final=False, fp32=True)
     if not layout.packed:
         dh, dh0 = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=g_cs, chunk_size=layout.BT,
-                                   states_in_fp32=True)
+                                   states_in_fp32=False)
     else:
         dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0)
     dv_ = dv(k, g_cs, A, do, dh, layout)

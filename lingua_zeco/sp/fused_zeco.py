@@ -79,7 +79,7 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn):
                                      states_in_fp32=True)
     G_BHKV = work.wait()
     dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
-                                   chunk_size=BT, states_in_fp32=True)
+                                   chunk_size=BT, states_in_fp32=False)  # 16 bits, as kernels/gla_chunk.py
     dv_ = dv(k, g_cs_BTHK, A_BTHC, do, dh_BNHKV, layout)
     dq, dk, dg = dqkg((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, scale, (q.dtype, k.dtype, g.dtype), layout)
     return dq, dk, dv_.to(v), dg
