@@ -1,11 +1,11 @@
 """The stages of our own alone, each beside fla's stage it replaces where there is one: time and effective
 bandwidth of `zeco_dS_in` (the backward's local ∂L/∂S_in, memory-bound: it reads q, the gates and dO once) at
 several `runs` (programs per call, i.e. chunks per program), from fla's fp32 chunk-local cumsum and from the raw
-16-bit gates; the backward's dq, dk, dg, ours in one kernel (`dqkg_ours`, kernels/gla_bwd_dqkg.py) and fla's three
-stages it replaces (`dqkg_fla`: dA, intra-chunk dq/dk, inter-chunk with dg), with the largest relative difference
-between them; dv, ours (`dv_ours`, kernels/gla_bwd_dv.py) and fla's stage (`dv_fla`), with their largest relative
-difference; the state gradients dh kept in 16 bits instead of fp32 (`dh_fp32`, `dh_16`; `dv_ours_dh16`,
-`dqkg_ours_dh16`: the stages that read them); the forward's intra-chunk attention A, ours
+16-bit gates; the backward's state gradients dh as ours keeps them (`dh_ours`: 16-bit) and as fla does (`dh_fla`:
+fp32); its dq, dk, dg, ours in one kernel (`dqkg_ours`, kernels/gla_bwd_dqkg.py) and fla's three stages it replaces
+(`dqkg_fla`: dA, intra-chunk dq/dk, inter-chunk with dg), and its dv, ours (`dv_ours`, kernels/gla_bwd_dv.py) and
+fla's stage (`dv_fla`), each from its own dh, with the largest relative difference between ours and fla's; the
+forward's intra-chunk attention A, ours
 (`fwdA_ours`, kernels/gla_fwd_intra.py) and fla's (`fwdA_fla`); ZeCO's output stage (`fwdO`) as the fused
 operator runs it with the library's save_h (writing the true states back when it keeps them).
 
@@ -59,39 +59,30 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     fns = {f"dS_in_runs{r}": (lambda r=r: dS_in(q, g_cs, Gx, do, 0.1, BT, runs=r)) for r in args.runs}
     fns |= {f"dS_in_raw_runs{r}": (lambda r=r: dS_in(q, None, Gx, do, 0.1, BT, runs=r, g=g))
             for r in args.runs}  # from the raw 16-bit gates (what FusedZeCOGLA's backward calls)
-    # the backward's dq, dk, dg from the kept 16-bit states and fp32 state gradients, as the operator's backward
+    # the backward from the kept 16-bit states; the state gradients in 16 bits (ours) or fp32 (fla's chunk_gla)
     h, _ = fla_stages.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=False, chunk_size=BT)
-    dh, _ = fla_stages.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT,
-                                    states_in_fp32=True)
+    dh_of = {name: (lambda fp32=fp32: fla_stages.chunk_bwd_dh(
+        q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT, states_in_fp32=fp32))
+        for name, fp32 in (("ours", False), ("fla", True))}
+    dh16, dh = dh_of["ours"]()[0], dh_of["fla"]()[0]
+    fns |= {f"dh_{name}": fn for name, fn in dh_of.items()}
 
     def dqkg_fla():
         dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, chunk_size=BT)
         dq, dk = chunk_gla_bwd_dqk_intra(q=q, k=k, g=g_cs, dA=dA, chunk_size=BT)
         return fla_stages.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=0.1,
                                              chunk_size=BT)
-    dqkg = {"ours": lambda: chunk_gla_bwd_dqkg((q, k, v, g_cs), h, dh, do, scale=0.1,
+    dqkg = {"ours": lambda: chunk_gla_bwd_dqkg((q, k, v, g_cs), h, dh16, do, scale=0.1,
                                                dtypes=(q.dtype, k.dtype, g.dtype), layout=ChunkLayout(BT)),
             "fla": dqkg_fla}
     ours, theirs = dqkg["ours"](), dqkg["fla"]()  # before the timed replays, in which fwdO rewrites h
     dqkg_diff = max(((a.float() - b).abs().max() / b.abs().max()).item() for a, b in zip(ours, theirs))
     fns |= {f"dqkg_{name}": fn for name, fn in dqkg.items()}
-    # dv, and the state gradients in 16 bits (the state itself stays fp32 inside the dh kernel)
     A = chunk_gla_fwd_A(q, k, g_cs, 0.1, BT)
-    dh16, _ = fla_stages.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT,
-                                      states_in_fp32=False)
-    dv = {"ours": lambda: chunk_gla_bwd_dv(k, g_cs, A, do, dh, layout=ChunkLayout(BT)),
+    dv = {"ours": lambda: chunk_gla_bwd_dv(k, g_cs, A, do, dh16, layout=ChunkLayout(BT)),
           "fla": lambda: fla_stages.chunk_gla_bwd_dv(k=k, g=g_cs, A=A, do=do, dh=dh, chunk_size=BT)}
     dv_diff = ((dv["ours"]().float() - dv["fla"]().float()).abs().max() / dv["fla"]().float().abs().max()).item()
     fns |= {f"dv_{name}": fn for name, fn in dv.items()}
-    fns["dv_ours_dh16"] = lambda: chunk_gla_bwd_dv(k, g_cs, A, do, dh16, layout=ChunkLayout(BT))
-    fns["dqkg_ours_dh16"] = lambda: chunk_gla_bwd_dqkg((q, k, v, g_cs), h, dh16, do, scale=0.1,
-                                                       dtypes=(q.dtype, k.dtype, g.dtype), layout=ChunkLayout(BT))
-    ours16 = fns["dqkg_ours_dh16"]()
-    dqkg_dh16_diff = [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                      for a, b in zip(ours16, ours)]
-    fns |= {f"dh_{name}": (lambda fp32=fp32: fla_stages.chunk_bwd_dh(
-        q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT, states_in_fp32=fp32))
-        for name, fp32 in (("fp32", True), ("16", False))}
     fns |= {"fwdA_ours": lambda: chunk_gla_fwd_A(q, k, g_cs, 0.1, BT),
             "fwdA_fla": lambda: chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=0.1, chunk_size=BT)}
     # ZeCO's output stage, S_in in bf16 as fused_zeco passes it; storing the true states, each replay folds S_in
@@ -103,7 +94,6 @@ def measure_one(args: BenchStagesArgs, T: int, inputs) -> dict:
     row["dqkg_max_rel_diff"] = dqkg_diff
     row["dv_max_rel_diff"] = dv_diff
     row["dv_best_config"] = dv_best_config()
-    row["dqkg_dh16_max_rel_diff"] = dqkg_dh16_diff
     for name, us in timed_us.items():
         row[f"{name}_us"] = round(us, 2)
         if name.startswith("dS_in"):

@@ -89,7 +89,7 @@ def measure(args: RooflineArgs, device):
             for _ in range(args.warmup):
                 fns[name]()
             costs = gla_kernel_costs(1, T, args.heads, args.head_k, args.head_v,
-                                     stores_h=stores_h and name == "zeco_fused")
+                                     stores_h=stores_h and name == "zeco_fused", dh16=name != "fla_chunk_gla")
             rows = table_rows(kernel_times(profiled(fns[name], args.calls, host_ops=False)), costs, ceil,
                               args.calls)
             result["tables"][f"{name}_{T}"] = rows
