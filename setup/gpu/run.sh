@@ -7,8 +7,8 @@
 #   step          the GLA-1B training step, bench_train fla,ours,ours_float8 at 16K and at 32K tokens,   ≈ 6
 #                 and at 16K FSDP forced on the one GPU (ours_fsdp, ours_float8_fsdp) beside the default
 #   operator      the GLA operator, bench_fused at 16K and 32K: fla's chunk_gla, ours, fused ZeCO        ≈ 2
-#   stages        our kernels beside the fla stages they replace, bench_stages at 16K (dv, dq/dk/dg, the     ≈ 2
-#                 forward's A, the ZeCO stages; the state gradients in 16 bits)
+#   stages        our kernels beside the fla stages they replace, bench_stages at 16K (dh, dv, dq/dk/dg,    ≈ 3
+#                 the forward's A, the ZeCO stages; 2.7 min on an H100 with the autotune cache seeded)
 #   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
 #   profile       the 16K step of ours with its kernel time by category and the GPU's idle gaps          ≈ 3
 #   float8_fsdp   the 16K step with FSDP forced on the one GPU, bf16 and float8 (its float8 all-gather),  ≈ 4
