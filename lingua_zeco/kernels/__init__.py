@@ -1,7 +1,8 @@
 """GLA compute backends behind one call: `chunk_gla(q, k, v, g, ...) -> (o, final_state)`, fla's contract.
 
-* "fla":   on CUDA, fla's Triton stages with our whole-chunk intra-chunk stages (kernels/gla_chunk.py,
-           gla_fwd_intra.py, gla_bwd_intra.py), reordered by lingua_zeco.sp's fused ZeCO.
+* "fla":   on CUDA, fla's Triton stages with our own where they are faster (kernels/gla_chunk.py: the
+           whole-chunk intra-chunk stages gla_fwd_intra.py, gla_bwd_intra.py; the backward's dq/dk/dg,
+           gla_bwd_dqkg.py, and dv, gla_bwd_dv.py), reordered by lingua_zeco.sp's fused ZeCO.
 * "torch": pure PyTorch chunked GLA (any device, fp32 inside, autograd).
 * oracle:  lingua_zeco.kernels.naive.naive_gla, float64 token by token.
 fla's own `fla.ops.gla.chunk_gla` is the reference the tests and benchmarks compare against.
