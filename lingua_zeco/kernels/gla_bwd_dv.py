@@ -1,13 +1,13 @@
-"""GLA's dv in one Triton kernel: fla's `chunk_gla_bwd_dv` with the value block free to span all of V and the
-intra-chunk product on tensor cores.
+"""GLA's dv in one Triton kernel: fla's `chunk_gla_bwd_dv` with its intra-chunk product on tensor cores and the
+value block free to span all of V.
 
 Per chunk of BT rows (fla's base-2 chunk-local gate cumsum g, the chunk's last row n, the forward's intra-chunk
 attention A [BT, BT] fp32 and the gradient dh of the chunk's state):
     dv = Aᵀ do + (k ⊙ 2^(g_n − g)) dh          (16-bit k and dh into the second product, as fla)
-fla's stage tiles V in blocks smaller than V (its autotuner prunes a block equal to V), so each program reads A, k
-and the gates again per value block, and it takes Aᵀ do in fp32 on the CUDA cores. Here one value block may cover
-V (A, k, g read once per chunk) and Aᵀ do is three TF32 products (tf32x3, fp32's accuracy), as the intra-chunk
-products of gla_bwd_dqkg.py.
+fla's stage takes Aᵀ do in fp32 on the CUDA cores, and tiles V in blocks smaller than V (its autotuner prunes a
+block equal to V: each program reads A, k and the gates again per value block). Here Aᵀ do is three TF32 products
+(tf32x3, fp32's accuracy), as the intra-chunk products of gla_bwd_dqkg.py, and the autotuner may also take one value
+block over all of V (A, k, g read once per chunk) where that is faster.
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 with our intra-chunk stages, which take whole chunks where the gates allow: the forward's intra-chunk
 attention A (gla_fwd_intra.py), the backward's dq, dk, dg in one kernel (gla_bwd_dqkg.py: fla's dA and
 inter-chunk stages fused with our intra-chunk dq/dk, gla_bwd_intra.py) and its dv (gla_bwd_dv.py: fla's stage
-reading each chunk's attention, keys and gates once).
+with its intra-chunk product on tensor cores).
 Every other stage and the precisions are fla's (ChunkGLAFunction): the gate cumsum kept when g is fp32,
 recomputed from 16-bit gates. `save_h` keeps the forward's chunk states h (in k's dtype: 16 bits in training)
 for the backward instead of recomputing them in fp32: one state pass fewer per call for
