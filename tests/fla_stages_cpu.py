@@ -13,7 +13,6 @@ from types import SimpleNamespace
 
 import torch
 
-from lingua_zeco.kernels import ChunkLayout
 
 
 def _chunks(T: int, BT: int, cu_seqlens=None):
@@ -37,7 +36,23 @@ def _causal(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool, device=like.device).tril()[None, :, None, :]  # [1, t, 1, j]
 
 
-def chunk_fwd_h_packed(k, v, gk, h0, *, layout, output_final_state, states_in_fp32=False):
+def _rows(stage, layout, *tensors):
+    """Dense sequences (no documents in the layout): `stage` on each of the B rows as one document, each
+    row's results concatenated (None stays None)."""
+    if layout.packed:
+        return stage(*tensors)
+    B = tensors[0].shape[0]
+    rows = [stage(*(None if t is None else t[b:b + 1] for t in tensors)) for b in range(B)]
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*rows, strict=True))
+
+
+def fwd_h(k, v, gk, h0, *, layout, output_final_state, states_in_fp32=False):
+    """fla's state recurrence (fla_stages.fwd_h): h [B, NT, H, K, V], the final states [N, H, K, V] or None."""
+    h, ht = _rows(lambda k, v, gk, h0: _fwd_h_docs(k, v, gk, h0, layout), layout, k, v, gk, h0)
+    return h, (ht if output_final_state else None)
+
+
+def _fwd_h_docs(k, v, gk, h0, layout):
     B, T, H, K, V = *k.shape, v.shape[-1]
     chunks = _chunks(T, layout.BT, layout.cu_seqlens)
     N = chunks[-1][1] + 1
@@ -51,7 +66,7 @@ def chunk_fwd_h_packed(k, v, gk, h0, *, layout, output_final_state, states_in_fp
         kd = k[:, s:e] * torch.exp2(gl[:, None] - gk[:, s:e])
         S = torch.exp2(gl)[..., None] * S + torch.einsum("bthk,bthv->bhkv", kd, v[:, s:e])
         ht[i] = S[0]
-    return h, (ht if output_final_state else None)
+    return h, ht
 
 
 def chunk_gla_fwd_intra_gk(q, k, g, scale, cu_seqlens=None, chunk_size=64, chunk_indices=None):
@@ -72,7 +87,13 @@ def chunk_gla_fwd_o_gk(q, v, g, A, h, scale, cu_seqlens=None, chunk_size=64, chu
     return o
 
 
-def chunk_bwd_dh_packed(q, do, dht, gk, *, scale, layout, h0=None, states_in_fp32=False):
+def bwd_dh(q, do, dht, gk, *, scale, layout, h0=None, states_in_fp32=False):
+    """fla's state-gradient recurrence (fla_stages.bwd_dh): dh [B, NT, H, K, V], dh0 [N, H, K, V] or None."""
+    return _rows(lambda q, do, dht, gk, h0: _bwd_dh_docs(q, do, dht, gk, scale, layout, h0), layout, q, do, dht, gk,
+                 h0)
+
+
+def _bwd_dh_docs(q, do, dht, gk, scale, layout, h0):
     k = q  # fla's kernel reads neither k nor v, only their sizes
     B, T, H, K, V = *q.shape, do.shape[-1]
     chunks = _chunks(T, layout.BT, layout.cu_seqlens)
@@ -144,25 +165,9 @@ def dqkg(qkvg, h, dh, do, scale, dtypes, layout):
     return tuple(x.to(d) for x, d in zip(out, dtypes, strict=True))
 
 
-def chunk_fwd_h(k, v, gk, h0, output_final_state, chunk_size, states_in_fp32=False):
-    """Dense sequences: each of the B rows is one document, h0 [B, H, K, V] (or None) its initial state."""
-    rows = [chunk_fwd_h_packed(k[b:b + 1], v[b:b + 1], gk[b:b + 1], None if h0 is None else h0[b:b + 1],
-                               layout=ChunkLayout(chunk_size), output_final_state=True) for b in range(k.shape[0])]
-    return torch.cat([h for h, _ in rows]), (torch.cat([ht for _, ht in rows]) if output_final_state else None)
-
-
-def chunk_bwd_dh(q, k, v, do, h0, dht, scale, gk, chunk_size, states_in_fp32=True):
-    """Dense sequences: dht [B, H, K, V] (or None) the gradient at each row's final state."""
-    rows = [chunk_bwd_dh_packed(q[b:b + 1], do[b:b + 1], None if dht is None else dht[b:b + 1], gk[b:b + 1],
-                                scale=scale, layout=ChunkLayout(chunk_size), h0=None if h0 is None else h0[b:b + 1])
-            for b in range(k.shape[0])]
-    return torch.cat([dh for dh, _ in rows]), (None if h0 is None else torch.cat([d for _, d in rows]))
-
-
-STAGES = SimpleNamespace(gate_cumsum=gate_cumsum, chunk_fwd_h_packed=chunk_fwd_h_packed,
-                         chunk_fwd_h=chunk_fwd_h, chunk_bwd_dh=chunk_bwd_dh,
+STAGES = SimpleNamespace(gate_cumsum=gate_cumsum, fwd_h=fwd_h, bwd_dh=bwd_dh,
                          chunk_gla_fwd_intra_gk=chunk_gla_fwd_intra_gk, chunk_gla_fwd_o_gk=chunk_gla_fwd_o_gk,
-                         chunk_bwd_dh_packed=chunk_bwd_dh_packed, chunk_gla_bwd_dA=chunk_gla_bwd_dA,
+                         chunk_gla_bwd_dA=chunk_gla_bwd_dA,
                          chunk_gla_bwd_dv=chunk_gla_bwd_dv, chunk_gla_bwd_dqkg=chunk_gla_bwd_dqkg)
 
 

@@ -1,8 +1,8 @@
-"""Our wrappers around fla's stages (lingua_zeco/kernels/fla_stages.py: gate_cumsum, and chunk_fwd_h_packed /
-chunk_bwd_dh_packed, which launch fla's state kernels themselves for packed documents) run with fla's own Triton
-kernels under Triton's CPU interpreter, against the float64 recurrence (naive_gla) and fla's stages written out
-in float64 (tests/fla_stages_cpu.py): the base-2 scale of the gate cumsum, the initial states handed to the
-forward state pass and the final-state gradients handed to the backward one, per document."""
+"""Our launches of fla's kernels (lingua_zeco/kernels/fla_stages.py: gate_cumsum, fwd_h and bwd_dh launch fla's
+cumsum and state kernels themselves, for dense rows and packed documents) run with fla's own Triton kernels under
+Triton's CPU interpreter, against the float64 recurrence (naive_gla) and fla's stages written out in float64
+(tests/fla_stages_cpu.py): the base-2 scale of the gate cumsum, the initial states handed to the forward state
+pass and the final-state gradients handed to the backward one, per document and per row."""
 import pytest
 
 from triton_cpu import run_interpreted
@@ -56,23 +56,42 @@ errs["g_cs packed"] = rel(fla_stages.gate_cumsum(g, BT, cu, layout.chunk_indices
 errs["g_cs dense"] = rel(fla_stages.gate_cumsum(g, BT), torch.cat(
     [g[:, s:s + BT].double().cumsum(1) / math.log(2) for s in range(0, T, BT)], 1))
 g_cs = fla_stages_cpu.gate_cumsum(g.double(), BT, cu).float()  # the stages below take the exact cumsum
-# the forward state pass from each document's initial state
-h, ht = fla_stages.chunk_fwd_h_packed(k, v, g_cs, h0, layout=layout, output_final_state=True, states_in_fp32=True)
-leaves = [t.double().requires_grad_() for t in (q, k, v, g, h0)]
-o_ref, ht_ref = naive_gla(*leaves[:4], scale=scale, initial_state=leaves[4], output_final_state=True, cu_seqlens=cu)
-h_ref, _ = fla_stages_cpu.chunk_fwd_h_packed(k.double(), v.double(), g_cs.double(), h0.double(), layout=layout,
-                                             output_final_state=True)
-errs["h"], errs["ht"] = rel(h, h_ref), rel(ht, ht_ref.detach())
-# the backward state pass from each document's final-state gradient
-dh, dh0 = fla_stages.chunk_bwd_dh_packed(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0, states_in_fp32=True)
-dh0_ref, = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), leaves[4])
-dh_ref, _ = fla_stages_cpu.chunk_bwd_dh_packed(q.double(), do.double(), dht.double(), g_cs.double(), scale=scale,
-                                               layout=layout, h0=h0.double())
-errs["dh"], errs["dh0"] = rel(dh, dh_ref), rel(dh0, dh0_ref)
+
+
+def state_passes(qkvg, do, g_cs, h0, dht, layout, cu=None):
+    # (h, ht, dh, dh0) of fla_stages' launches against the float64 references, per document or row
+    q, k, v, g = qkvg
+    h, ht = fla_stages.fwd_h(k, v, g_cs, h0, layout=layout, output_final_state=True, states_in_fp32=True)
+    dh, dh0 = fla_stages.bwd_dh(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0, states_in_fp32=True)
+    leaves = [t.double().requires_grad_() for t in (q, k, v, g, h0)]
+    o_ref, ht_ref = naive_gla(*leaves[:4], scale=scale, initial_state=leaves[4], output_final_state=True,
+                              cu_seqlens=cu)
+    dh0_ref, = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), leaves[4])
+    h_ref, _ = fla_stages_cpu.fwd_h(k.double(), v.double(), g_cs.double(), h0.double(), layout=layout,
+                                    output_final_state=False)
+    dh_ref, _ = fla_stages_cpu.bwd_dh(q.double(), do.double(), dht.double(), g_cs.double(), scale=scale,
+                                      layout=layout, h0=h0.double())
+    return rel(h, h_ref), rel(ht, ht_ref.detach()), rel(dh, dh_ref), rel(dh0, dh0_ref)
+
+
+# packed documents: the forward state pass from each document's initial state, the backward one from each
+# document's final-state gradient
+errs["h"], errs["ht"], errs["dh"], errs["dh0"] = state_passes((q, k, v, g), do, g_cs, h0, dht, layout, cu)
+# dense rows: two rows of two chunks (the second partial), each from its own state
+qd, kd = (torch.randn(2, 100, H, K, generator=gen) for _ in range(2))
+vd, dod = (torch.randn(2, 100, H, V, generator=gen) for _ in range(2))
+gd = F.logsigmoid(torch.randn(2, 100, H, K, generator=gen) + 3)
+g_csd = fla_stages.gate_cumsum(gd, BT)
+errs["g_cs rows"] = rel(g_csd, torch.cat([gd[:, s:s + BT].double().cumsum(1) / math.log(2)
+                                          for s in range(0, 100, BT)], 1))
+h0d, dhtd = (torch.randn(2, H, K, V, generator=gen) for _ in range(2))
+errs["h rows"], errs["ht rows"], errs["dh rows"], errs["dh0 rows"] = state_passes(
+    (qd, kd, vd, gd), dod, g_csd, h0d, dhtd, chunk_layout(BT))
 print(errs, file=sys.stderr)
 print(*errs.values())
 """
-_NAMES = ("g_cs packed", "g_cs dense", "h", "ht", "dh", "dh0")
+_NAMES = ("g_cs packed", "g_cs dense", "h", "ht", "dh", "dh0", "g_cs rows", "h rows", "ht rows", "dh rows",
+          "dh0 rows")
 
 
 def test_fla_stage_wrappers_under_the_interpreter():

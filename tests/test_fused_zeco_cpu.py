@@ -1,8 +1,8 @@
 """The fused ZeCO operator (lingua_zeco/sp/fused_zeco.py) keeping the forward's chunk states (save_h) on CPU:
 its own code over fla's stages written out in float64 (tests/fla_stages_cpu.py), P virtual ranks exchanging
 through VirtualScan, against autograd through the token-by-token recurrence (naive_gla, float64). With save_h
-the backward runs no state recurrence (chunk_fwd_h once per rank, in the forward); a kept h without S_in folded
-in is caught."""
+the backward runs no state recurrence (the forward state pass runs once per rank, in the forward); a kept h
+without S_in folded in is caught."""
 from __future__ import annotations
 
 import pytest
@@ -23,11 +23,11 @@ H, K, V, SCALE = 2, 8, 6, 0.35
 def fwd_h_calls(monkeypatch):
     calls = []
 
-    def fwd_h(**kw):
-        calls.append(kw["h0"] is not None)  # the backward's recompute starts from S_in
-        return fla_stages_cpu.chunk_fwd_h(**kw)
+    def fwd_h(k, v, gk, h0, **kw):
+        calls.append(h0 is not None)  # the backward's recompute starts from S_in
+        return fla_stages_cpu.fwd_h(k, v, gk, h0, **kw)
     stages = fla_stages_cpu.STAGES
-    monkeypatch.setattr(fz, "fla", type(stages)(**{**vars(stages), "chunk_fwd_h": fwd_h}))
+    monkeypatch.setattr(fz, "fla", type(stages)(**{**vars(stages), "fwd_h": fwd_h}))
     monkeypatch.setattr(fz, "dqkg", fla_stages_cpu.dqkg)
     monkeypatch.setattr(fz, "dv", fla_stages_cpu.dv)
     monkeypatch.setattr(fz, "fwd_A", fla_stages_cpu.fwd_A)

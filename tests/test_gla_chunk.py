@@ -33,10 +33,10 @@ def _recording_stages(monkeypatch, B, T, H, K, V, BT):
 
     z = torch.zeros
     stage("gate_cumsum", lambda g, *a, **kw: g.float())
-    stage("chunk_fwd_h", lambda **kw: (z(B, NT, H, K, V), z(B, H, K, V) if kw["output_final_state"] else None))
+    stage("fwd_h", lambda *a, **kw: (z(B, NT, H, K, V), z(B, H, K, V) if kw["output_final_state"] else None))
     stage("chunk_gla_fwd_intra_gk", lambda **kw: z(B, T, H, BT))
     stage("chunk_gla_fwd_o_gk", lambda **kw: z(B, T, H, V))
-    stage("chunk_bwd_dh", lambda **kw: (z(B, NT, H, K, V), None if kw["h0"] is None else z(B, H, K, V)))
+    stage("bwd_dh", lambda *a, **kw: (z(B, NT, H, K, V), None if kw["h0"] is None else z(B, H, K, V)))
     seen_dqkg = []
 
     def dqkg(qkvg, h, dh, do, *, dtypes, **kw):
@@ -53,7 +53,7 @@ def _recording_stages(monkeypatch, B, T, H, K, V, BT):
 
 
 def test_every_stage_receives_contiguous_tensors(monkeypatch):
-    """(Before the fix this failed: chunk_fwd_h got the transposed h0, chunk_bwd_dh both.)"""
+    """(Before the fix this failed: the forward state pass got the transposed h0, the backward one both.)"""
     B, T, H, K, V = 2, 40, 2, 8, 8
     seen, seen_dqkg = _recording_stages(monkeypatch, B, T, H, K, V, fla_chunk_size(T))
     q, k, g = (torch.randn(B, T, H, K, requires_grad=True) for _ in range(3))
@@ -62,20 +62,20 @@ def test_every_stage_receives_contiguous_tensors(monkeypatch):
     o, ht = staged(q, k, v, g, initial_state=h0, output_final_state=True)
     (o.sum() + ht.sum()).backward()  # ht.sum(): its gradient is ones expanded, stride 0
     names = {name for name, _ in seen}
-    assert {"chunk_fwd_h", "chunk_bwd_dh", "dv"} <= names and seen_dqkg == [True]
+    assert {"fwd_h", "bwd_dh", "dv"} <= names and seen_dqkg == [True]
     assert [name for name, ok in seen if not ok] == []
 
 
 def _cpu_staged(monkeypatch, calls):
-    """gla_chunk's own code over fla's stages written out in float64 (tests/fla_stages_cpu.py); chunk_fwd_h
-    calls are counted."""
+    """gla_chunk's own code over fla's stages written out in float64 (tests/fla_stages_cpu.py); the forward
+    state pass's calls are counted."""
     import fla_stages_cpu
     stages = fla_stages_cpu.STAGES
 
-    def fwd_h(**kw):
+    def fwd_h(*args, **kw):
         calls.append(kw["states_in_fp32"])
-        return fla_stages_cpu.chunk_fwd_h(**kw)
-    monkeypatch.setattr(gla_chunk, "fla", type(stages)(**{**vars(stages), "chunk_fwd_h": fwd_h}))
+        return fla_stages_cpu.fwd_h(*args, **kw)
+    monkeypatch.setattr(gla_chunk, "fla", type(stages)(**{**vars(stages), "fwd_h": fwd_h}))
     monkeypatch.setattr(gla_chunk, "dqkg", fla_stages_cpu.dqkg)
     monkeypatch.setattr(gla_chunk, "dv", fla_stages_cpu.dv)
     monkeypatch.setattr(gla_chunk, "fwd_A", fla_stages_cpu.fwd_A)
@@ -102,7 +102,7 @@ def _staged_and_oracle(save_h, B=2, T=150, H=2, K=8, V=8):
 
 
 def test_save_h_keeps_the_forward_states_and_equals_the_recurrence(monkeypatch):
-    """model.gla_save_h: the backward reads the forward's h (one chunk_fwd_h per step, not two) and every
+    """model.gla_save_h: the backward reads the forward's h (one forward state pass per step, not two) and every
     output and gradient is the float64 recurrence's; without save_h the backward recomputes h in fp32."""
     for save_h, expected in ((False, [False, True]), (True, [False])):
         calls = []

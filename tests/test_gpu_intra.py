@@ -202,13 +202,8 @@ def test_fused_dqkg_matches_flas_stages(packed):
     layout = _packed(BT) if packed else ChunkLayout(BT)
     vl = layout.varlen
     g_cs = fla_stages.gate_cumsum(g, BT, layout.cu_seqlens, layout.chunk_indices)
-    if packed:
-        h, _ = fla_stages.chunk_fwd_h_packed(k, v, g_cs, None, layout=layout, output_final_state=False)
-        dh, _ = fla_stages.chunk_bwd_dh_packed(q, do, None, g_cs, scale=0.1, layout=layout, states_in_fp32=True)
-    else:
-        h, _ = fla_stages.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=False, chunk_size=BT)
-        dh, _ = fla_stages.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=None, scale=0.1, gk=g_cs, chunk_size=BT,
-                                        states_in_fp32=True)
+    h, _ = fla_stages.fwd_h(k, v, g_cs, None, layout=layout, output_final_state=False)
+    dh, _ = fla_stages.bwd_dh(q, do, None, g_cs, scale=0.1, layout=layout, states_in_fp32=True)
     dA = fla_stages.chunk_gla_bwd_dA(v=v, do=do, scale=0.1, **vl)
     dq, dk = fla_dqk_intra(q=q, k=k, g=g_cs, dA=dA, **vl)
     ref32 = fla_stages.chunk_gla_bwd_dqkg(q=q, k=k, v=v, h=h, g=g_cs, do=do, dh=dh, dq=dq, dk=dk, scale=0.1, **vl)

@@ -31,9 +31,10 @@ def _rel(a, b):
 
 
 def _fla_stages(q, k, v, g, BT, scale):
-    from lingua_zeco.kernels.fla_stages import chunk_fwd_h, chunk_gla_fwd_intra_gk, gate_cumsum
+    from lingua_zeco.kernels import ChunkLayout
+    from lingua_zeco.kernels.fla_stages import chunk_gla_fwd_intra_gk, fwd_h, gate_cumsum
     g_cs = gate_cumsum(g, BT)
-    h, _ = chunk_fwd_h(k=k, v=v, gk=g_cs, h0=None, output_final_state=True, chunk_size=BT)
+    h, _ = fwd_h(k, v, g_cs, None, layout=ChunkLayout(BT), output_final_state=True)
     A = chunk_gla_fwd_intra_gk(q=q, k=k, g=g_cs, scale=scale, chunk_size=BT)
     return g_cs, h, A
 
@@ -158,36 +159,45 @@ def test_fused_packed_documents_on_virtual_ranks(dtype):
         assert all(errs[n] > 5 * tol for n in hit), f"dropping {drop} was not caught on rank {p}: {errs}"
 
 
-def test_packed_state_launchers_equal_fla_stages():
-    """chunk_fwd_h_packed / chunk_bwd_dh_packed (fla's kernels, chunk tables planned on the host) give
-    fla's chunk_fwd_h / chunk_bwd_dh with cu_seqlens bit for bit; a wrong table is caught."""
+def test_our_launches_of_fla_kernels_equal_fla_wrappers():
+    """gate_cumsum, fwd_h and bwd_dh (fla's kernels launched by us; for packed documents with the chunk tables
+    planned on the host) give fla's chunk_local_cumsum, chunk_fwd_h and chunk_bwd_dh bit for bit, on dense rows
+    and packed documents; a wrong chunk table is caught."""
     from lingua_zeco.kernels import ChunkLayout, chunk_layout
     from lingua_zeco.kernels import fla_stages as fla
     from lingua_zeco.sp.varlen import local_segments
-    q, k, v, g, do = _inputs(4096)
     BT = 64
     seg = local_segments([0, 5, 70, 70, 1000, 1001, 4096], 0, 4096, "cuda")
-    layout = chunk_layout(BT, seg)
-    cu = layout.cu_seqlens
-    g_cs = fla.gate_cumsum(g, BT, cu, layout.chunk_indices)
-    h0 = torch.randn(seg.n_segments, 16, 128, 128, device="cuda")
-    h_ref, ht_ref = fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=True, cu_seqlens=cu, chunk_size=BT)
-    h, ht = fla.chunk_fwd_h_packed(k, v, g_cs, h0, layout=layout, output_final_state=True)
-    assert torch.equal(h, h_ref) and torch.equal(ht, ht_ref)
-    dht = torch.randn_like(h0)
-    for init in (None, h0):  # with initial states: their gradients dh0 too
-        dh_ref, dh0_ref = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=init, dht=dht, scale=0.1, gk=g_cs,
-                                           cu_seqlens=cu, chunk_size=BT, states_in_fp32=True)
-        dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, h0=init, scale=0.1, layout=layout, states_in_fp32=True)
-        assert torch.equal(dh, dh_ref)
-        if init is None:
-            assert dh0 is None and dh0_ref is None
-        else:
-            assert torch.equal(dh0, dh0_ref)
-    shifted = layout.chunk_offsets.clone()
+    packed, dense = chunk_layout(BT, seg), ChunkLayout(BT)
+    for layout, (q, k, v, g, do) in ((packed, _inputs(4096)), (dense, _inputs(1000, B=2))):
+        cu = layout.cu_seqlens
+        g_cs = fla.gate_cumsum(g, BT, cu, layout.chunk_indices)
+        assert torch.equal(g_cs, fla.chunk_local_cumsum(g, BT, scale=fla.RCP_LN2, cu_seqlens=cu,
+                                                        chunk_indices=layout.chunk_indices))
+        N = seg.n_segments if layout.packed else q.shape[0]
+        h0 = torch.randn(N, 16, 128, 128, device="cuda")
+        h_ref, ht_ref = fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=True, cu_seqlens=cu,
+                                        chunk_size=BT)
+        h, ht = fla.fwd_h(k, v, g_cs, h0, layout=layout, output_final_state=True)
+        assert torch.equal(h, h_ref) and torch.equal(ht, ht_ref), layout.packed
+        dht = torch.randn_like(h0)
+        for init in (None, h0):  # with initial states: their gradients dh0 too
+            dh_ref, dh0_ref = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=init, dht=dht, scale=0.1, gk=g_cs,
+                                               cu_seqlens=cu, chunk_size=BT)
+            dh, dh0 = fla.bwd_dh(q, do, dht, g_cs, h0=init, scale=0.1, layout=layout)
+            assert torch.equal(dh, dh_ref), layout.packed
+            if init is None:
+                assert dh0 is None and dh0_ref is None
+            else:
+                assert torch.equal(dh0, dh0_ref), layout.packed
+    shifted = packed.chunk_offsets.clone()
     shifted[1:-1] += 1  # every document's states written one chunk late
-    late = ChunkLayout(BT, cu, layout.chunk_indices, shifted, layout.n_chunks)
-    h_bad, _ = fla.chunk_fwd_h_packed(k, v, g_cs, h0, layout=late, output_final_state=True)
+    late = ChunkLayout(BT, packed.cu_seqlens, packed.chunk_indices, shifted, packed.n_chunks)
+    q, k, v, g, do = _inputs(4096)
+    g_cs = fla.gate_cumsum(g, BT, packed.cu_seqlens, packed.chunk_indices)
+    h0 = torch.randn(seg.n_segments, 16, 128, 128, device="cuda")
+    h_ref, _ = fla.fwd_h(k, v, g_cs, h0, layout=packed, output_final_state=True)
+    h_bad, _ = fla.fwd_h(k, v, g_cs, h0, layout=late, output_final_state=True)
     assert not torch.equal(h_bad, h_ref)
 
 

@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _launched_kernels() -> set[str]:
-    """Triton kernels our stages launch (any kernels/*.py: `name[grid](`) and fla's stages that kernels/fla_stages.py
-    and gla_chunk.py call, read from fla's installed source."""
+    """Triton kernels launched in kernels/*.py (`name[grid](`: ours, and fla's that fla_stages.py launches itself)
+    and fla's stages that kernels/fla_stages.py and gla_chunk.py call, read from fla's installed source."""
     ours = set()
     for f in sorted((ROOT / "lingua_zeco/kernels").glob("*.py")):
-        ours |= set(re.findall(r"(_\w+_kernel)\[", f.read_text()))
+        ours |= set(re.findall(r"\b(\w+_kernel\w*)\[", f.read_text()))
     fla = pytest.importorskip("fla")
     ops = Path(fla.__file__).parent / "ops"
     src = (ops / "gla/chunk.py").read_text() + (ops / "common/chunk_h.py").read_text()

@@ -46,11 +46,8 @@ def fwd_A(q, k, g_cs, scale: float, layout: ChunkLayout):
 
 
 def _states(k, v, g_cs, h0, layout: ChunkLayout, final: bool, fp32: bool):
-    """(h [B, NT, H, K, V], final states or None): fla's chunk_fwd_h, dense or over the packed documents."""
-    if not layout.packed:
-        return fla.chunk_fwd_h(k=k, v=v, gk=g_cs, h0=h0, output_final_state=final, chunk_size=layout.BT,
-                               states_in_fp32=fp32)
-    return fla.chunk_fwd_h_packed(k, v, g_cs, h0, layout=layout, output_final_state=final, states_in_fp32=fp32)
+    """(h [B, NT, H, K, V], final states or None): fla's state recurrence, dense or over the packed documents."""
+    return fla.fwd_h(k, v, g_cs, h0, layout=layout, output_final_state=final, states_in_fp32=fp32)
 
 
 def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, layout: ChunkLayout):
@@ -77,11 +74,7 @@ def staged_bwd(qkvg, saved, do, dht, scale: float, layout: ChunkLayout):
         g_cs = fla.gate_cumsum(g, layout.BT, layout.cu_seqlens, layout.chunk_indices)
     if h is None:
         h, _ = _states(k, v, g_cs, h0, layout, final=False, fp32=True)
-    if not layout.packed:
-        dh, dh0 = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=h0, dht=dht, scale=scale, gk=g_cs, chunk_size=layout.BT,
-                                   states_in_fp32=False)
-    else:
-        dh, dh0 = fla.chunk_bwd_dh_packed(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0)
+    dh, dh0 = fla.bwd_dh(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0)
     dv_ = dv(k, g_cs, A, do, dh, layout)
     g_dtype = (g if g is not None else g_cs).dtype  # g is None when its fp32 cumsum was kept instead
     dq, dk, dg = dqkg((q, k, v, g_cs), h, dh, do, scale, (q.dtype, k.dtype, g_dtype), layout)

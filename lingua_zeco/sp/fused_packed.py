@@ -38,7 +38,7 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
         BT = fla_chunk_size(q.shape[1])
         layout, t0 = chunk_layout(BT, seg), seg.first_end
         g_cs_BTHK = fla.gate_cumsum(g, BT, layout.cu_seqlens, layout.chunk_indices)
-        h_BNHKV, ht_NHKV = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, None, layout=layout, output_final_state=True)
+        h_BNHKV, ht_NHKV = fla.fwd_h(k, v, g_cs_BTHK, None, layout=layout, output_final_state=True)
         b_end_BHK = ht_NHKV.new_zeros(ht_NHKV[-1:].shape[:-1])  # a document starts here: S_in stops
         work = scan_fn(ht_NHKV[-1:].contiguous(), b_end_BHK, False)
         A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, layout)
@@ -72,12 +72,11 @@ class FusedPackedZeCOGLA(torch.autograd.Function):
         h0_NHKV = S_in_BHKV.new_zeros(N, *S_in_BHKV.shape[1:])
         if t0 > 0:
             h0_NHKV[0] = S_in_BHKV[0]
-        h_BNHKV, _ = fla.chunk_fwd_h_packed(k, v, g_cs_BTHK, h0_NHKV, layout=layout, output_final_state=False,
-                                            states_in_fp32=True)
+        h_BNHKV, _ = fla.fwd_h(k, v, g_cs_BTHK, h0_NHKV, layout=layout, output_final_state=False, states_in_fp32=True)
         G_BHKV = work.wait()
         dht_NHKV = G_BHKV.new_zeros(N, *G_BHKV.shape[1:])
         dht_NHKV[-1] = G_BHKV[0]
-        dh_BNHKV, _ = fla.chunk_bwd_dh_packed(q, do, dht_NHKV, g_cs_BTHK, scale=scale, layout=layout)
+        dh_BNHKV, _ = fla.bwd_dh(q, do, dht_NHKV, g_cs_BTHK, scale=scale, layout=layout)
         dv_ = dv(k, g_cs_BTHK, A_BTHC, do, dh_BNHKV, layout)
         dq, dk, dg = dqkg((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, scale, (q.dtype, k.dtype, g.dtype), layout)
         return dq, dk, dv_.to(v), dg, None, None, None

@@ -50,7 +50,7 @@ def zeco_forward(q, k, v, g, scale, scan_fn, save_h: bool = True):
     BT = fla_chunk_size(q.shape[1])
     layout = ChunkLayout(BT)
     g_cs_BTHK = fla.gate_cumsum(g, BT)
-    h_BNHKV, S_end_BHKV = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=None, output_final_state=True, chunk_size=BT)
+    h_BNHKV, S_end_BHKV = fla.fwd_h(k, v, g_cs_BTHK, None, layout=layout, output_final_state=True)
     Gx_BNHK, b_end_BHK = chunk_decay_prefix(g_cs_BTHK, BT)
     work = scan_fn(S_end_BHKV, b_end_BHK, False)
     A_BTHC = fwd_A(q, k, g_cs_BTHK, scale, layout)
@@ -75,11 +75,10 @@ def zeco_backward(q, k, v, g, saved, do, scale, scan_fn):
     if kept:
         h_BNHKV, = kept
     else:
-        h_BNHKV, _ = fla.chunk_fwd_h(k=k, v=v, gk=g_cs_BTHK, h0=S_in_BHKV, output_final_state=False, chunk_size=BT,
-                                     states_in_fp32=True)
+        h_BNHKV, _ = fla.fwd_h(k, v, g_cs_BTHK, S_in_BHKV, layout=layout, output_final_state=False,
+                               states_in_fp32=True)
     G_BHKV = work.wait()
-    dh_BNHKV, _ = fla.chunk_bwd_dh(q=q, k=k, v=v, do=do, h0=None, dht=G_BHKV, scale=scale, gk=g_cs_BTHK,
-                                   chunk_size=BT, states_in_fp32=False)  # 16 bits, as kernels/gla_chunk.py
+    dh_BNHKV, _ = fla.bwd_dh(q, do, G_BHKV, g_cs_BTHK, scale=scale, layout=layout)  # 16 bits, as gla_chunk.py
     dv_ = dv(k, g_cs_BTHK, A_BTHC, do, dh_BNHKV, layout)
     dq, dk, dg = dqkg((q, k, v, g_cs_BTHK), h_BNHKV, dh_BNHKV, do, scale, (q.dtype, k.dtype, g.dtype), layout)
     return dq, dk, dv_.to(v), dg
