@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from apps.gla.bench.bench_train import CATEGORIES, kernel_category
 from apps.gla.bench.roofline import table_rows
 from lingua_zeco.perf_model.gla_kernels import gla_kernel_costs, match_kernel, roofline_row
 
@@ -35,6 +36,14 @@ def test_every_launched_kernel_has_a_cost():
     kernels = _launched_kernels()
     assert len(kernels) > 10
     assert [k for k in kernels if match_kernel(k, costs) is None] == []
+
+
+def test_the_step_profile_counts_every_gla_kernel_as_gla():
+    """bench_train's profile puts each kernel the GLA operators launch in its GLA category (a new kernel missing
+    from CATEGORIES would land in "other")."""
+    gla = CATEGORIES[0][0]
+    assert {k: kernel_category(k) for k in _launched_kernels() if kernel_category(k) != gla} == {}
+    assert kernel_category("nvjet_sm90_tst_256x128") != gla
 
 
 def test_costs_count_the_state_products_and_the_state_traffic():

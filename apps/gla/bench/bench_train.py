@@ -146,7 +146,8 @@ def build_fla(a: BenchTrainArgs, device):
 # ------------------------------------------------------------------------------------ profiling
 CATEGORIES = [  # first match wins; lower-case substrings of kernel names
     ("gla (fla chunk kernels + ZeCO stages)", ("chunk_", "_fwd_o_kernel", "_ds_in_kernel", "_decay_prefix", "gla",
-                                               "fwd_h", "bwd_dh", "cumsum", "_dqkg_kernel", "_fwd_a_kernel")),
+                                               "fwd_h", "bwd_dh", "cumsum", "_dqkg_kernel", "_dv_kernel",
+                                               "_fwd_a_kernel")),
     ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "matmul", "_scaled_mm")),
     # Inductor's generated kernels (model.compile=blocks): norms, gates, SwiGLU, residuals, float8 casts fused
     ("inductor fused kernels", ("triton_poi_", "triton_red_", "triton_per_", "triton_tem_")),
@@ -156,6 +157,12 @@ CATEGORIES = [  # first match wins; lower-case substrings of kernel names
     ("optimizer", ("adam", "multi_tensor", "foreach", "l2norm")),
     ("fsdp copies / casts", ("copy", "cast", "chunk_cat", "split_with_sizes", "all_gather", "reduce_scatter")),
 ]
+
+
+def kernel_category(name: str) -> str:
+    """The CATEGORIES entry of a profiled kernel's name ("other" when none matches)."""
+    key = name.lower()
+    return next((c for c, pats in CATEGORIES if any(p in key for p in pats)), "other")
 
 
 def kernel_breakdown(step, steps: int = 3) -> tuple[list[dict], list[dict], dict]:
@@ -182,8 +189,7 @@ def kernel_breakdown(step, steps: int = 3) -> tuple[list[dict], list[dict], dict
         us = ev.device_time_total
         if us <= 0:
             continue
-        key = ev.key.lower()
-        cat = next((c for c, pats in CATEGORIES if any(p in key for p in pats)), "other")
+        cat = kernel_category(ev.key)
         totals[cat] += us / steps
         names[cat][ev.key[:60]] += us / steps
     all_us = sum(totals.values())
