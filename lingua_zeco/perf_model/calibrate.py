@@ -43,8 +43,9 @@ from .throughput import ThroughputArgs, tokens_per_gpu
 
 RAW = "docs/results/raw/2026-11-30-h200x2"  # 2 x H200, NVLink: comm_P2, op_P2, bench_fused, metrics_*.jsonl
 # one H200, the newest measurements: bench_fused JSON (run*/bench_fused.json) and bench_train JSON of our trainer
-RAW_FUSED = "docs/results/raw/2026-12-04-h200/operator"  # the newest bench_fused at 16K and 32K (one H200)
-RAW_1GPU = "docs/results/raw/2026-12-04-h200"  # the newest one-GPU step: compiled blocks, bf16
+# the newest bench_fused of today's kernels (16K; the model holds 16K's extra at longer T_local)
+RAW_FUSED = "docs/results/raw/2026-12-05-h200/launch"
+RAW_1GPU = "docs/results/raw/2026-12-05-h200/step_144d849"  # the newest one-GPU step: compiled blocks, bf16
 
 
 def alpha_split(alpha_s: float, p2p_rows: list[dict], source: str) -> dict:
