@@ -39,14 +39,11 @@ from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_vector_k
 
 
 # We launch three of fla's kernels ourselves, as fla's wrappers launch them for GLA (per-key gates gk only, states
-# [K, V]), for two reasons:
-# * host time: each wrapper passes through fla's backend dispatch, torch.compiler.disable and input_guard, about
-#   0.1 ms of Python a call. The gate cumsum is each pass's first launch and the state recurrence the next, so the
-#   GPU idles through the wrappers of both in every eager forward and backward.
-# * packed documents: fla's chunk_fwd_h / chunk_bwd_dh size h and dh with `chunk_offsets[-1].item()`, a host sync
-#   in every call. Here the chunk table is planned once per step on the host (ChunkLayout, from
-#   lingua_zeco.sp.varlen.LocalSegments.chunk_index).
-# Callers pass contiguous tensors (fla's input_guard made them so).
+# [K, V]): for packed documents fla's chunk_fwd_h / chunk_bwd_dh size h and dh with `chunk_offsets[-1].item()`, a
+# host sync in every call, where our chunk table is planned once per step on the host (ChunkLayout, from
+# lingua_zeco.sp.varlen.LocalSegments.chunk_index); dense rows take the same launches (one path for both). Skipping
+# fla's wrappers (dispatch, input_guard) did not shorten the host's time per operator call, measured: Triton's own
+# launch path holds it. Callers pass contiguous tensors (fla's input_guard made them so).
 def gate_cumsum(g, BT: int, cu_seqlens=None, chunk_indices=None):
     """g_cs: the cumsum of the log gates g [B, T, H, K] inside each chunk (per document with cu_seqlens and its
     chunk_indices), in base 2 (× log2 e), fp32: fla's first stage (= fla's chunk_local_cumsum(g, BT,

@@ -10,7 +10,7 @@
 #   stages        our kernels beside the fla stages they replace, bench_stages at 16K (dh, dv, dq/dk/dg,    ≈ 3
 #                 the forward's A, the ZeCO stages; 2.7 min on an H100 with the autotune cache seeded)
 #   long_context  GLA-1B at 4M tokens per step in segments of 16K (docs/long_context.md, section 5)       ≈ 6
-#   profile       the 16K step of ours, bf16 and float8, with kernel time by category and the GPU's idle gaps ≈ 5
+#   profile       the 16K step of ours, bf16 and float8, its kernel time by category and the GPU's idle gaps ≈ 2
 #   float8_fsdp   the 16K step with FSDP forced on the one GPU, bf16 and float8 (its float8 all-gather),  ≈ 4
 #                 each profiled: where float8 under FSDP loses what it gains on the plain module
 #   passkey       GLA-1B's passkey evaluation (docs/long_context.md, section 7) at 128K, 1M and 4M tokens   ≈ 4
