@@ -42,8 +42,8 @@ from fla.ops.utils.cumsum import chunk_local_cumsum, chunk_local_cumsum_vector_k
 # [K, V]): for packed documents fla's chunk_fwd_h / chunk_bwd_dh size h and dh with `chunk_offsets[-1].item()`, a
 # host sync in every call, where our chunk table is planned once per step on the host (ChunkLayout, from
 # lingua_zeco.sp.varlen.LocalSegments.chunk_index); dense rows take the same launches (one path for both). Skipping
-# fla's wrappers (dispatch, input_guard) did not shorten the host's time per operator call, measured: Triton's own
-# launch path holds it. Callers pass contiguous tensors (fla's input_guard made them so).
+# fla's wrappers (dispatch, input_guard) did not shorten the host's time per operator call (measured, 2026-12-05).
+# Callers pass contiguous tensors (fla's input_guard made them so).
 def gate_cumsum(g, BT: int, cu_seqlens=None, chunk_indices=None):
     """g_cs: the cumsum of the log gates g [B, T, H, K] inside each chunk (per document with cu_seqlens and its
     chunk_indices), in base 2 (× log2 e), fp32: fla's first stage (= fla's chunk_local_cumsum(g, BT,
