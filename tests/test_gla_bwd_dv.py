@@ -30,7 +30,7 @@ for BV in (64, 128):
     dvk._dv_kernel.configs = [triton.Config({"BK": 64, "BV": BV}, num_warps=4, num_stages=1)]  # no tuning here
     for B, cu in ((2, None), (1, torch.tensor([0, 40, 150]))):
         layout = chunk_layout(BT, cu)
-        NT = layout.n_chunks if cu is not None else -(-T // BT)
+        NT = layout.chunks(T)
         k, do, dh = r(B, T, H, K), r(B, T, H, V), r(B, NT, H, K, V)
         g_cs = cpu.gate_cumsum(F.logsigmoid(r(B, T, H, K) + 2), BT, cu).float()
         A = cpu.chunk_gla_fwd_intra_gk(r(B, T, H, K), r(B, T, H, K), g_cs, 0.3, cu, BT).float()

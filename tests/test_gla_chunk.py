@@ -73,7 +73,7 @@ def _cpu_staged(monkeypatch, calls):
     stages = fla_stages_cpu.STAGES
 
     def fwd_h(*args, **kw):
-        calls.append(kw["states_in_fp32"])
+        calls.append(kw.get("states_in_fp32", False))  # fla_stages.fwd_h's default: 16 bits
         return fla_stages_cpu.fwd_h(*args, **kw)
     monkeypatch.setattr(gla_chunk, "fla", type(stages)(**{**vars(stages), "fwd_h": fwd_h}))
     monkeypatch.setattr(gla_chunk, "dqkg", fla_stages_cpu.dqkg)

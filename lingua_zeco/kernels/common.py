@@ -32,6 +32,11 @@ class ChunkLayout:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
+    def chunks(self, T: int) -> int:
+        """NT, the chunks of a call of T tokens per row: its rows' chunks (each of the B rows has NT), or all the
+        packed documents' chunks."""
+        return self.n_chunks if self.packed else -(-T // self.BT)
+
     @property
     def varlen(self) -> dict:
         """The keywords fla's intra-chunk and output stages take."""

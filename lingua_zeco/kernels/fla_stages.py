@@ -64,18 +64,16 @@ def _state_grid(K, V, N, H):
     return lambda meta: (triton.cdiv(K, meta["BK"]) * triton.cdiv(V, meta["BV"]) * N * H,)
 
 
-def _documents(B, T, layout: ChunkLayout):
-    """(N sequences, NT chunks in all): the B rows, or the packed documents of the layout."""
-    if layout.packed:
-        return layout.cu_seqlens.numel() - 1, layout.n_chunks
-    return B, triton.cdiv(T, layout.BT)
+def _sequences(B: int, layout: ChunkLayout) -> int:
+    """N, the sequences with a state each: the B rows, or the packed documents of the layout."""
+    return layout.cu_seqlens.numel() - 1 if layout.packed else B
 
 
 def fwd_h(k, v, gk, h0, *, layout: ChunkLayout, output_final_state: bool, states_in_fp32: bool = False):
     """= fla's chunk_fwd_h(k=k, v=v, gk=gk, h0=h0, cu_seqlens=layout.cu_seqlens, chunk_size=layout.BT, ...): (h [B,
     NT, H, K, V] in k's dtype or fp32, the final states [N, H, K, V] fp32 or None), N the rows or the documents."""
     B, T, H, K, V = *k.shape, v.shape[-1]
-    N, NT = _documents(B, T, layout)
+    N, NT = _sequences(B, layout), layout.chunks(T)
     h = k.new_empty(B, NT, H, K, V, dtype=torch.float if states_in_fp32 else k.dtype)
     ht = k.new_empty(N, H, K, V, dtype=torch.float) if output_final_state else None
     h0 = None if h0 is None else h0.contiguous()
@@ -92,7 +90,7 @@ def bwd_dh(q, do, dht, gk, *, scale, layout: ChunkLayout, h0=None, states_in_fp3
     q's dtype or fp32, dh0 [N, H, K, V] fp32 or None); the kernel reads neither k nor v (only their sizes, which q
     and do have)."""
     B, T, H, K, V = *q.shape, do.shape[-1]
-    N, NT = _documents(B, T, layout)
+    N, NT = _sequences(B, layout), layout.chunks(T)
     dh = q.new_empty(B, NT, H, K, V, dtype=torch.float if states_in_fp32 else q.dtype)
     dh0 = None if h0 is None else torch.empty_like(h0, dtype=torch.float)
     dht = None if dht is None else dht.contiguous()  # e.g. ht.sum()'s gradient: ones expanded, stride 0

@@ -125,7 +125,7 @@ def chunk_gla_bwd_dqkg(qkvg, h, dh, do, *, scale: float, dtypes, layout: ChunkLa
     BT = layout.BT
     if g_cs.dtype != torch.float:
         raise TypeError(f"dqkg: g_cs must be fla's fp32 gate cumsum, got {g_cs.dtype}")
-    NT = triton.cdiv(T, BT) if not layout.packed else layout.n_chunks
+    NT = layout.chunks(T)
     dq, dk, dg = (torch.empty_like(x, dtype=d) for x, d in zip((q, k, g_cs), dtypes))
     # written only for chunks whose gates are too steep for one reference (module doc)
     dA_s = q.new_empty(B, T, H, BT, dtype=torch.float)

@@ -75,7 +75,7 @@ def chunk_gla_bwd_dv(k, g_cs, A, do, dh, *, layout: ChunkLayout):
     BT = layout.BT
     if g_cs.dtype != torch.float or A.dtype != torch.float:
         raise TypeError(f"dv: g_cs and A must be fla's fp32 gate cumsum and attention, got {g_cs.dtype}, {A.dtype}")
-    NT = triton.cdiv(T, BT) if not layout.packed else layout.n_chunks
+    NT = layout.chunks(T)
     dv = torch.empty_like(do)
     _dv_kernel[lambda meta: (triton.cdiv(V, meta["BV"]) * NT, B * H)](
         k, g_cs, A, do, dh, dv, layout.cu_seqlens, layout.chunk_indices, T, H=H, K=K, V=V, BT=BT,

@@ -45,18 +45,13 @@ def fwd_A(q, k, g_cs, scale: float, layout: ChunkLayout):
                            chunk_indices=layout.chunk_indices)
 
 
-def _states(k, v, g_cs, h0, layout: ChunkLayout, final: bool, fp32: bool):
-    """(h [B, NT, H, K, V], final states or None): fla's state recurrence, dense or over the packed documents."""
-    return fla.fwd_h(k, v, g_cs, h0, layout=layout, output_final_state=final, states_in_fp32=fp32)
-
-
 def staged_fwd(q, k, v, g, scale: float, h0, output_final_state: bool, layout: ChunkLayout):
     """The forward stages on contiguous inputs: (o, final state(s) or None, A, g_cs or None, h). A [B, T, H, BT]
     fp32 is the intra-chunk attention the backward reuses; g_cs (the fp32 gate cumsum) is returned only when g is
     fp32 (as fla: it then costs no more memory than g), else the backward recomputes it; h [B, NT, H, K, V] in
     k's dtype, for a backward that keeps it (save_h)."""
     g_cs = fla.gate_cumsum(g, layout.BT, layout.cu_seqlens, layout.chunk_indices)
-    h, ht = _states(k, v, g_cs, h0, layout, output_final_state, fp32=False)
+    h, ht = fla.fwd_h(k, v, g_cs, h0, layout=layout, output_final_state=output_final_state)
     A = fwd_A(q, k, g_cs, scale, layout)
     o = fla.chunk_gla_fwd_o_gk(q=q, v=v, g=g_cs, A=A, h=h, scale=scale, **layout.varlen)
     return o, ht, A, g_cs if g.dtype == torch.float else None, h
@@ -73,7 +68,7 @@ def staged_bwd(qkvg, saved, do, dht, scale: float, layout: ChunkLayout):
     if g_cs is None:
         g_cs = fla.gate_cumsum(g, layout.BT, layout.cu_seqlens, layout.chunk_indices)
     if h is None:
-        h, _ = _states(k, v, g_cs, h0, layout, final=False, fp32=True)
+        h, _ = fla.fwd_h(k, v, g_cs, h0, layout=layout, output_final_state=False, states_in_fp32=True)
     dh, dh0 = fla.bwd_dh(q, do, dht, g_cs, scale=scale, layout=layout, h0=h0)
     dv_ = dv(k, g_cs, A, do, dh, layout)
     g_dtype = (g if g is not None else g_cs).dtype  # g is None when its fp32 cumsum was kept instead
