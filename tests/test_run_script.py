@@ -153,3 +153,17 @@ def test_memcheck_runs_the_sanitizer_or_says_it_is_missing(sandbox):
     assert len(calls) == 4 and all(c.startswith("--tool memcheck --target-processes all") for c in calls)
     assert [c.split()[-2:] for c in calls[:3]] == [["3", "60"]] * 3  # 3 stress rounds at each P
     assert calls[3].endswith("tests/test_symm_scan.py")  # every symm GPU test
+
+
+def test_parity_halves_train_on_the_corpus_parity_data_names(sandbox):
+    """PARITY_DATA: both halves get the same data keys (bench_loss compares the second with the first only when
+    they match); a folder without train/ is refused before anything is installed."""
+    tmp, env = sandbox
+    (tmp / "repo/corpus/train").mkdir(parents=True)
+    proc = _run(tmp / "repo", "parity_bf16", "parity_float8", env={**env, "PARITY_DATA": "corpus"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (tmp / "calls.txt").read_text().splitlines()
+    data = 'overrides=["data.root_dir=corpus","data.sources={train: 1.0}"]'
+    assert len(calls) == 2 and all(c.endswith(data) or f" {data} " in c for c in calls), calls
+    proc = _run(tmp / "repo", "parity_bf16", env={**env, "PARITY_DATA": "nosuchfolder"})
+    assert proc.returncode == 2 and "PARITY_DATA" in proc.stdout and len(proc.stdout.splitlines()) == 1

@@ -27,7 +27,9 @@
 #   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)  ≈ 6-9
 #                 (8.5 on an H100 of a fresh machine)
 #   parity_float8 second half: the same with float8 against the first half's output, given as         ≈ 6
-#                 PARITY_REF=<parity_bf16.json, carried>; both curves in parity_float8.png
+#                 PARITY_REF=<parity_bf16.json, carried>; both curves in parity_float8.png. Both halves train on
+#                 the built-in corpus (0.43 MB: memorised within the run), or with PARITY_DATA=<a folder, carried>
+#                 on its train/ documents: setup/gpu/parity_corpus.sh makes one that no run reads twice
 #   compare       step (16K) and operator on BASE_DIR, another checkout, and on this tree back to back   ≈ 8
 #                 (defaults unchanged or faster across a change); make one with e.g.
 #                 mkdir -p dumps/base && git archive <commit> apps lingua_zeco configs | tar -x -C dumps/base
@@ -61,6 +63,10 @@ case " $* " in
     [ -f "${PARITY_REF:-}" ] || { echo "error: parity_float8 needs PARITY_REF=<the parity_bf16.json of parity_bf16, carried to the device>"; exit 2; }
     PARITY_REF=$(cd "$(dirname "$PARITY_REF")" && pwd)/$(basename "$PARITY_REF") ;;
 esac
+
+if [ -n "${PARITY_DATA:-}" ]; then
+    [ -d "$PARITY_DATA/train" ] || { echo "error: PARITY_DATA=$PARITY_DATA has no train/ folder; make one with bash setup/gpu/parity_corpus.sh and carry it"; exit 2; }
+fi
 
 source setup/gpu/device_env.sh  # wheels, autotune cache, OUT, PYTHONPATH=/tmp/site:$PWD
 HERE=$PWD
@@ -231,6 +237,9 @@ part_symm_loop() {
 }
 
 PARITY=(config=gla_1b_dp.yaml steps=1000 seq_len=16384 tail=100)  # the float8 parity runs: same data and seed
+if [ -n "${PARITY_DATA:-}" ]; then  # as given (a path under the checkout): both halves' outputs then name the same
+    PARITY+=("overrides=[\"data.root_dir=$PARITY_DATA\",\"data.sources={train: 1.0}\"]")
+fi
 
 part_parity_bf16() {
     run "$HERE" "$OUT/parity_bf16/parity_bf16.log" 560 "^\{|rror|Traceback" python3 -m apps.gla.bench.bench_loss \
