@@ -16,11 +16,12 @@ def inputs(B=2, T=37, H=2, K=8, V=6, dtype=torch.float32, device="cpu", seed=0, 
     return q, k, v, g
 
 
+@pytest.mark.parametrize("T", [37, 5, 1])  # rows shorter than the chunk take a shorter one
 @pytest.mark.parametrize("chunk", [4, 16])
 @pytest.mark.parametrize("strong", [False, True])
-def test_torch_chunk_matches_naive_with_states(chunk, strong, monkeypatch):
+def test_torch_chunk_matches_naive_with_states(chunk, strong, T, monkeypatch):
     monkeypatch.setattr(torch_chunk, "CHUNK", chunk)
-    q, k, v, g = inputs(strong=strong)
+    q, k, v, g = inputs(T=T, strong=strong)
     h0 = torch.randn(2, 2, 8, 6)
     o, ht = torch_chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True)
     o_ref, ht_ref = naive_gla(q, k, v, g, initial_state=h0, output_final_state=True)

@@ -24,6 +24,7 @@ def _gla_fixed(q, k, v, g, scale, h0, chunk):
     h = q.new_zeros(B, H, K, V, dtype=acc) if h0 is None else h0.to(acc)
     if T == 0:  # an empty document (equal boundaries): no output, the state passes through
         return v.new_zeros(B, 0, H, V, dtype=acc), h
+    chunk = min(chunk, 1 << (T - 1).bit_length())  # a short row (a segment, a packed document) pads to less
     pad = (-T) % chunk
     if pad:  # zero keys/values and zero gates leave the state untouched
         q, k, v, g = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (q, k, v, g))
