@@ -167,3 +167,12 @@ def test_parity_halves_train_on_the_corpus_parity_data_names(sandbox):
     assert len(calls) == 2 and all(c.endswith(data) or f" {data} " in c for c in calls), calls
     proc = _run(tmp / "repo", "parity_bf16", env={**env, "PARITY_DATA": "nosuchfolder"})
     assert proc.returncode == 2 and "PARITY_DATA" in proc.stdout and len(proc.stdout.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args", [[], ["a", "b"], ["existing"]])
+def test_parity_corpus_bad_arguments_are_one_error_line_before_any_download(tmp_path, args):
+    (tmp_path / "existing").mkdir()
+    proc = subprocess.run(["bash", str(ROOT / "setup/gpu/parity_corpus.sh"), *args], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 2 and proc.stdout.startswith("error: ") and len(proc.stdout.splitlines()) == 1
+    assert proc.stderr == "" and sorted(p.name for p in tmp_path.iterdir()) == ["existing"]
