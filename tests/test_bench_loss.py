@@ -1,5 +1,6 @@
 """bench_loss on CPU: two variants trained in their own processes, their curves compared and drawn; a variant
-run later against an earlier output (ref=) gives the rows one run of both would."""
+run later against an earlier output (ref=) gives the rows one run of both would, and so do two outputs run on
+their own and compared afterwards (variants= empty: nothing trained)."""
 from __future__ import annotations
 
 import json
@@ -35,3 +36,14 @@ def test_a_later_variant_is_compared_with_an_earlier_output(tmp_path):
     assert float8["tail_mean"] == sum(curve[-2:]) / 2
     assert float8["tail_vs_ref"] == float8["tail_mean"] / bf16["tail_mean"] - 1
     assert abs(float8["tail_vs_ref"]) < 0.02  # and not far
+
+
+def test_outputs_run_on_their_own_are_compared_without_training(tmp_path):
+    first = _bench(tmp_path, "variants=bf16", "stem=bf16")
+    later = _bench(tmp_path, "variants=float8", f"ref={tmp_path / 'bf16.json'}", "stem=float8")
+    alone = _bench(tmp_path, "variants=float8", "stem=float8_alone")
+    assert alone["curves"]["float8"] == later["curves"]["float8"]  # the same seed and data: the same curve
+    both = _bench(tmp_path, "variants=", f"ref={tmp_path / 'bf16.json'},{tmp_path / 'float8_alone.json'}",
+                  "stem=both")
+    assert both["rows"] == later["rows"] and both["curves"] == later["curves"]
+    assert first["curves"]["bf16"] == both["curves"]["bf16"]

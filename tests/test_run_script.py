@@ -82,12 +82,22 @@ def test_bad_arguments_install_nothing(sandbox, bad):
     assert not (tmp / "sourced").exists()
 
 
-@pytest.mark.parametrize("part, var", [("compare", "BASE_DIR"), ("parity_float8", "PARITY_REF")])
-def test_a_part_without_its_input_is_refused(sandbox, part, var):
+def test_compare_without_its_base_is_refused(sandbox):
     tmp, env = sandbox
-    env.pop(var)
-    proc = _run(tmp / "repo", part, env=env)
-    assert proc.returncode == 2 and var in proc.stdout and not (tmp / "sourced").exists()
+    env.pop("BASE_DIR")
+    proc = _run(tmp / "repo", "compare", env=env)
+    assert proc.returncode == 2 and "BASE_DIR" in proc.stdout and not (tmp / "sourced").exists()
+
+
+def test_parity_float8_runs_alone_or_against_a_parity_ref_that_exists(sandbox):
+    tmp, env = sandbox
+    assert _run(tmp / "repo", "parity_float8", env=env).returncode == 0
+    env.pop("PARITY_REF")
+    assert _run(tmp / "repo", "parity_float8", env=env).returncode == 0
+    with_ref, alone = (tmp / "calls.txt").read_text().splitlines()
+    assert f"ref={tmp / 'parity_bf16.json'} " in with_ref and " ref=" not in alone and "variants=float8" in alone
+    proc = _run(tmp / "repo", "parity_float8", env={**env, "PARITY_REF": str(tmp / "nosuch.json")})
+    assert proc.returncode == 2 and "PARITY_REF" in proc.stdout and len(proc.stdout.splitlines()) == 1
 
 
 STRESS_PARTS = ("symm", "memcheck")  # scripts and the sanitizer rather than `python3 -m` modules: tested below

@@ -26,10 +26,12 @@
 #                 processes as the suite runs them; one log per run and the count of runs that passed
 #   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)  ≈ 6-9
 #                 (8.5 on an H100 of a fresh machine)
-#   parity_float8 second half: the same with float8 against the first half's output, given as         ≈ 6
-#                 PARITY_REF=<parity_bf16.json, carried>; both curves in parity_float8.png. Both halves train on
-#                 the built-in corpus (0.43 MB: memorised within the run), or with PARITY_DATA=<a folder, carried>
-#                 on its train/ documents: setup/gpu/parity_corpus.sh makes one that no run reads twice
+#   parity_float8 second half: the same with float8, on its own or, with PARITY_REF=<parity_bf16.json, carried>,  ≈ 6
+#                 against the first half's output (both curves in parity_float8.png). Halves run on their own are
+#                 compared afterwards on any machine: bench_loss <the same keys> variants= ref=<bf16>,<float8>.
+#                 Both halves train on the built-in corpus (0.43 MB: memorised within the run), or with
+#                 PARITY_DATA=<a folder, carried> on its train/ documents: setup/gpu/parity_corpus.sh makes one
+#                 that no run reads twice
 #   compare       step (16K) and operator on BASE_DIR, another checkout, and on this tree back to back   ≈ 8
 #                 (defaults unchanged or faster across a change); make one with e.g.
 #                 mkdir -p dumps/base && git archive <commit> apps lingua_zeco configs | tar -x -C dumps/base
@@ -58,11 +60,10 @@ case " $* " in
         || { echo "error: compare needs BASE_DIR=<a checkout of the repository, carried to the device>"; exit 2; }
     BASE_DIR=$(cd "$BASE_DIR" && pwd) ;;
 esac
-case " $* " in
-*" parity_float8 "*)
-    [ -f "${PARITY_REF:-}" ] || { echo "error: parity_float8 needs PARITY_REF=<the parity_bf16.json of parity_bf16, carried to the device>"; exit 2; }
-    PARITY_REF=$(cd "$(dirname "$PARITY_REF")" && pwd)/$(basename "$PARITY_REF") ;;
-esac
+if [ -n "${PARITY_REF:-}" ]; then
+    [ -f "$PARITY_REF" ] || { echo "error: PARITY_REF=$PARITY_REF is not a file; carry the parity_bf16.json of parity_bf16 to the device, or leave PARITY_REF out"; exit 2; }
+    PARITY_REF=$(cd "$(dirname "$PARITY_REF")" && pwd)/$(basename "$PARITY_REF")
+fi
 
 if [ -n "${PARITY_DATA:-}" ]; then
     [ -d "$PARITY_DATA/train" ] || { echo "error: PARITY_DATA=$PARITY_DATA has no train/ folder; make one with bash setup/gpu/parity_corpus.sh and carry it"; exit 2; }
@@ -247,8 +248,10 @@ part_parity_bf16() {
 }
 
 part_parity_float8() {
+    local ref=()
+    [ -z "${PARITY_REF:-}" ] || ref=(ref="$PARITY_REF")
     run "$HERE" "$OUT/parity_float8/parity_float8.log" 560 "^\{|rror|Traceback" python3 -m apps.gla.bench.bench_loss \
-        "${PARITY[@]}" variants=float8 ref="$PARITY_REF" stem=parity_float8 out="$OUT/parity_float8"
+        "${PARITY[@]}" variants=float8 "${ref[@]}" stem=parity_float8 out="$OUT/parity_float8"
 }
 
 part_compare() {  # base then current for each benchmark: drift over the call hits both alike

@@ -8,6 +8,9 @@ last `tail` steps and its relative difference to the first variant, and <stem>.p
     python -m apps.gla.bench.bench_loss config=gla_1b_dp.yaml variants=bf16 steps=1000 seq_len=16384 stem=bf16
     python -m apps.gla.bench.bench_loss config=gla_1b_dp.yaml variants=float8 steps=1000 seq_len=16384 \
         ref=bench_out/bf16.json stem=float8
+    # or each on its own (any order, any machine), then compared without training (variants= empty)
+    python -m apps.gla.bench.bench_loss config=gla_1b_dp.yaml variants= steps=1000 seq_len=16384 \
+        ref=bench_out/bf16.json,bench_out/float8.json stem=both
 """
 from __future__ import annotations
 
@@ -45,8 +48,9 @@ class BenchLossArgs:
     overrides: tuple[str, ...] = ()  # trainer keys for every variant
     out: str = "bench_out"  # output folder
     stem: str = "loss"  # output file names
-    # an earlier bench_loss JSON of the same settings: its curves come first (the first is the reference)
-    ref: str = ""
+    # earlier bench_loss JSONs of the same settings: their curves come first, in order (the very first curve is the
+    # reference); with no variants the run only compares and draws them
+    ref: tuple[str, ...] = ()
 
 
 def train_curve(name: str, a: BenchLossArgs, dump: str) -> list[float]:
@@ -66,22 +70,28 @@ SAME = ("config", "steps", "seq_len", "overrides")
 
 
 def reference_curves(a: BenchLossArgs) -> dict[str, list[float]]:
-    """{variant: curve} of the output a.ref names ({} without ref): one ConfigError if it cannot be used."""
-    if not a.ref:
-        return {}
-    try:
-        with open(a.ref) as f:
-            old = json.load(f)
-        curves, args = old["curves"], old["args"]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"ref={a.ref}: not a bench_loss output ({type(e).__name__}: {e}); give the .json an "
-                          f"earlier run wrote") from e
-    differ = [f"{k}={args.get(k)!r} there, {getattr(a, k)!r} here" for k in SAME
-              if args.get(k) != (list(v) if isinstance(v := getattr(a, k), tuple) else v)]
-    if differ:
-        raise ConfigError(f"ref={a.ref} ran other settings ({'; '.join(differ)}): its curves cannot be compared")
+    """{variant: curve} of the outputs a.ref names, in order ({} without ref): one ConfigError if one cannot be
+    used."""
+    curves = {}
+    for path in a.ref:
+        try:
+            with open(path) as f:
+                old = json.load(f)
+            theirs, args = old["curves"], old["args"]
+            if not (isinstance(theirs, dict) and isinstance(args, dict)):
+                raise TypeError("its curves and args are not objects")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"ref={path}: not a bench_loss output ({type(e).__name__}: {e}); give the .json an "
+                              f"earlier run wrote") from e
+        differ = [f"{k}={args.get(k)!r} there, {getattr(a, k)!r} here" for k in SAME
+                  if args.get(k) != (list(v) if isinstance(v := getattr(a, k), tuple) else v)]
+        if differ:
+            raise ConfigError(f"ref={path} ran other settings ({'; '.join(differ)}): its curves cannot be compared")
+        if clash := [n for n in theirs if n in curves]:
+            raise ConfigError(f"ref={path}: variant {clash[0]} is in an earlier ref already; give each variant once")
+        curves |= theirs
     if clash := [n for n in a.variants if n in curves]:
-        raise ConfigError(f"variants={clash[0]} is in ref={a.ref} already; run the other variants")
+        raise ConfigError(f"variants={clash[0]} is in ref={','.join(a.ref)} already; run the other variants")
     return curves
 
 
@@ -90,6 +100,9 @@ def check_args(a: BenchLossArgs, device) -> None:
     unknown = [n for n in a.variants if n not in VARIANTS]
     if unknown:
         raise ConfigError(f"variants={unknown[0]}: unknown variant; choose from {', '.join(VARIANTS)}")
+    if not a.variants and not a.ref:
+        raise ConfigError("variants= is empty and no ref= is given: name variants to train or earlier outputs "
+                          "to compare")
     if a.tail > a.steps:
         raise ConfigError(f"tail={a.tail} exceeds steps={a.steps}; the compared mean needs that many steps")
     reference_curves(a)
