@@ -29,6 +29,9 @@ def test_a_later_variant_is_compared_with_an_earlier_output(tmp_path):
     first = _bench(tmp_path, "variants=bf16", "stem=bf16")
     later = _bench(tmp_path, "variants=float8", f"ref={tmp_path / 'bf16.json'}", "stem=float8")
     assert list(later["curves"]) == ["bf16", "float8"] and later["curves"]["bf16"] == first["curves"]["bf16"]
+    # every step's record stays in out/ (what a run stopped by a time limit leaves)
+    logged = [json.loads(line) for line in (tmp_path / "float8_float8.metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in logged if "loss" in r] == later["curves"]["float8"]
     bf16, float8 = later["rows"]
     assert bf16 == first["rows"][0] and bf16["tail_vs_ref"] == 0
     curve = later["curves"]["float8"]

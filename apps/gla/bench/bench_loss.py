@@ -1,6 +1,7 @@
 """Loss-curve parity of trainer variants: the same config, seed and data trained once per variant (each a
-fresh `python -m apps.gla.train` process, every step logged); writes every curve, the mean loss of the
-last `tail` steps and its relative difference to the first variant, and <stem>.png with the curves.
+fresh `python -m apps.gla.train` process, every step logged to <out>/<stem>_<variant>.metrics.jsonl); writes
+every curve, the mean loss of the last `tail` steps and its relative difference to the first variant, and
+<stem>.png with the curves.
 
     python -m apps.gla.bench.bench_loss                          # debug config on CPU: eager vs compiled blocks
     python -m apps.gla.bench.bench_loss config=gla_1b_dp.yaml variants=bf16,float8 steps=300 seq_len=8192
@@ -54,14 +55,20 @@ class BenchLossArgs:
 
 
 def train_curve(name: str, a: BenchLossArgs, dump: str) -> list[float]:
-    """Every step's loss of variant `name` (its own process, its own dump_dir, no periodic checkpoints)."""
+    """Every step's loss of variant `name` (its own process, its own dump_dir, no periodic checkpoints). Its
+    metrics go to <out>/<stem>_<name>.metrics.jsonl, not into the dump: a run stopped by a time limit still leaves
+    the steps it took there."""
+    metrics = os.path.abspath(os.path.join(a.out, f"{a.stem}_{name}.metrics.jsonl"))
+    os.makedirs(a.out, exist_ok=True)
+    if os.path.exists(metrics):  # an earlier run of this stem: this run's curve replaces it, as its .json does
+        os.remove(metrics)
     argv = [f"config={a.config}", f"dump_dir={dump}", f"steps={a.steps}", "logging.freq=1",
-            "checkpoint.dump.every=0", *([f"data.seq_len={a.seq_len}"] if a.seq_len else []), *a.overrides,
-            *VARIANTS[name]]
+            f"logging.metrics_file={metrics}", "checkpoint.dump.every=0",
+            *([f"data.seq_len={a.seq_len}"] if a.seq_len else []), *a.overrides, *VARIANTS[name]]
     res = subprocess.run([sys.executable, "-m", "apps.gla.train", *argv], capture_output=True, text=True)
     if res.returncode != 0:
         raise RuntimeError(f"variant {name} failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
-    losses = {r["step"]: r["loss"] for r in read_metrics(os.path.join(dump, "metrics.jsonl")) if "loss" in r}
+    losses = {r["step"]: r["loss"] for r in read_metrics(metrics) if "loss" in r}
     return [losses[s] for s in sorted(losses)]
 
 
