@@ -26,8 +26,8 @@
 #                 processes as the suite runs them; one log per run and the count of runs that passed
 #   parity_bf16   float8 loss parity, first half: GLA-1B bf16, 1000 steps at 16K tokens (bench_loss)  ≈ 6-9
 #                 (8.5 on an H100 of a fresh machine)
-#   parity_float8 second half: the same with float8, on its own or, with PARITY_REF=<parity_bf16.json, carried>,  ≈ 6
-#                 against the first half's output (both curves in parity_float8.png). Halves run on their own are
+#   parity_float8 second half: the same with float8, alone or against the first half's output given as  ≈ 6
+#                 PARITY_REF=<parity_bf16.json, carried> (both curves in parity_float8.png); halves run alone are
 #                 compared afterwards on any machine: bench_loss <the same keys> variants= ref=<bf16>,<float8>.
 #                 Both halves train on the built-in corpus (0.43 MB: memorised within the run), or with
 #                 PARITY_DATA=<a folder, carried> on its train/ documents: setup/gpu/parity_corpus.sh makes one
