@@ -25,7 +25,7 @@ def _bench(out, *argv) -> dict:
         return json.load(f)
 
 
-def test_a_later_variant_is_compared_with_an_earlier_output(tmp_path):
+def test_later_variants_and_outputs_run_alone_are_compared_with_earlier_outputs(tmp_path):
     first = _bench(tmp_path, "variants=bf16", "stem=bf16")
     later = _bench(tmp_path, "variants=float8", f"ref={tmp_path / 'bf16.json'}", "stem=float8")
     assert list(later["curves"]) == ["bf16", "float8"] and later["curves"]["bf16"] == first["curves"]["bf16"]
@@ -40,13 +40,9 @@ def test_a_later_variant_is_compared_with_an_earlier_output(tmp_path):
     assert float8["tail_vs_ref"] == float8["tail_mean"] / bf16["tail_mean"] - 1
     assert abs(float8["tail_vs_ref"]) < 0.02  # and not far
 
-
-def test_outputs_run_on_their_own_are_compared_without_training(tmp_path):
-    first = _bench(tmp_path, "variants=bf16", "stem=bf16")
-    later = _bench(tmp_path, "variants=float8", f"ref={tmp_path / 'bf16.json'}", "stem=float8")
+    # the same variant run alone, then both outputs compared without training: the rows and curves of `later`
     alone = _bench(tmp_path, "variants=float8", "stem=float8_alone")
-    assert alone["curves"]["float8"] == later["curves"]["float8"]  # the same seed and data: the same curve
+    assert alone["curves"]["float8"] == curve  # the same seed and data: the same curve
     both = _bench(tmp_path, "variants=", f"ref={tmp_path / 'bf16.json'},{tmp_path / 'float8_alone.json'}",
                   "stem=both")
     assert both["rows"] == later["rows"] and both["curves"] == later["curves"]
-    assert first["curves"]["bf16"] == both["curves"]["bf16"]
