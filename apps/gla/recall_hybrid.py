@@ -114,7 +114,7 @@ def check_out(args: RecallHybridArgs, configs: dict | None = None) -> None:
                           f"another out= for these (or remove {', '.join(runs + [path])} to retrain there)")
 
 
-def _train_on_rank(rank: int, world: int, port: int, argv: list[str], error_file: str) -> None:
+def _train_on_rank(rank: int, world: int, port: int, argv: list[str], error_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -130,9 +130,10 @@ def _train_on_rank(rank: int, world: int, port: int, argv: list[str], error_file
         train(parse_args(TrainArgs, argv))
         done = True
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input, as clean_exit's: the parent says it
-        if rank == 0:
-            with open(error_file, "w") as f:
-                f.write(str(e))
+        # every rank writes its own file before it leaves: the rank the parent hears of first may be a peer
+        # that gloo aborted (SIGABRT) when this one closed the group, 2 CPU cores, 2026-12-06
+        with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
+            f.write(str(e))
         sys.exit(EXIT_BAD_INPUT)
     finally:
         if done:  # rank 0 hosts the store: it leaves once every rank is done with the group
@@ -155,7 +156,6 @@ def run(args: RecallHybridArgs) -> dict:
 
     from lingua_zeco.args import ConfigError
     from lingua_zeco.metrics import read_metrics
-    from lingua_zeco.reliability import EXIT_BAD_INPUT
 
     args.check()
     settings = {"args": dataclasses.asdict(args), "trainer": trainer_configs(args)}  # bad trainer keys stop here
@@ -169,18 +169,18 @@ def run(args: RecallHybridArgs) -> dict:
     result = {}
     for name in RUNS:
         dump = os.path.join(args.out, name)
-        with tempfile.TemporaryDirectory() as tmp:
-            error_file = os.path.join(tmp, "error")
+        with tempfile.TemporaryDirectory() as error_dir:
             try:  # a failing rank's traceback is raised here
-                mp.spawn(_train_on_rank, args=(args.sp_size, _free_port(), _argv(args, name), error_file),
+                mp.spawn(_train_on_rank, args=(args.sp_size, _free_port(), _argv(args, name), error_dir),
                          nprocs=args.sp_size)
             except mp.ProcessExitedException as e:
-                if e.exit_code != EXIT_BAD_INPUT or not os.path.isfile(error_file):
+                errors = sorted(os.listdir(error_dir))  # the ranks that refused their input, by rank
+                if not errors:
                     raise
                 if not any(os.path.exists(os.path.join(args.out, n)) for n in RUNS):  # refused before any run
                     for path in reversed(made):
                         (os.remove if path == summary else os.rmdir)(path)
-                with open(error_file) as f:
+                with open(os.path.join(error_dir, errors[0])) as f:
                     raise ConfigError(f.read()) from e
         rows = [r for r in read_metrics(os.path.join(dump, "metrics.jsonl")) if "recall_acc" in r]
         if not rows:
