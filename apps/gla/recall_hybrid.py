@@ -132,8 +132,10 @@ def _train_on_rank(rank: int, world: int, port: int, argv: list[str], error_dir:
     except (ConfigError, FileNotFoundError, ValueError) as e:  # bad input, as clean_exit's: the parent says it
         # every rank writes its own file before it leaves: the rank the parent hears of first may be a peer
         # that gloo aborted (SIGABRT) when this one closed the group, 2 CPU cores, 2026-12-06
-        with open(os.path.join(error_dir, f"rank{rank}"), "w") as f:
+        # written whole, then named: the parent never reads a message half-written
+        with open(os.path.join(error_dir, f".rank{rank}"), "w") as f:
             f.write(str(e))
+        os.replace(os.path.join(error_dir, f".rank{rank}"), os.path.join(error_dir, f"rank{rank}"))
         sys.exit(EXIT_BAD_INPUT)
     finally:
         if done:  # rank 0 hosts the store: it leaves once every rank is done with the group
@@ -174,7 +176,7 @@ def run(args: RecallHybridArgs) -> dict:
                 mp.spawn(_train_on_rank, args=(args.sp_size, _free_port(), _argv(args, name), error_dir),
                          nprocs=args.sp_size)
             except mp.ProcessExitedException as e:
-                errors = sorted(os.listdir(error_dir))  # the ranks that refused their input, by rank
+                errors = sorted(n for n in os.listdir(error_dir) if n.startswith("rank"))  # who refused its input
                 if not errors:
                     raise
                 if not any(os.path.exists(os.path.join(args.out, n)) for n in RUNS):  # refused before any run
